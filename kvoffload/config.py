@@ -1,0 +1,440 @@
+"""Typed configuration: defaults, then one TOML file, then ``KVOFFLOAD_*`` environment overrides.
+
+Every key has a default, so no file is needed. An override variable is named
+``KVOFFLOAD_<SECTION>__<KEY>`` (double underscore between section and key, case-insensitive);
+its value is read as a TOML value (``8``, ``true``, ``[0, 1]``, ``"text"``), falling back to the
+raw text. For string keys the raw text is used unless it is a quoted TOML string. ``[[engines]]``
+can only be set in the file. Empty ``object.access_key_id`` / ``object.secret_access_key`` are
+taken from ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``.
+
+Every error is a ``ConfigError`` naming the key and where its value came from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvoffload.blockformat import MAX_KEY_BYTES
+
+ENV_PREFIX = "KVOFFLOAD_"
+DEFAULTS_SOURCE = "defaults"
+GiB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """Invalid configuration. ``key`` is the dotted key (or None for the file as a whole),
+    ``source`` the file path, the environment variable, or ``"defaults"``."""
+
+    def __init__(self, message: str, key: str | None = None, source: str | None = None) -> None:
+        where = ["config"]
+        if key:
+            where.append(f"key `{key}`")
+        if source:
+            where.append(f"(from {source})")
+        super().__init__(f"{' '.join(where)}: {message}")
+        self.key = key
+        self.source = source
+
+
+class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class ServiceConfig(_Section):
+    """Manager and channels. Empty ``runtime_dir`` means ``$XDG_RUNTIME_DIR/kvoffload`` when set,
+    else ``/tmp/kvoffload-<uid>``; empty ``client_endpoint`` means an ipc socket in the runtime
+    dir; a ``tcp://`` endpoint needs both CURVE settings. ``metrics_port`` 0 turns metrics off."""
+
+    runtime_dir: str = ""
+    client_endpoint: str = ""
+    curve_server_secret_file: str = ""
+    curve_authorized_dir: str = ""
+    metrics_port: int = 0
+    log_level: str = "info"
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 5.0
+    request_lease_s: float = 300.0
+    hit_pending_deadline_s: float = 30.0
+    max_message_bytes: int = 16 * 1024 * 1024
+
+
+class PoolConfig(_Section):
+    """Host pool geometry and primary-tier policy. ``unread_promotion_cap`` is a fraction of
+    the slots."""
+
+    num_slots: int = 1024
+    block_bytes: int = 256 * 1024
+    eviction_policy: str = "lru"
+    unread_promotion_cap: float = 0.25
+    layout_id: str = "default"
+    key_bytes_min: int = 16
+    key_bytes_max: int = 64
+
+
+class CpuConfig(_Section):
+    """The cpu worker (device <-> pool copies). Empty ``cpu_affinity`` means no pinning."""
+
+    threads: int = 4
+    cpu_affinity: tuple[int, ...] = ()
+
+
+class DiskConfig(_Section):
+    """The disk tier. A relative ``root`` is relative to the working directory."""
+
+    enabled: bool = True
+    root: str = "kvoffload-data/disk"
+    capacity_bytes: int = 8 * GiB
+    durability: str = "none"
+    read_threads: int = 4
+    write_threads: int = 2
+    cpu_affinity: tuple[int, ...] = ()
+
+
+class ObjectConfig(_Section):
+    """The S3-compatible object tier; off until ``enabled`` and an ``endpoint`` are set."""
+
+    enabled: bool = False
+    endpoint: str = ""
+    bucket: str = "kvoffload"
+    prefix: str = "kv"
+    region: str = "us-east-1"
+    access_key_id: str = ""
+    secret_access_key: str = ""
+    io_threads: int = 8
+    request_timeout_s: float = 10.0
+    max_retries: int = 3
+    verdict_timeout_s: float = 5.0
+    cpu_affinity: tuple[int, ...] = ()
+
+
+class SupervisorConfig(_Section):
+    """Process supervision: restart backoff and drain on shutdown."""
+
+    restart_backoff_initial_s: float = 0.5
+    restart_backoff_max_s: float = 10.0
+    drain_timeout_s: float = 10.0
+    cpu_affinity: tuple[int, ...] = ()
+
+
+class EngineConfig(_Section):
+    """One inference worker the supervisor starts: argv and extra environment."""
+
+    command: tuple[str, ...]
+    env: dict[str, str] = {}
+
+
+class FaultsConfig(_Section):
+    """Default fault injection for tier workers (all off)."""
+
+    fail_fraction: float = 0.0
+    delay_s: float = 0.0
+    delay_fraction: float = 0.0
+    corrupt_fraction: float = 0.0
+    release_failures: int = 0
+    seed: int = 0
+
+
+class Config(_Section):
+    """The whole configuration. Build it with ``load_config``."""
+
+    service: ServiceConfig = msgspec.field(default_factory=ServiceConfig)
+    pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
+    cpu: CpuConfig = msgspec.field(default_factory=CpuConfig)
+    disk: DiskConfig = msgspec.field(default_factory=DiskConfig)
+    object: ObjectConfig = msgspec.field(default_factory=ObjectConfig)
+    supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    engines: tuple[EngineConfig, ...] = ()
+    faults: FaultsConfig = msgspec.field(default_factory=FaultsConfig)
+
+    def to_toml_dict(self, redact_secrets: bool = True) -> dict[str, Any]:
+        """Plain nested dict (lists for arrays) in file layout, e.g. for ``status``. With
+        ``redact_secrets`` a non-empty ``object.secret_access_key`` reads ``"***"``."""
+        data: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(self))
+        if redact_secrets and data["object"]["secret_access_key"]:
+            data["object"]["secret_access_key"] = "***"
+        return data
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    f.name: f.type for f in msgspec.structs.fields(Config) if f.name != "engines"
+}
+
+_PATH_IN_ERROR = re.compile(r" - at `\$([^`]*)`$")
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError("file not found", source=str(path)) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"invalid TOML: {exc}", source=str(path)) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read file: {exc}", source=str(path)) from None
+
+
+def _check_file_keys(data: dict[str, Any], source: str, sources: dict[str, str]) -> None:
+    """Reject unknown sections and keys; record ``source`` for every section and key set."""
+    for section, table in data.items():
+        sources[section] = source
+        if section == "engines":
+            continue
+        cls = SECTIONS.get(section)
+        if cls is None:
+            raise ConfigError(
+                f"unknown section; expected one of {sorted([*SECTIONS, 'engines'])}",
+                key=section,
+                source=source,
+            )
+        if not isinstance(table, dict):
+            continue
+        known = set(cls.__struct_fields__)
+        for key in table:
+            sources[f"{section}.{key}"] = source
+            if key not in known:
+                raise ConfigError(
+                    f"unknown key; [{section}] has {sorted(known)}",
+                    key=f"{section}.{key}",
+                    source=source,
+                )
+
+
+def _parse_env_value(raw: str, field_type: Any) -> Any:
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+    if field_type is str and not isinstance(value, str):
+        return raw
+    return value
+
+
+def _apply_env(
+    data: dict[str, Any], sources: dict[str, str], env: Mapping[str, str]
+) -> None:
+    """Apply ``KVOFFLOAD_<SECTION>__<KEY>`` overrides to ``data`` in place. Variables with the
+    prefix but without ``__`` belong to other components and are ignored."""
+    for var in sorted(env):
+        if not var.upper().startswith(ENV_PREFIX) or "__" not in var:
+            continue
+        section, _, key = var[len(ENV_PREFIX):].lower().partition("__")
+        dotted = f"{section}.{key}"
+        if section == "engines":
+            raise ConfigError("[[engines]] can only be set in the config file", dotted, var)
+        cls = SECTIONS.get(section)
+        if cls is None:
+            raise ConfigError(f"unknown section; expected one of {sorted(SECTIONS)}", dotted, var)
+        fields = {f.name: f for f in msgspec.structs.fields(cls)}
+        if key not in fields:
+            raise ConfigError(f"unknown key; [{section}] has {sorted(fields)}", dotted, var)
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError("is not a table in the config file", section, sources.get(section))
+        table[key] = _parse_env_value(env[var], fields[key].type)
+        sources[dotted] = var
+
+
+def _key_from_error_path(path: str) -> str:
+    """``.pool.num_slots`` -> ``pool.num_slots``; ``.engines[0].command[1]`` ->
+    ``engines[0].command``."""
+    parts = re.findall(r"\.([A-Za-z_][A-Za-z0-9_]*)(\[\d+\])?", path)
+    if not parts:
+        return "(root)"
+    (section, index), rest = parts[0], parts[1:2]
+    return ".".join([f"{section}{index}", *(name for name, _ in rest)])
+
+
+def _source_of(key: str, sources: Mapping[str, str]) -> str:
+    """Where ``key`` was set: the env variable or the file that set it (a whole section such as
+    ``engines`` counts for its entries), else the defaults."""
+    section, _, rest = key.partition(".")
+    section = section.split("[")[0]
+    plain = f"{section}.{rest.split('[')[0]}" if rest else section
+    whole_section = sources.get(section) if section == "engines" or not rest else None
+    return sources.get(plain) or whole_section or DEFAULTS_SOURCE
+
+
+def _convert(data: dict[str, Any], sources: Mapping[str, str]) -> Config:
+    try:
+        return msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = _PATH_IN_ERROR.search(message)
+        key = _key_from_error_path(match.group(1)) if match else "(root)"
+        unknown = re.match(r"Object contains unknown field `([^`]+)`", message)
+        if unknown:
+            key = f"{key}.{unknown.group(1)}"
+        raise ConfigError(message, key, _source_of(key, sources)) from None
+
+
+def _with_aws_credentials(cfg: Config, env: Mapping[str, str]) -> Config:
+    obj = cfg.object
+    changes = {}
+    if not obj.access_key_id and env.get("AWS_ACCESS_KEY_ID"):
+        changes["access_key_id"] = env["AWS_ACCESS_KEY_ID"]
+    if not obj.secret_access_key and env.get("AWS_SECRET_ACCESS_KEY"):
+        changes["secret_access_key"] = env["AWS_SECRET_ACCESS_KEY"]
+    if not changes:
+        return cfg
+    return msgspec.structs.replace(cfg, object=msgspec.structs.replace(obj, **changes))
+
+
+def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
+    def fail(key: str, message: str) -> None:
+        raise ConfigError(message, key, _source_of(key, sources))
+
+    def positive(section: str, struct: _Section, *names: str) -> None:
+        for name in names:
+            if not getattr(struct, name) > 0:
+                fail(f"{section}.{name}", f"must be > 0, got {getattr(struct, name)}")
+
+    def affinity(section: str, cores: tuple[int, ...]) -> None:
+        if any(core < 0 for core in cores):
+            fail(f"{section}.cpu_affinity", f"core ids must be >= 0, got {list(cores)}")
+
+    def fraction(section: str, struct: _Section, *names: str) -> None:
+        for name in names:
+            if not 0.0 <= getattr(struct, name) <= 1.0:
+                fail(f"{section}.{name}", f"must be within [0, 1], got {getattr(struct, name)}")
+
+    svc = cfg.service
+    if svc.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
+        fail(
+            "service.log_level",
+            f"must be debug, info, warning, error or critical, got {svc.log_level!r}",
+        )
+    if svc.client_endpoint and not svc.client_endpoint.startswith(("ipc://", "tcp://")):
+        fail(
+            "service.client_endpoint",
+            f"must start with ipc:// or tcp://, got {svc.client_endpoint!r}",
+        )
+    if svc.client_endpoint.startswith("tcp://"):
+        if not svc.curve_server_secret_file or not Path(svc.curve_server_secret_file).is_file():
+            fail(
+                "service.curve_server_secret_file",
+                "a tcp:// client_endpoint needs an existing CURVE server secret key file, got "
+                f"{svc.curve_server_secret_file!r}",
+            )
+        if not svc.curve_authorized_dir or not Path(svc.curve_authorized_dir).is_dir():
+            fail(
+                "service.curve_authorized_dir",
+                "a tcp:// client_endpoint needs an existing directory of authorized client "
+                f"public keys, got {svc.curve_authorized_dir!r}",
+            )
+    if not 0 <= svc.metrics_port <= 65535:
+        fail("service.metrics_port", f"must be within [0, 65535], got {svc.metrics_port}")
+    positive(
+        "service", svc, "heartbeat_interval_s", "heartbeat_timeout_s", "request_lease_s",
+        "hit_pending_deadline_s", "max_message_bytes",
+    )
+    if svc.heartbeat_timeout_s <= svc.heartbeat_interval_s:
+        fail(
+            "service.heartbeat_timeout_s",
+            f"must exceed service.heartbeat_interval_s ({svc.heartbeat_interval_s}), "
+            f"got {svc.heartbeat_timeout_s}",
+        )
+
+    pool = cfg.pool
+    if pool.num_slots < 1:
+        fail("pool.num_slots", f"must be >= 1, got {pool.num_slots}")
+    if pool.block_bytes <= 0 or pool.block_bytes % 4096:
+        fail("pool.block_bytes", f"must be a positive multiple of 4096, got {pool.block_bytes}")
+    if pool.eviction_policy not in {"lru", "arc"}:
+        fail("pool.eviction_policy", f"must be 'lru' or 'arc', got {pool.eviction_policy!r}")
+    fraction("pool", pool, "unread_promotion_cap")
+    if not pool.layout_id:
+        fail("pool.layout_id", "must not be empty")
+    if not 1 <= pool.key_bytes_min <= pool.key_bytes_max:
+        fail(
+            "pool.key_bytes_min",
+            f"must be within [1, pool.key_bytes_max={pool.key_bytes_max}], "
+            f"got {pool.key_bytes_min}",
+        )
+    if pool.key_bytes_max > MAX_KEY_BYTES:
+        fail("pool.key_bytes_max", f"must be <= {MAX_KEY_BYTES}, got {pool.key_bytes_max}")
+
+    positive("cpu", cfg.cpu, "threads")
+    affinity("cpu", cfg.cpu.cpu_affinity)
+
+    disk = cfg.disk
+    if disk.durability not in {"none", "fsync"}:
+        fail("disk.durability", f"must be 'none' or 'fsync', got {disk.durability!r}")
+    positive("disk", disk, "read_threads", "write_threads")
+    affinity("disk", disk.cpu_affinity)
+    if disk.enabled:
+        if not disk.root:
+            fail("disk.root", "must not be empty when disk.enabled")
+        if disk.capacity_bytes <= pool.block_bytes:
+            fail(
+                "disk.capacity_bytes",
+                f"must exceed pool.block_bytes ({pool.block_bytes}), got {disk.capacity_bytes}",
+            )
+
+    obj = cfg.object
+    if obj.enabled:
+        if not obj.endpoint:
+            fail("object.endpoint", "must be set when object.enabled is true")
+        if not obj.bucket:
+            fail("object.bucket", "must be set when object.enabled is true")
+    positive("object", obj, "io_threads", "request_timeout_s", "verdict_timeout_s")
+    if obj.max_retries < 0:
+        fail("object.max_retries", f"must be >= 0, got {obj.max_retries}")
+    affinity("object", obj.cpu_affinity)
+
+    sup = cfg.supervisor
+    positive(
+        "supervisor", sup, "restart_backoff_initial_s", "restart_backoff_max_s", "drain_timeout_s"
+    )
+    if sup.restart_backoff_max_s < sup.restart_backoff_initial_s:
+        fail(
+            "supervisor.restart_backoff_max_s",
+            f"must be >= supervisor.restart_backoff_initial_s ({sup.restart_backoff_initial_s}), "
+            f"got {sup.restart_backoff_max_s}",
+        )
+    affinity("supervisor", sup.cpu_affinity)
+
+    for i, engine in enumerate(cfg.engines):
+        if not engine.command or not engine.command[0]:
+            fail(f"engines[{i}].command", "must name a program")
+
+    faults = cfg.faults
+    fraction("faults", faults, "fail_fraction", "delay_fraction", "corrupt_fraction")
+    for name in ("delay_s", "release_failures"):
+        if getattr(faults, name) < 0:
+            fail(f"faults.{name}", f"must be >= 0, got {getattr(faults, name)}")
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Defaults, overlaid by the TOML file at ``path`` (None: no file), overlaid by ``env``
+    (None: ``os.environ``), then validated. Raises ConfigError."""
+    environ = os.environ if env is None else env
+    data: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if path is not None:
+        data = _read_file(Path(path))
+        _check_file_keys(data, str(path), sources)
+    _apply_env(data, sources, environ)
+    cfg = _convert(data, sources)
+    cfg = _with_aws_credentials(cfg, environ)
+    _validate(cfg, sources)
+    return cfg
+
+
+def resolve_runtime_dir(cfg: Config, env: Mapping[str, str] | None = None) -> Path:
+    """``service.runtime_dir`` when set, else ``$XDG_RUNTIME_DIR/kvoffload``, else
+    ``/tmp/kvoffload-<uid>``."""
+    if cfg.service.runtime_dir:
+        return Path(cfg.service.runtime_dir)
+    environ = os.environ if env is None else env
+    xdg = environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "kvoffload"
+    return Path(f"/tmp/kvoffload-{os.getuid()}")

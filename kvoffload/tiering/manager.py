@@ -1,0 +1,606 @@
+"""The tiering manager: the contract of TIERING.md as pure bookkeeping.
+
+It owns the primary index, the secondary-tier proxies, the request states and the job table.
+It does no I/O: jobs it creates are queued in an outbox (``take_submissions``) and their outcomes
+come back through ``apply_result``. Every job it creates gets exactly one result applied, either
+from its tier or from ``fail_worker_jobs`` / ``expire_probes``.
+
+Pinning rules: ``prepare_load`` pins (caller releases with ``complete_load``); a cascade pins its
+slots until its result is applied; a landed promotion is pinned for its request until the request
+loads it or finishes (within ``unread_promotion_cap`` slots).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Iterable, Sequence
+
+import structlog
+
+from .primary import PrimaryIndex
+from .secondary import SecondaryTier, TierSpec
+from .stats import TieringStats
+from .types import (
+    JobKind,
+    JobResult,
+    JobsInFlight,
+    Key,
+    LookupReply,
+    LookupResult,
+    MissReason,
+    OffloadPolicy,
+    PrepareStoreOutput,
+    ProtocolViolation,
+    ReqContext,
+    RequestFinishedError,
+    TransferJob,
+    UnknownJob,
+    UnknownRequest,
+    WrongTier,
+)
+
+log = structlog.get_logger()
+
+HIT, HIT_PENDING, RETRY, MISS = (
+    LookupResult.HIT,
+    LookupResult.HIT_PENDING,
+    LookupResult.RETRY,
+    LookupResult.MISS,
+)
+
+
+@dataclass(slots=True)
+class RequestState:
+    ctx: ReqContext
+    pending_primary_stores: int = 0
+    is_finished: bool = False
+    request_level_tiers: set[int] = field(default_factory=set)
+    parked_cascade_keys: OrderedDict[Key, None] = field(default_factory=OrderedDict)
+    pending_deadlines: dict[Key, float] = field(default_factory=dict)
+    expired: set[Key] = field(default_factory=set)
+    unread: set[Key] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class PendingPromotion:
+    keys: list[Key] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+
+class TieringManager:
+    def __init__(
+        self,
+        num_slots: int,
+        tiers: Sequence[TierSpec] = (),
+        *,
+        policy: str = "lru",
+        hit_pending_deadline_s: float = 30.0,
+        unread_promotion_cap: int | None = None,
+        probe_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate tier names: {names}")
+        self.primary = PrimaryIndex(num_slots, policy)
+        self.tiers = [SecondaryTier(spec) for spec in tiers]
+        self._tier_by_name = {t.name: i for i, t in enumerate(self.tiers)}
+        self.hit_pending_deadline_s = hit_pending_deadline_s
+        self.unread_promotion_cap = (
+            max(1, num_slots // 4) if unread_promotion_cap is None else unread_promotion_cap
+        )
+        self.probe_timeout_s = probe_timeout_s
+        self._clock = clock
+        self._next_job_id = 1
+        self._jobs: dict[int, TransferJob] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._pending_promotions: list[dict[str, PendingPromotion]] = [{} for _ in self.tiers]
+        self._outbox: list[TransferJob] = []
+        self._landed: set[Key] = set()
+        self._unread_total = 0
+        self._events: list[tuple[str, list[Key]]] = []
+        self.stats = TieringStats(["primary", *names])
+
+    # ---- identity -------------------------------------------------------------------------
+
+    def tier_index(self, name: str) -> int:
+        """Index of a secondary tier by name; KeyError if unknown."""
+        return self._tier_by_name[name]
+
+    def next_job_id(self) -> int:
+        """One increasing counter for every job of the service (device jobs included)."""
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        return job_id
+
+    def request(self, req_id: str) -> RequestState:
+        try:
+            return self._requests[req_id]
+        except KeyError:
+            raise UnknownRequest(f"unknown request {req_id!r}") from None
+
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    # ---- request lifecycle ----------------------------------------------------------------
+
+    def on_new_request(self, ctx: ReqContext) -> OffloadPolicy:
+        """Create (or replace) the request's state; REQUEST_LEVEL if any tier asks for it."""
+        state = RequestState(ctx)
+        for i, tier in enumerate(self.tiers):
+            if tier.on_new_request(ctx.req_id) is OffloadPolicy.REQUEST_LEVEL:
+                state.request_level_tiers.add(i)
+        self._requests[ctx.req_id] = state
+        if state.request_level_tiers:
+            return OffloadPolicy.REQUEST_LEVEL
+        return OffloadPolicy.CHUNK_LEVEL
+
+    def on_request_finished(self, req_id: str) -> None:
+        """No more submit-side calls for this request. Its queued promotions are submitted first;
+        the secondary tiers hear of it once its stores and parked cascades have drained."""
+        state = self.request(req_id)
+        if state.is_finished:
+            return
+        self._flush_promotions(only_req=req_id)
+        self._release_unread(state)
+        state.is_finished = True
+        self._maybe_finalize(req_id)
+
+    def _maybe_finalize(self, req_id: str) -> None:
+        state = self._requests.get(req_id)
+        if state is None or not state.is_finished:
+            return
+        if state.pending_primary_stores or state.parked_cascade_keys:
+            return
+        for tier in self.tiers:
+            tier.on_request_finished(req_id)
+        del self._requests[req_id]
+
+    # ---- lookup ---------------------------------------------------------------------------
+
+    def lookup(self, req_id: str, keys: Sequence[Key]) -> LookupReply:
+        """Evaluate keys in order, stopping at the first MISS. A key found only in a secondary
+        tier starts a promotion (HIT_PENDING) unless an earlier key is still uncertain (RETRY),
+        in which case it answers RETRY and nothing is promoted past that point."""
+        state = self.request(req_id)
+        results: list[LookupResult] = []
+        reasons: list[MissReason] = []
+        uncertain = False
+        protected = keys if len(keys) < 8 else set(keys)
+        primary_lookup = self.primary.lookup
+        none = MissReason.NONE
+        not_hit_results: list[LookupResult] = []
+        for key in keys:
+            result = primary_lookup(key)
+            if result is HIT:
+                results.append(HIT)
+                reasons.append(none)
+                continue
+            if result is HIT_PENDING:
+                result, reason = self._pending_or_expired(state, key)
+            else:
+                result, reason = self._lookup_secondary(state, key, uncertain, protected)
+            results.append(result)
+            reasons.append(reason)
+            not_hit_results.append(result)
+            if result is MISS:
+                break
+            if result is RETRY:
+                uncertain = True
+        self.stats.record_lookups(len(results) - len(not_hit_results), not_hit_results)
+        return LookupReply(results, reasons, *_prefix_lengths(results))
+
+    def _pending_or_expired(self, state: RequestState, key: Key) -> tuple[LookupResult, MissReason]:
+        if key in state.expired:
+            return MISS, MissReason.DEADLINE
+        now = self._clock()
+        deadline = state.pending_deadlines.setdefault(key, now + self.hit_pending_deadline_s)
+        if now < deadline:
+            return HIT_PENDING, MissReason.NONE
+        state.expired.add(key)
+        self.stats.hit_pending_expired += 1
+        log.warning(
+            "hit_pending_deadline_expired",
+            req_id=state.ctx.req_id,
+            key=key.hex(),
+            deadline_s=self.hit_pending_deadline_s,
+        )
+        return MISS, MissReason.DEADLINE
+
+    def _lookup_secondary(
+        self, state: RequestState, key: Key, uncertain: bool, protected: Collection[Key]
+    ) -> tuple[LookupResult, MissReason]:
+        req_id = state.ctx.req_id
+        tier_filter = state.ctx.tier_filter
+        saw_retry = filtered = False
+        reason = MissReason.ABSENT
+        for i, tier in enumerate(self.tiers):
+            if not tier_filter.allows(tier.spec.medium, tier.spec.locality):
+                filtered = True
+                continue
+            result, tier_reason = tier.lookup(key, req_id)
+            self.stats.tier_lookup(i + 1, result)
+            if result is HIT:
+                if uncertain:
+                    return RETRY, MissReason.AWAITING_PREFIX
+                if key in state.pending_deadlines:
+                    pending = self._pending_or_expired(state, key)
+                    if pending[0] is MISS:
+                        return pending
+                if self._start_promotion(i, state, key, protected):
+                    return HIT_PENDING, MissReason.NONE
+                return MISS, MissReason.PRIMARY_FULL
+            if result is RETRY:
+                saw_retry = True
+            elif tier_reason is MissReason.FAILED_LOAD:
+                reason = tier_reason
+        if saw_retry:
+            return RETRY, MissReason.PROBING
+        if reason is MissReason.ABSENT:
+            if key in self.primary.recently_evicted:
+                reason = MissReason.EVICTED
+            elif filtered:
+                reason = MissReason.FILTERED
+        return MISS, reason
+
+    def _start_promotion(
+        self, tier_idx: int, state: RequestState, key: Key, protected: Collection[Key]
+    ) -> bool:
+        allocated = self.primary.allocate([key], protected)
+        if allocated is None or not allocated[0]:
+            self.stats.promotion_allocation_failures += 1
+            return False
+        _, slots, evicted = allocated
+        self._record_evictions(evicted)
+        pending = self._pending_promotions[tier_idx].setdefault(
+            state.ctx.req_id, PendingPromotion()
+        )
+        pending.keys.append(key)
+        pending.slots.append(slots[0])
+        state.pending_deadlines.setdefault(key, self._clock() + self.hit_pending_deadline_s)
+        return True
+
+    # ---- loads (primary -> device) --------------------------------------------------------
+
+    def prepare_load(self, req_id: str, keys: Sequence[Key]) -> list[int]:
+        """Pin ready keys for a device load; returns their slots co-indexed with keys.
+        All keys must be HIT (NotReady otherwise, nothing pinned). Release with complete_load."""
+        state = self.request(req_id)
+        if state.is_finished:
+            raise RequestFinishedError(f"request {req_id!r} is finished")
+        slots = self.primary.pin(keys)
+        for key in keys:
+            if key in state.unread:
+                state.unread.discard(key)
+                self._unread_total -= 1
+                self.primary.unpin([key])
+            if key in self._landed:
+                self._landed.discard(key)
+                self.stats.promoted_keys_consumed += 1
+        return slots
+
+    def complete_load(self, keys: Iterable[Key]) -> None:
+        """Release the pins of a finished device load (success or not)."""
+        self.primary.unpin(keys)
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        """Recency for the primary policy and every secondary tier (first key most recent)."""
+        self.primary.touch(keys)
+        for tier in self.tiers:
+            tier.touch(keys)
+
+    # ---- stores (device -> primary -> every secondary tier) -------------------------------
+
+    def prepare_store(self, req_id: str, keys: Sequence[Key]) -> PrepareStoreOutput | None:
+        """Reserve slots for the keys not already present. None: no space (nothing changed).
+
+        Keys already present go, for request-level tiers, straight to a cascade (ready) or are
+        parked until their in-flight write lands."""
+        state = self.request(req_id)
+        if state.is_finished:
+            raise RequestFinishedError(f"request {req_id!r} is finished")
+        allocated = self.primary.allocate(keys, set(keys))
+        if allocated is None:
+            self.stats.store_allocation_failures += 1
+            return None
+        new_keys, slots, evicted = allocated
+        self._record_evictions(evicted)
+        if new_keys:
+            state.pending_primary_stores += 1
+        if state.request_level_tiers:
+            fresh = set(new_keys)
+            self._cascade_existing(state, [k for k in dict.fromkeys(keys) if k not in fresh])
+        return PrepareStoreOutput(new_keys, slots, evicted)
+
+    def complete_store(
+        self,
+        req_id: str,
+        keys: Sequence[Key],
+        success: bool = True,
+        successful_keys: Collection[Key] | None = None,
+    ) -> None:
+        """Finish a device store prepared by ``prepare_store`` (same partial-success rules as a
+        JobResult). Keys that landed are cascaded to every secondary tier."""
+        state = self.request(req_id)
+        if state.pending_primary_stores <= 0:
+            raise ProtocolViolation(f"request {req_id!r} has no pending store")
+        ok, failed = _split_outcome(keys, success, successful_keys)
+        violation = ok is None
+        if violation:
+            log.error("store_result_rejected", req_id=req_id, error="successful_keys not a subset")
+            ok, failed = [], list(keys)
+        self.primary.complete_write(failed, False)
+        landed = self.primary.complete_write(ok, True)
+        state.pending_primary_stores -= 1
+        if landed:
+            for i in range(len(self.tiers)):
+                self._submit_cascade(i, landed, req_id)
+        self._maybe_finalize(req_id)
+        if violation:
+            raise ProtocolViolation("successful_keys is not a subset of the stored keys")
+
+    def _cascade_existing(self, state: RequestState, keys: list[Key]) -> None:
+        ready = []
+        for key in keys:
+            result = self.primary.lookup(key)
+            if result is HIT:
+                ready.append(key)
+            elif result is HIT_PENDING:
+                state.parked_cascade_keys[key] = None
+        if ready:
+            for i in sorted(state.request_level_tiers):
+                self._submit_cascade(i, ready, state.ctx.req_id)
+
+    def _retry_parked_cascades(self) -> None:
+        for req_id, state in list(self._requests.items()):
+            if not state.parked_cascade_keys:
+                continue
+            parked = list(state.parked_cascade_keys)
+            state.parked_cascade_keys.clear()
+            ready = []
+            for key in parked:
+                result = self.primary.lookup(key)
+                if result is HIT:
+                    ready.append(key)
+                elif result is HIT_PENDING:
+                    state.parked_cascade_keys[key] = None
+            if ready:
+                for i in sorted(state.request_level_tiers):
+                    self._submit_cascade(i, ready, req_id)
+            self._maybe_finalize(req_id)
+
+    def _submit_cascade(self, tier_idx: int, keys: list[Key], req_id: str | None) -> None:
+        tier = self.tiers[tier_idx]
+        keys = [k for k in keys if not tier.knows(k)]
+        if not keys:
+            return
+        if not tier.admits_cascade(len(keys)):
+            self.stats.tier(tier_idx + 1).cascades_dropped += 1
+            return
+        slots = self.primary.pin(keys)
+        tier.inflight_cascade_keys += len(keys)
+        self._submit(TransferJob(0, tier_idx, JobKind.CASCADE, keys, slots, req_id))
+
+    def _submit(self, job: TransferJob) -> None:
+        job.job_id = self.next_job_id()
+        job.submitted_at = self._clock()
+        self._jobs[job.job_id] = job
+        self.stats.tier(job.tier + 1).job_submitted(job.kind)
+        self._outbox.append(job)
+
+    # ---- step end -------------------------------------------------------------------------
+
+    def end_step(self) -> list[int]:
+        """Submit queued promotions (one job per (tier, request)), retry parked cascades,
+        send each probed tier's batch of unknown keys (one probe job per tier per step), and
+        time out probes that went unanswered. Returns the ids of the probes timed out."""
+        self._flush_promotions()
+        self._retry_parked_cascades()
+        for i, tier in enumerate(self.tiers):
+            if tier.has_queued_probes():
+                keys = tier.verdicts.take_queued()
+                if keys:
+                    self._submit(TransferJob(0, i, JobKind.PROBE, keys, [], None))
+        return self.expire_probes()
+
+    def _flush_promotions(self, only_req: str | None = None) -> None:
+        for tier_idx, by_request in enumerate(self._pending_promotions):
+            req_ids = [only_req] if only_req is not None else list(by_request)
+            for req_id in req_ids:
+                pending = by_request.pop(req_id, None)
+                if pending is None:
+                    continue
+                self._submit(
+                    TransferJob(
+                        0, tier_idx, JobKind.PROMOTION, pending.keys, pending.slots, req_id
+                    )
+                )
+
+    def expire_probes(self) -> list[int]:
+        """Fail probe jobs older than probe_timeout_s (their keys resolve to MISS)."""
+        now = self._clock()
+        expired = [
+            job.job_id
+            for job in self._jobs.values()
+            if job.kind is JobKind.PROBE and now - job.submitted_at >= self.probe_timeout_s
+        ]
+        for job_id in expired:
+            log.warning("probe_timed_out", job_id=job_id, timeout_s=self.probe_timeout_s)
+            self._apply(self._jobs[job_id], JobResult(job_id, False))
+        return expired
+
+    def take_submissions(self) -> list[TransferJob]:
+        """Jobs created since the last call, in creation order, for the transport to send."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def take_touched(self, tier_name: str) -> list[Key]:
+        return self.tiers[self.tier_index(tier_name)].take_touched()
+
+    def take_events(self) -> list[tuple[str, list[Key]]]:
+        """("evicted", keys) events since the last call."""
+        out, self._events = self._events, []
+        return out
+
+    # ---- results --------------------------------------------------------------------------
+
+    def apply_result(self, tier_name: str, result: JobResult) -> TransferJob:
+        """Apply a tier's result. Unknown job id or a job of another tier -> error, no change."""
+        job = self._jobs.get(result.job_id)
+        if job is None:
+            raise UnknownJob(f"unknown job {result.job_id}")
+        if self.tiers[job.tier].name != tier_name:
+            raise WrongTier(
+                f"job {result.job_id} belongs to tier {self.tiers[job.tier].name!r}, "
+                f"not {tier_name!r}"
+            )
+        self._apply(job, result)
+        return job
+
+    def fail_worker_jobs(self, tier_name: str) -> list[int]:
+        """The tier's worker died: every job in flight on it fails (promotions free their slots,
+        cascades unpin, probes resolve to MISS). Returns the failed job ids."""
+        tier_idx = self.tier_index(tier_name)
+        failed = [job for job in self._jobs.values() if job.tier == tier_idx]
+        for job in failed:
+            self._apply(job, JobResult(job.job_id, False))
+        return [job.job_id for job in failed]
+
+    def jobs_of_tier(self, tier_name: str) -> list[int]:
+        tier_idx = self.tier_index(tier_name)
+        return [job.job_id for job in self._jobs.values() if job.tier == tier_idx]
+
+    def apply_index_update(self, tier_name: str, added: Iterable[Key], removed: Iterable[Key]) -> None:
+        self.tiers[self.tier_index(tier_name)].apply_index_update(added, removed)
+
+    def _apply(self, job: TransferJob, result: JobResult) -> None:
+        ok, failed = _split_outcome(job.keys, result.success, result.successful_keys)
+        if ok is None:
+            log.error(
+                "job_result_rejected",
+                job_id=job.job_id,
+                tier=self.tiers[job.tier].name,
+                error="successful_keys is not a subset of the job's keys",
+            )
+            ok, failed = [], list(job.keys)
+        del self._jobs[job.job_id]
+        tier = self.tiers[job.tier]
+        stats = self.stats.tier(job.tier + 1)
+        stats.job_finished(job.kind, bool(ok) and not failed, len(ok), result.transfer_time_s)
+        if job.kind is JobKind.PROBE:
+            tier.verdicts.resolve(job.keys, ok)
+        elif job.kind is JobKind.CASCADE:
+            tier.inflight_cascade_keys -= len(job.keys)
+            self.primary.unpin(job.keys)
+            tier.stored(ok)
+        else:
+            self._complete_promotion(job, tier, ok, failed)
+
+    def _complete_promotion(
+        self, job: TransferJob, tier: SecondaryTier, ok: list[Key], failed: list[Key]
+    ) -> None:
+        self.primary.complete_write(failed, False)
+        landed = self.primary.complete_write(ok, True)
+        if failed:
+            tier.mark_miss(failed, job.req_id)
+        self._landed.update(landed)
+        self.stats.promoted_keys += len(landed)
+        state = self._requests.get(job.req_id) if job.req_id is not None else None
+        if state is None or state.is_finished:
+            return
+        room = self.unread_promotion_cap - self._unread_total
+        protect = [k for k in landed if k not in state.unread][: max(room, 0)]
+        if protect:
+            self.primary.pin(protect)
+            state.unread.update(protect)
+            self._unread_total += len(protect)
+
+    def _release_unread(self, state: RequestState) -> None:
+        if state.unread:
+            self.primary.unpin(state.unread)
+            self._unread_total -= len(state.unread)
+            state.unread.clear()
+
+    def _record_evictions(self, evicted: list[Key]) -> None:
+        if evicted:
+            self._landed.difference_update(evicted)
+            self.stats.tier(0).evictions += len(evicted)
+            self._events.append(("evicted", evicted))
+
+    # ---- whole-cache operations -----------------------------------------------------------
+
+    def has_pending_work(self) -> bool:
+        return bool(
+            self._jobs
+            or self._outbox
+            or any(self._pending_promotions)
+            or any(s.parked_cascade_keys for s in self._requests.values())
+            or any(t.has_queued_probes() for t in self.tiers)
+        )
+
+    def jobs_in_flight(self) -> int:
+        return len(self._jobs)
+
+    def reset_cache(self) -> None:
+        """Empty the primary tier. The caller first lets every in-flight job finish (or fails it);
+        queued promotions are dropped, pending store counts zeroed, finished requests finalised,
+        active requests kept usable. Secondary tiers keep their data."""
+        if self._jobs:
+            raise JobsInFlight(f"{len(self._jobs)} jobs still in flight")
+        self._outbox.clear()
+        for by_request in self._pending_promotions:
+            by_request.clear()
+        self._unread_total = 0
+        for req_id, state in list(self._requests.items()):
+            state.pending_primary_stores = 0
+            state.parked_cascade_keys.clear()
+            state.unread.clear()
+            state.pending_deadlines.clear()
+            self._maybe_finalize(req_id)
+        self._landed.clear()
+        self.primary.reset()
+
+    def snapshot(self) -> dict:
+        """Gauges and counters for status and metrics."""
+        return {
+            "slots": self.primary.num_slots,
+            "used_slots": len(self.primary),
+            "pinned_slots": self.primary.pinned_count(),
+            "writing_slots": self.primary.writing_count(),
+            "unread_promotion_pins": self._unread_total,
+            "jobs_in_flight": len(self._jobs),
+            "requests": len(self._requests),
+            "tiers": {t.name: {"indexed_keys": len(t.index), "verdicts": len(t.verdicts)} for t in self.tiers},
+            **self.stats.as_dict(),
+        }
+
+
+def _prefix_lengths(results: list[LookupResult]) -> tuple[int, int]:
+    """(leading HIT or HIT_PENDING keys, leading HIT keys)."""
+    hit_prefix = 0
+    for result in results:
+        if result is not HIT and result is not HIT_PENDING:
+            break
+        hit_prefix += 1
+    ready_prefix = 0
+    for result in results:
+        if result is not HIT:
+            break
+        ready_prefix += 1
+    return hit_prefix, ready_prefix
+
+
+def _split_outcome(
+    keys: Sequence[Key], success: bool, successful_keys: Collection[Key] | None
+) -> tuple[list[Key] | None, list[Key]]:
+    """(ok, failed) per the JobResult rules; ok is None when successful_keys is not a subset."""
+    if success:
+        return list(keys), []
+    if not successful_keys:
+        return [], list(keys)
+    wanted = set(successful_keys)
+    if not wanted.issubset(keys):
+        return None, []
+    return [k for k in keys if k in wanted], [k for k in keys if k not in wanted]

@@ -1,0 +1,177 @@
+"""Index of the primary tier (the host pool): key -> (slot, ref_cnt).
+
+ref_cnt states: -1 a write into the slot is in flight (not readable, not evictable);
+0 ready and evictable; n > 0 ready and pinned by n readers.
+Slots are handed out never-used first (increasing), then freed ones (last freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Collection, Iterable
+
+from .policies import make_policy
+from .types import Key, LookupResult, NotReady, ProtocolViolation
+
+WRITING = -1
+
+
+class PrimaryIndex:
+    """Pure bookkeeping: who owns which slot. Never touches bytes."""
+
+    def __init__(self, num_slots: int, policy: str = "lru") -> None:
+        if num_slots < 1:
+            raise ValueError("num_slots must be >= 1")
+        self.num_slots = num_slots
+        self._slot: dict[Key, int] = {}
+        self._refs: dict[Key, int] = {}
+        self._free: list[int] = []
+        self._next_unused = 0
+        self._evictable = 0
+        self.policy = make_policy(policy, num_slots, self.ref_count)
+        self.recently_evicted: OrderedDict[Key, None] = OrderedDict()
+        self.evictions = 0
+
+    def ref_count(self, key: Key) -> int:
+        """ref_cnt of a present key; KeyError if absent."""
+        return self._refs[key]
+
+    def lookup(self, key: Key) -> LookupResult:
+        ref = self._refs.get(key)
+        if ref is None:
+            return LookupResult.MISS
+        return LookupResult.HIT_PENDING if ref == WRITING else LookupResult.HIT
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._refs
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def slot_of(self, key: Key) -> int:
+        return self._slot[key]
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free) + self.num_slots - self._next_unused
+
+    @property
+    def evictable_count(self) -> int:
+        return self._evictable
+
+    def allocate(
+        self, keys: Iterable[Key], protected: Collection[Key]
+    ) -> tuple[list[Key], list[int], list[Key]] | None:
+        """Reserve slots (ref_cnt -1) for the keys not yet present.
+
+        Returns (new_keys, their_slots, evicted_keys), or None, changing nothing, when not enough
+        slots can be freed without evicting pinned, in-flight or protected keys."""
+        new_keys = list(dict.fromkeys(k for k in keys if k not in self._refs))
+        if not new_keys:
+            return [], [], []
+        need = len(new_keys) - self.free_slots
+        evicted: list[Key] = []
+        if need > 0:
+            if need > self._evictable:
+                return None
+            chosen = self.policy.evict(need, protected)
+            if chosen is None:
+                return None
+            for key in chosen:
+                self._drop(key)
+                self._remember_evicted(key)
+            evicted = chosen
+            self.evictions += len(chosen)
+        slots = []
+        for key in new_keys:
+            slot = self._take_slot()
+            self._slot[key] = slot
+            self._refs[key] = WRITING
+            self.policy.insert(key)
+            slots.append(slot)
+        return new_keys, slots, evicted
+
+    def complete_write(self, keys: Iterable[Key], success: bool) -> list[Key]:
+        """Finish in-flight writes. Success: -1 -> 0. Failure: the key is removed, slot freed.
+
+        Keys that are absent or already ready are left alone. Returns the keys changed."""
+        changed = []
+        for key in keys:
+            if self._refs.get(key) != WRITING:
+                continue
+            if success:
+                self._refs[key] = 0
+                self._evictable += 1
+            else:
+                self.policy.remove(key)
+                self._drop(key)
+            changed.append(key)
+        return changed
+
+    def pin(self, keys: Iterable[Key]) -> list[int]:
+        """+1 reader on each key (all must be ready, else NotReady and nothing changes)."""
+        keys = list(keys)
+        for key in keys:
+            ref = self._refs.get(key)
+            if ref is None or ref == WRITING:
+                raise NotReady(f"key {key.hex()} is not ready in the primary tier")
+        slots = []
+        for key in keys:
+            ref = self._refs[key]
+            if ref == 0:
+                self._evictable -= 1
+            self._refs[key] = ref + 1
+            slots.append(self._slot[key])
+        return slots
+
+    def unpin(self, keys: Iterable[Key]) -> None:
+        """-1 reader on each key; a key that is not pinned is a protocol violation."""
+        keys = list(keys)
+        for key in keys:
+            if self._refs.get(key, 0) <= 0:
+                raise ProtocolViolation(f"key {key.hex()} is not pinned")
+        for key in keys:
+            ref = self._refs[key] - 1
+            self._refs[key] = ref
+            if ref == 0:
+                self._evictable += 1
+
+    def touch(self, keys: Iterable[Key]) -> None:
+        self.policy.touch(keys)
+
+    def reset(self) -> None:
+        """Forget everything (callers guarantee no job still targets a slot)."""
+        self._slot.clear()
+        self._refs.clear()
+        self._free.clear()
+        self._next_unused = 0
+        self._evictable = 0
+        self.policy.clear()
+        self.recently_evicted.clear()
+
+    def pinned_count(self) -> int:
+        return sum(1 for r in self._refs.values() if r > 0)
+
+    def writing_count(self) -> int:
+        return sum(1 for r in self._refs.values() if r == WRITING)
+
+    def items(self) -> Iterable[tuple[Key, int, int]]:
+        """(key, slot, ref_cnt) for every present key."""
+        return ((k, self._slot[k], r) for k, r in self._refs.items())
+
+    def _take_slot(self) -> int:
+        if self._next_unused < self.num_slots:
+            slot = self._next_unused
+            self._next_unused += 1
+            return slot
+        return self._free.pop()
+
+    def _drop(self, key: Key) -> None:
+        if self._refs.pop(key) == 0:
+            self._evictable -= 1
+        self._free.append(self._slot.pop(key))
+
+    def _remember_evicted(self, key: Key) -> None:
+        self.recently_evicted[key] = None
+        if len(self.recently_evicted) > self.num_slots:
+            self.recently_evicted.popitem(last=False)

@@ -1,0 +1,103 @@
+"""Counters of the tiering library, per tier (index 0 = primary), for status and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterable
+
+from .types import JobKind, LookupResult
+
+
+@dataclass(slots=True)
+class TierCounters:
+    lookups_hit: int = 0
+    lookups_hit_pending: int = 0
+    lookups_retry: int = 0
+    lookups_miss: int = 0
+    promotion_jobs: int = 0
+    promotion_jobs_failed: int = 0
+    promoted_keys_ok: int = 0
+    cascade_jobs: int = 0
+    cascade_jobs_failed: int = 0
+    cascaded_keys_ok: int = 0
+    cascades_dropped: int = 0
+    probe_jobs: int = 0
+    probe_jobs_failed: int = 0
+    active_jobs: int = 0
+    evictions: int = 0
+    transfer_time_s: float = 0.0
+
+    def count(self, result: LookupResult) -> None:
+        if result is LookupResult.HIT:
+            self.lookups_hit += 1
+        elif result is LookupResult.HIT_PENDING:
+            self.lookups_hit_pending += 1
+        elif result is LookupResult.RETRY:
+            self.lookups_retry += 1
+        else:
+            self.lookups_miss += 1
+
+    def job_submitted(self, kind: JobKind) -> None:
+        self.active_jobs += 1
+        if kind is JobKind.PROMOTION:
+            self.promotion_jobs += 1
+        elif kind is JobKind.CASCADE:
+            self.cascade_jobs += 1
+        else:
+            self.probe_jobs += 1
+
+    def job_finished(self, kind: JobKind, success: bool, ok_keys: int, seconds: float | None) -> None:
+        self.active_jobs -= 1
+        self.transfer_time_s += seconds or 0.0
+        if kind is JobKind.PROMOTION:
+            self.promoted_keys_ok += ok_keys
+            self.promotion_jobs_failed += not success
+        elif kind is JobKind.CASCADE:
+            self.cascaded_keys_ok += ok_keys
+            self.cascade_jobs_failed += not success
+        else:
+            self.probe_jobs_failed += not success
+
+
+class TieringStats:
+    """Counters since start. ``tier(0)`` is the primary tier."""
+
+    def __init__(self, tier_names: list[str]) -> None:
+        self.names = tier_names
+        self._tiers = [TierCounters() for _ in tier_names]
+        self.hit_pending_expired = 0
+        self.promotion_allocation_failures = 0
+        self.store_allocation_failures = 0
+        self.promoted_keys = 0
+        self.promoted_keys_consumed = 0
+
+    def tier(self, index: int) -> TierCounters:
+        return self._tiers[index]
+
+    def record_lookups(self, hits: int, others: Iterable[LookupResult]) -> None:
+        """Results of one batched lookup as the engine sees them (primary view)."""
+        primary = self._tiers[0]
+        primary.lookups_hit += hits
+        for result in others:
+            primary.count(result)
+
+    def tier_lookup(self, index: int, result: LookupResult) -> None:
+        self._tiers[index].count(result)
+
+    @property
+    def promotion_amplification(self) -> float | None:
+        """Keys promoted / promoted keys the engine then loaded (None before any load)."""
+        if not self.promoted_keys_consumed:
+            return None
+        return self.promoted_keys / self.promoted_keys_consumed
+
+    def as_dict(self) -> dict:
+        return {
+            "hit_pending_expired": self.hit_pending_expired,
+            "promotion_allocation_failures": self.promotion_allocation_failures,
+            "store_allocation_failures": self.store_allocation_failures,
+            "promoted_keys": self.promoted_keys,
+            "promoted_keys_consumed": self.promoted_keys_consumed,
+            "promotion_amplification": self.promotion_amplification,
+            "per_tier": {name: asdict(c) for name, c in zip(self.names, self._tiers)},
+        }

@@ -1,0 +1,229 @@
+"""Value types of the tiering library: lookup results, miss reasons, tier filters, jobs, results."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Collection, Mapping
+
+import structlog
+
+log = structlog.get_logger()
+
+Key = bytes
+
+
+class LookupResult(enum.IntEnum):
+    MISS = 0
+    HIT = 1
+    HIT_PENDING = 2
+    RETRY = 3
+
+
+class MissReason(enum.IntEnum):
+    """Why a key was not a hit (reported next to MISS and RETRY results)."""
+
+    NONE = 0
+    ABSENT = 1  # in no tier the request may read
+    EVICTED = 2  # was in the primary tier, evicted recently, absent elsewhere
+    FILTERED = 3  # only tiers the request's filter excludes could have it
+    PRIMARY_FULL = 4  # a secondary tier has it but no primary slot could be reserved
+    DEADLINE = 5  # stayed HIT_PENDING past the deadline for this request
+    FAILED_LOAD = 6  # an earlier load of it failed for this request
+    PROBING = 7  # RETRY: an existence probe is unresolved
+    AWAITING_PREFIX = 8  # RETRY: found, promotion deferred until earlier keys resolve
+
+
+class JobKind(enum.IntEnum):
+    PROMOTION = 1  # secondary -> primary slots (slots reserved, ref_cnt -1)
+    CASCADE = 2  # primary slots (pinned) -> secondary
+    PROBE = 3  # existence check, no slots
+
+
+class OffloadPolicy(enum.IntEnum):
+    CHUNK_LEVEL = 0  # offload only newly computed blocks
+    REQUEST_LEVEL = 1  # offload every block of the request, prefix hits included
+
+
+class Medium(enum.Enum):
+    CPU = "cpu"
+    STORAGE = "storage"
+
+
+class Locality(enum.Enum):
+    LOCAL = "local"
+    REMOTE = "remote"
+
+
+@dataclass(frozen=True, slots=True)
+class TierMatcher:
+    """None on either side matches anything."""
+
+    medium: Medium | None = None
+    locality: Locality | None = None
+
+    def matches(self, medium: Medium | None, locality: Locality | None) -> bool:
+        return (self.medium is None or medium is None or self.medium == medium) and (
+            self.locality is None or locality is None or self.locality == locality
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TierFilter:
+    """Which secondary tiers a request may read from; the primary tier is never filtered.
+
+    An empty matcher tuple denies every secondary tier."""
+
+    matchers: tuple[TierMatcher, ...]
+
+    def allows(self, medium: Medium | None, locality: Locality | None) -> bool:
+        return any(m.matches(medium, locality) for m in self.matchers)
+
+
+TierFilter.ALL = TierFilter((TierMatcher(),))  # type: ignore[attr-defined]
+
+
+def parse_tier_filter(value: Any) -> TierFilter:
+    """Parse ``kv_load_tiers``: a list of {"medium": ..., "locality": ...} dicts.
+
+    Fail-open rules: not a list -> ALL; bad entries are skipped with a warning; a non-empty list
+    with no valid entry -> ALL; ``[]`` -> deny all secondary tiers; ``[{}]`` -> unconstrained."""
+    if value is None:
+        return TierFilter.ALL  # type: ignore[attr-defined]
+    if not isinstance(value, list):
+        log.warning("tier_filter_not_a_list", value=repr(value)[:200])
+        return TierFilter.ALL  # type: ignore[attr-defined]
+    if not value:
+        return TierFilter(())
+    matchers = []
+    for entry in value:
+        matcher = _parse_matcher(entry)
+        if matcher is None:
+            log.warning("tier_filter_entry_skipped", entry=repr(entry)[:200])
+        else:
+            matchers.append(matcher)
+    if not matchers:
+        return TierFilter.ALL  # type: ignore[attr-defined]
+    return TierFilter(tuple(matchers))
+
+
+def _parse_matcher(entry: Any) -> TierMatcher | None:
+    if not isinstance(entry, Mapping):
+        return None
+    try:
+        medium = _parse_enum(Medium, entry.get("medium"))
+        locality = _parse_enum(Locality, entry.get("locality"))
+    except ValueError:
+        return None
+    return TierMatcher(medium, locality)
+
+
+def _parse_enum(kind: type[enum.Enum], raw: Any):
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise ValueError(raw)
+    return kind(raw.lower())
+
+
+@dataclass(slots=True)
+class TransferJob:
+    """One asynchronous job for one secondary tier. ``slots`` is co-indexed with ``keys``."""
+
+    job_id: int
+    tier: int
+    kind: JobKind
+    keys: list[Key]
+    slots: list[int]
+    req_id: str | None
+    submitted_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """A tier's outcome for one job.
+
+    ``success=True``: every key succeeded (``successful_keys`` ignored).
+    ``success=False`` with ``successful_keys`` None or empty: every key failed.
+    ``success=False`` with a non-empty collection: exactly those keys succeeded; it must be a
+    subset of the job's keys or the whole result is treated as a failure (protocol error).
+    For probes, ``successful_keys`` are the keys found."""
+
+    job_id: int
+    success: bool
+    successful_keys: Collection[Key] | None = None
+    transfer_time_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareStoreOutput:
+    """``keys_to_store``/``slots`` are co-indexed: the caller writes each key into its slot and
+    then calls ``complete_store``. ``evicted`` lists keys dropped from the primary tier."""
+
+    keys_to_store: list[Key]
+    slots: list[int]
+    evicted: list[Key]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupReply:
+    """Per-key results, in order, up to and including the first MISS (later keys unevaluated).
+
+    ``hit_prefix``: leading keys that are HIT or HIT_PENDING (the prefix the engine may count).
+    ``ready_prefix``: leading keys that are HIT (loadable now).
+    ``reasons``: co-indexed with ``results``; NONE for hits."""
+
+    results: list[LookupResult]
+    reasons: list[MissReason]
+    hit_prefix: int
+    ready_prefix: int
+
+    @property
+    def must_wait(self) -> bool:
+        return any(r in (LookupResult.HIT_PENDING, LookupResult.RETRY) for r in self.results)
+
+
+@dataclass(slots=True)
+class ReqContext:
+    req_id: str
+    tier_filter: TierFilter = field(default_factory=lambda: TierFilter.ALL)  # type: ignore[attr-defined]
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_params(cls, req_id: str, params: Mapping[str, Any] | None = None) -> "ReqContext":
+        params = dict(params or {})
+        return cls(req_id, parse_tier_filter(params.get("kv_load_tiers")), params)
+
+
+class TieringError(Exception):
+    """Base of the errors a caller can cause; each maps to a typed error reply."""
+
+    code = "tiering_error"
+
+
+class UnknownRequest(TieringError):
+    code = "unknown_request"
+
+
+class RequestFinishedError(TieringError):
+    code = "request_finished"
+
+
+class NotReady(TieringError):
+    code = "not_ready"
+
+
+class UnknownJob(TieringError):
+    code = "unknown_job"
+
+
+class WrongTier(TieringError):
+    code = "wrong_tier"
+
+
+class ProtocolViolation(TieringError):
+    code = "protocol_violation"
+
+
+class JobsInFlight(TieringError):
+    code = "jobs_in_flight"

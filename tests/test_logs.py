@@ -1,0 +1,124 @@
+"""Structured logs: every stderr line is one JSON event with proc, pid, level and timestamp."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import structlog
+
+from kvoffload.logs import configure_logging, get_logger
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _stderr_events(code: str) -> tuple[int, list[dict]]:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = result.stderr.splitlines()
+    assert lines, "no log output"
+    return result.returncode, [json.loads(line) for line in lines]
+
+
+@pytest.fixture(autouse=True)
+def _restore_structlog() -> Iterator[None]:
+    root = logging.getLogger()
+    level = root.level
+    yield
+    structlog.reset_defaults()
+    root.setLevel(level)
+    for handler in [h for h in root.handlers if getattr(h, "_kvoffload_handler", False)]:
+        root.removeHandler(handler)
+
+
+def test_subprocess_events_are_json_lines() -> None:
+    code = """
+        import logging, os, sys
+        from kvoffload.logs import configure_logging, get_logger
+        log = get_logger(tier="disk")  # created before configuration on purpose
+        configure_logging("worker-disk", level="info")
+        log.info("job_done", job_id=7, keys=["a", "b"], bytes=4096, duration_ms=1.5)
+        log.debug("too_detailed")
+        logging.getLogger("somelib").warning("library says %s", "hi")
+        try:
+            1 / 0
+        except ZeroDivisionError:
+            log.exception("job_failed", job_id=8)
+        if os.fork() == 0:
+            log.info("from_child")
+            sys.stderr.flush()
+            os._exit(0)
+        os.wait()
+        print(os.getpid())
+    """
+    returncode, events = _stderr_events(code)
+    assert returncode == 0
+    by_event = {e["event"]: e for e in events}
+    assert set(by_event) == {"job_done", "library says hi", "job_failed", "from_child"}
+
+    done = by_event["job_done"]
+    assert done["proc"] == "worker-disk"
+    assert done["level"] == "info"
+    assert (done["tier"], done["job_id"], done["keys"]) == ("disk", 7, ["a", "b"])
+    assert done["bytes"] == 4096
+    assert done["duration_ms"] == 1.5
+    stamp = datetime.fromisoformat(done["timestamp"].replace("Z", "+00:00"))
+    assert stamp.utcoffset() is not None and stamp.utcoffset().total_seconds() == 0
+
+    library = by_event["library says hi"]
+    assert library["level"] == "warning"
+    assert library["proc"] == "worker-disk"
+    assert library["logger"] == "somelib"
+    assert "timestamp" in library
+
+    failed = by_event["job_failed"]
+    assert failed["level"] == "error"
+    assert "ZeroDivisionError" in failed["exception"]
+
+    parent_pid = done["pid"]
+    assert all(e["pid"] == parent_pid for e in events if e["event"] != "from_child")
+    assert by_event["from_child"]["pid"] != parent_pid
+
+
+def test_level_filter_and_contextvars() -> None:
+    out = io.StringIO()
+    configure_logging("manager", level="warning", stream=out)
+    log = get_logger()
+    structlog.contextvars.bind_contextvars(req_id="r1")
+    try:
+        log.info("hidden")
+        log.warning("shown", error="boom")
+    finally:
+        structlog.contextvars.clear_contextvars()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1
+    event = json.loads(lines[0])
+    assert (event["event"], event["req_id"], event["error"]) == ("shown", "r1", "boom")
+    assert (event["proc"], event["level"]) == ("manager", "warning")
+
+
+def test_reconfigure_replaces_stdlib_handler() -> None:
+    first, second = io.StringIO(), io.StringIO()
+    configure_logging("a", stream=first)
+    configure_logging("b", stream=second)
+    logging.getLogger("lib").error("once")
+    assert first.getvalue() == ""
+    assert [json.loads(line)["proc"] for line in second.getvalue().splitlines()] == ["b"]
+
+
+def test_unknown_level_is_rejected() -> None:
+    with pytest.raises(ValueError, match="loud"):
+        configure_logging("x", level="loud")
