@@ -124,8 +124,9 @@ def _read_owner(path: Path) -> OwnerRecord | None:
         return None
 
 
-def _socket_paths(base: Path, run_id: str) -> list[Path]:
-    return sorted(base.glob(f"{run_id}-*.sock"))
+def _run_files(base: Path, run_id: str) -> list[Path]:
+    """The run's sockets and spec files: every ``<run_id>-*`` entry of the base dir."""
+    return sorted(base.glob(f"{run_id}-*"))
 
 
 def _unlink_quietly(path: Path) -> bool:
@@ -164,7 +165,7 @@ def cleanup_stale(base: Path) -> list[str]:
                 names.append(shm_name)
             except posix_ipc.ExistentialError:
                 pass
-        names.extend(str(p) for p in _socket_paths(base, record.run_id) if _unlink_quietly(p))
+        names.extend(str(p) for p in _run_files(base, record.run_id) if _unlink_quietly(p))
         _unlink_quietly(_owner_tmp_path(base, record.run_id))
         if _unlink_quietly(owner_file):
             names.append(str(owner_file))
@@ -231,6 +232,10 @@ class RunDir:
             )
         return path
 
+    def file_path(self, name: str) -> Path:
+        """Path of a run-owned file (removed by ``remove`` and by ``cleanup_stale``)."""
+        return self._base / f"{self._record.run_id}-{name}"
+
     def endpoint(self, name: str) -> str:
         """ZeroMQ endpoint ``ipc://<base>/<run_id>-<name>.sock``."""
         return f"ipc://{self.socket_path(name)}"
@@ -248,6 +253,6 @@ class RunDir:
     def remove(self) -> None:
         """Unlink this run's sockets and owner file (idempotent). Shm segments are unlinked by
         whoever created them, not here."""
-        for path in _socket_paths(self._base, self._record.run_id):
+        for path in _run_files(self._base, self._record.run_id):
             _unlink_quietly(path)
         _unlink_quietly(self.owner_file)

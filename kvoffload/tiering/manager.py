@@ -165,14 +165,15 @@ class TieringManager:
         tier starts a promotion (HIT_PENDING) unless an earlier key is still uncertain (RETRY),
         in which case it answers RETRY and nothing is promoted past that point."""
         state = self.request(req_id)
-        results: list[LookupResult] = []
-        reasons: list[MissReason] = []
+        leading_hits = self.primary.ready_run(keys)
+        results = [HIT] * leading_hits
+        reasons = [MissReason.NONE] * leading_hits
         uncertain = False
-        protected = keys if len(keys) < 8 else set(keys)
+        protected = set(keys) if leading_hits < len(keys) else ()
         primary_lookup = self.primary.lookup
         none = MissReason.NONE
         not_hit_results: list[LookupResult] = []
-        for key in keys:
+        for key in keys[leading_hits:]:
             result = primary_lookup(key)
             if result is HIT:
                 results.append(HIT)
@@ -190,7 +191,12 @@ class TieringManager:
             if result is RETRY:
                 uncertain = True
         self.stats.record_lookups(len(results) - len(not_hit_results), not_hit_results)
-        return LookupReply(results, reasons, *_prefix_lengths(results))
+        hit_prefix = leading_hits
+        for result in results[leading_hits:]:
+            if result is not HIT and result is not HIT_PENDING:
+                break
+            hit_prefix += 1
+        return LookupReply(results, reasons, hit_prefix, leading_hits)
 
     def _pending_or_expired(self, state: RequestState, key: Key) -> tuple[LookupResult, MissReason]:
         if key in state.expired:
@@ -472,6 +478,10 @@ class TieringManager:
         tier_idx = self.tier_index(tier_name)
         return [job.job_id for job in self._jobs.values() if job.tier == tier_idx]
 
+    def reset_tier_index(self, tier_name: str) -> None:
+        """A tier's worker (re)started and will announce its whole index again."""
+        self.tiers[self.tier_index(tier_name)].index.clear()
+
     def apply_index_update(self, tier_name: str, added: Iterable[Key], removed: Iterable[Key]) -> None:
         self.tiers[self.tier_index(tier_name)].apply_index_update(added, removed)
 
@@ -575,21 +585,6 @@ class TieringManager:
             "tiers": {t.name: {"indexed_keys": len(t.index), "verdicts": len(t.verdicts)} for t in self.tiers},
             **self.stats.as_dict(),
         }
-
-
-def _prefix_lengths(results: list[LookupResult]) -> tuple[int, int]:
-    """(leading HIT or HIT_PENDING keys, leading HIT keys)."""
-    hit_prefix = 0
-    for result in results:
-        if result is not HIT and result is not HIT_PENDING:
-            break
-        hit_prefix += 1
-    ready_prefix = 0
-    for result in results:
-        if result is not HIT:
-            break
-        ready_prefix += 1
-    return hit_prefix, ready_prefix
 
 
 def _split_outcome(

@@ -8,7 +8,7 @@ Slots are handed out never-used first (increasing), then freed ones (last freed 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Collection, Iterable
+from typing import Collection, Iterable, Sequence
 
 from .policies import make_policy
 from .types import Key, LookupResult, NotReady, ProtocolViolation
@@ -41,6 +41,16 @@ class PrimaryIndex:
         if ref is None:
             return LookupResult.MISS
         return LookupResult.HIT_PENDING if ref == WRITING else LookupResult.HIT
+
+    def ready_run(self, keys: Sequence[Key], start: int = 0) -> int:
+        """Number of consecutive ready keys from ``keys[start]`` (the all-HIT fast path)."""
+        get = self._refs.get
+        n = 0
+        for key in keys[start:] if start else keys:
+            if get(key, WRITING) < 0:
+                break
+            n += 1
+        return n
 
     def __contains__(self, key: Key) -> bool:
         return key in self._refs

@@ -1,0 +1,125 @@
+"""The ``kvoffload`` command: serve, status, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import Config, ConfigError, load_config, resolve_runtime_dir
+from .logs import configure_logging
+from .rundir import live_runs
+
+
+def _load(args) -> Config:
+    try:
+        return load_config(args.config)
+    except ConfigError as exc:
+        print(f"kvoffload: invalid configuration: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_serve(args) -> int:
+    from .supervisor import Supervisor
+
+    cfg = _load(args)
+    configure_logging("supervisor", cfg.service.log_level)
+    supervisor = Supervisor(cfg)
+    supervisor.start()
+    return supervisor.run_forever()
+
+
+def find_endpoint(cfg) -> str:
+    """The client endpoint of the live service described by ``cfg``."""
+    if cfg.service.client_endpoint:
+        return cfg.service.client_endpoint
+    base = resolve_runtime_dir(cfg)
+    runs = live_runs(base)
+    if not runs:
+        raise SystemExit(f"kvoffload: no running service found in {base}")
+    newest = max(runs, key=lambda r: r.started_at)
+    return f"ipc://{Path(base) / (newest.run_id + '-client.sock')}"
+
+
+def cmd_status(args) -> int:
+    from .client import KVOffloadClient
+
+    cfg = _load(args)
+    endpoint = args.endpoint or find_endpoint(cfg)
+    with KVOffloadClient(endpoint, timeout_s=5.0, name="status") as client:
+        status = client.status()
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def format_status(status: dict) -> str:
+    t = status["tiering"]
+    lines = [
+        f"uptime {status['uptime_s']:.1f}s  clients {status['clients']}  draining {status['draining']}",
+        f"pool {status['pool']['name']}: {t['used_slots']}/{t['slots']} slots used, "
+        f"{t['pinned_slots']} pinned, {t['writing_slots']} being written, "
+        f"{t['unread_promotion_pins']} unread promotions",
+        f"jobs in flight: tier {t['jobs_in_flight']}, device {status['device_jobs_in_flight']}; "
+        f"promotion amplification {t['promotion_amplification']}",
+        "",
+        f"{'tier':<10}{'hit':>10}{'pending':>10}{'retry':>10}{'miss':>10}{'jobs':>8}{'failed':>8}{'evicted':>9}",
+    ]
+    for name, c in t["per_tier"].items():
+        jobs = c["promotion_jobs"] + c["cascade_jobs"] + c["probe_jobs"]
+        failed = c["promotion_jobs_failed"] + c["cascade_jobs_failed"] + c["probe_jobs_failed"]
+        lines.append(
+            f"{name:<10}{c['lookups_hit']:>10}{c['lookups_hit_pending']:>10}{c['lookups_retry']:>10}"
+            f"{c['lookups_miss']:>10}{jobs:>8}{failed:>8}{c['evictions']:>9}"
+        )
+    lines.append("")
+    lines.append(f"{'worker':<10}{'pid':>8}{'heartbeat':>11}{'inflight':>10}{'degraded':>10}{'restarts':>10}")
+    for name, w in status["workers"].items():
+        lines.append(
+            f"{name:<10}{w['pid']:>8}{w['last_heartbeat_s']:>10.2f}s{w['inflight']:>10}"
+            f"{str(w['degraded']):>10}{w['incarnation'] - 1:>10}"
+        )
+    return "\n".join(lines)
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    cfg = _load(args)
+    return run_demo(cfg, args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvoffload", description="Tiered KV-cache offload service")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the service (supervisor, manager, workers)")
+    serve.add_argument("--config", help="TOML config file (defaults are embedded)")
+    serve.set_defaults(func=cmd_serve)
+
+    status = sub.add_parser("status", help="print tiers, usage, hit rates and worker health")
+    status.add_argument("--config", help="TOML config file of the running service")
+    status.add_argument("--endpoint", help="client endpoint (default: find the live run)")
+    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    status.set_defaults(func=cmd_status)
+
+    demo = sub.add_parser("demo", help="start the service, offload and reload KV blocks, verify")
+    demo.add_argument("--config", help="TOML config file (defaults are embedded)")
+    demo.add_argument("--conversations", type=int, default=4)
+    demo.add_argument("--turns", type=int, default=4)
+    demo.add_argument("--blocks-per-turn", type=int, default=16)
+    demo.add_argument("--json-out", help="write the summary as JSON here")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

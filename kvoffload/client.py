@@ -1,0 +1,165 @@
+"""Engine-side client of the manager (one DEALER socket; not thread-safe: one per thread).
+
+Every call sends one request and waits for its reply (matched by call id) up to ``timeout_s``.
+Failures raise ``KVOffloadError`` carrying the manager's typed error code; a missing reply raises
+``TimeoutError``. Finished device jobs are delivered once each, by ``poll``/``wait``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from typing import Any, Iterable
+
+import zmq
+
+from . import protocol as p
+from .tiering.types import LookupResult, MissReason
+
+
+class KVOffloadError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class LookupOutcome:
+    """A lookup reply in the tiering library's types (results up to the first MISS)."""
+
+    def __init__(self, reply: p.LookupReply) -> None:
+        self.results = [LookupResult(r) for r in reply.results]
+        self.reasons = [MissReason(r) for r in reply.reasons]
+        self.hit_prefix = reply.hit_prefix
+        self.ready_prefix = reply.ready_prefix
+
+    @property
+    def must_wait(self) -> bool:
+        return any(r in (LookupResult.HIT_PENDING, LookupResult.RETRY) for r in self.results)
+
+    def __repr__(self) -> str:
+        return f"LookupOutcome(hit_prefix={self.hit_prefix}, ready_prefix={self.ready_prefix}, results={[r.name for r in self.results]})"
+
+
+class KVOffloadClient:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float = 10.0,
+        name: str = "",
+        curve_keys: tuple[bytes, bytes, bytes] | None = None,
+    ) -> None:
+        """``curve_keys`` = (client public, client secret, server public) for tcp:// endpoints."""
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._zctx = zmq.Context.instance()
+        self._sock = self._zctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if curve_keys is not None:
+            self._sock.curve_publickey, self._sock.curve_secretkey, self._sock.curve_serverkey = curve_keys
+        self._sock.connect(endpoint)
+        self._rids = itertools.count(1)
+        self._events: deque[p.JobFinished] = deque()
+        self.info = self._call(p.Connect, version=p.PROTOCOL_VERSION, client_name=name)
+
+    # ---- plumbing -------------------------------------------------------------------------
+
+    def _call(self, kind: type, timeout_s: float | None = None, **fields: Any):
+        rid = next(self._rids)
+        self._sock.send(p.encode(kind(rid=rid, **fields)))
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not self._sock.poll(remaining_ms):
+                raise TimeoutError(f"no reply to {kind.__name__} from {self.endpoint} in time")
+            reply = p.decode_client_reply(self._sock.recv())
+            if reply.rid != rid:
+                continue  # a late reply to a call that already timed out
+            if isinstance(reply, p.Error):
+                raise KVOffloadError(reply.code, reply.message)
+            return reply
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> "KVOffloadClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- engine calls ---------------------------------------------------------------------
+
+    def register_kv(self, handle: p.KVHandle) -> None:
+        self._call(p.RegisterKV, handle=handle)
+
+    def new_request(self, req_id: str, params: dict | None = None) -> bool:
+        """Returns True when some tier wants every block of the request (request level)."""
+        return self._call(p.NewRequest, req_id=req_id, params=params or {}).request_level
+
+    def lookup(self, req_id: str, keys: list[bytes]) -> LookupOutcome:
+        return LookupOutcome(self._call(p.Lookup, req_id=req_id, keys=keys))
+
+    def store(self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str) -> p.JobAccepted:
+        """Offload device blocks; returns the accepted job (job_id None if nothing was new)."""
+        return self._call(p.Store, req_id=req_id, keys=keys, device_blocks=device_blocks, handle_id=handle_id)
+
+    def load(self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str) -> p.JobAccepted:
+        """Copy ready (HIT) keys into device blocks; the pins last until the job finishes."""
+        return self._call(p.Load, req_id=req_id, keys=keys, device_blocks=device_blocks, handle_id=handle_id)
+
+    def prepare_store(self, req_id: str, keys: list[bytes]) -> p.Slots:
+        return self._call(p.PrepareStore, req_id=req_id, keys=keys)
+
+    def complete_store(self, req_id: str, keys: list[bytes], success: bool = True, successful_keys: list[bytes] | None = None) -> None:
+        self._call(p.CompleteStore, req_id=req_id, keys=keys, success=success, successful_keys=successful_keys)
+
+    def prepare_load(self, req_id: str, keys: list[bytes]) -> p.Slots:
+        return self._call(p.PrepareLoad, req_id=req_id, keys=keys)
+
+    def complete_load(self, req_id: str, keys: list[bytes]) -> None:
+        self._call(p.CompleteLoad, req_id=req_id, keys=keys)
+
+    def touch(self, keys: list[bytes]) -> None:
+        self._call(p.Touch, keys=keys)
+
+    def finish_request(self, req_id: str) -> None:
+        self._call(p.FinishRequest, req_id=req_id)
+
+    def end_step(self) -> None:
+        self._call(p.EndStep)
+
+    def reset_cache(self, timeout_s: float = 60.0) -> None:
+        self._call(p.ResetCache, timeout_s=timeout_s)
+
+    def status(self) -> dict:
+        return self._call(p.Status).status
+
+    def poll(self, wait_ms: int = 0) -> list[p.JobFinished]:
+        """Finished-job events not yet taken (each is returned exactly once)."""
+        events = list(self._events)
+        self._events.clear()
+        if events:
+            return events
+        return self._call(p.Poll, timeout_s=wait_ms / 1000 + self.timeout_s, wait_ms=wait_ms).finished
+
+    def wait(self, job_ids: Iterable[int], timeout_s: float | None = None) -> dict[int, p.JobFinished]:
+        """Block until every job id has finished; other events stay queued for ``poll``."""
+        wanted = {j for j in job_ids if j is not None}
+        done: dict[int, p.JobFinished] = {}
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        others: list[p.JobFinished] = []
+        while wanted - done.keys():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._events.extend(others)
+                raise TimeoutError(f"jobs {sorted(wanted - done.keys())} did not finish in time")
+            for event in self.poll(wait_ms=int(min(remaining, 1.0) * 1000)):
+                if event.job_id in wanted:
+                    done[event.job_id] = event
+                else:
+                    others.append(event)
+        self._events.extend(others)
+        return done

@@ -1,0 +1,405 @@
+"""Every message of kvoffload's two ZeroMQ channels, as typed msgspec Structs on msgpack.
+
+Client channel (engine DEALER <-> manager ROUTER): each request carries ``rid`` (the caller's
+call id) and gets exactly one reply with the same ``rid``: its typed reply or an ``Error``.
+Job channel (worker DEALER <-> manager ROUTER): hello/ack with the protocol version, jobs
+carrying keys and slot numbers (never block bytes), results, heartbeats, control.
+
+Decoding is strict (``decode_client`` etc. accept only their channel's union) and bounded by
+``MAX_MESSAGE_BYTES``. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class ProtocolError(Exception):
+    """A frame that is not a valid message of the expected channel."""
+
+
+class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+# ---- shared pieces ------------------------------------------------------------------------------
+
+
+class TensorSpec(msgspec.Struct, forbid_unknown_fields=True):
+    """One KV tensor of the engine: ``num_blocks`` rows of ``row_bytes`` bytes (block-major).
+
+    For ``shm`` handles ``offset`` is the tensor's byte offset in the segment. For ``cuda_ipc``
+    handles ``ipc`` holds torch's CUDA IPC sharing fields (device, handle, storage size and
+    offset, ref-counter handle and offset, event handle, event sync flag)."""
+
+    row_bytes: int
+    offset: int = 0
+    ipc: dict[str, Any] | None = None
+
+
+class KVHandle(msgspec.Struct, forbid_unknown_fields=True):
+    """How the cpu worker reaches an engine's KV cache. A device block's bytes, in pool order,
+    are the concatenation of each tensor's row for that block (sum of row_bytes == block_bytes)."""
+
+    handle_id: str
+    kind: str  # "shm" | "cuda_ipc"
+    num_blocks: int
+    tensors: list[TensorSpec]
+    shm_name: str = ""
+
+
+# ---- client channel: requests ------------------------------------------------------------------
+
+
+class Connect(_Msg, tag="connect"):
+    rid: int
+    version: int
+    client_name: str = ""
+
+
+class RegisterKV(_Msg, tag="register_kv"):
+    rid: int
+    handle: KVHandle
+
+
+class NewRequest(_Msg, tag="new_request"):
+    rid: int
+    req_id: str
+    params: dict[str, Any] = {}
+
+
+class Lookup(_Msg, tag="lookup"):
+    rid: int
+    req_id: str
+    keys: list[bytes]
+
+
+class Load(_Msg, tag="load"):
+    """Copy ready keys from the pool into device blocks (pins until the job finishes)."""
+
+    rid: int
+    req_id: str
+    keys: list[bytes]
+    device_blocks: list[int]
+    handle_id: str
+
+
+class Store(_Msg, tag="store"):
+    """Copy device blocks into the pool, then cascade them to every secondary tier."""
+
+    rid: int
+    req_id: str
+    keys: list[bytes]
+    device_blocks: list[int]
+    handle_id: str
+
+
+class PrepareStore(_Msg, tag="prepare_store"):
+    rid: int
+    req_id: str
+    keys: list[bytes]
+
+
+class CompleteStore(_Msg, tag="complete_store"):
+    rid: int
+    req_id: str
+    keys: list[bytes]
+    success: bool = True
+    successful_keys: list[bytes] | None = None
+
+
+class PrepareLoad(_Msg, tag="prepare_load"):
+    rid: int
+    req_id: str
+    keys: list[bytes]
+
+
+class CompleteLoad(_Msg, tag="complete_load"):
+    rid: int
+    req_id: str
+    keys: list[bytes]
+
+
+class Touch(_Msg, tag="touch"):
+    rid: int
+    keys: list[bytes]
+
+
+class FinishRequest(_Msg, tag="finish_request"):
+    rid: int
+    req_id: str
+
+
+class EndStep(_Msg, tag="end_step"):
+    rid: int
+
+
+class ResetCache(_Msg, tag="reset_cache"):
+    rid: int
+
+
+class Poll(_Msg, tag="poll"):
+    """Take this client's finished-job events; waits up to ``wait_ms`` for the first one."""
+
+    rid: int
+    wait_ms: int = 0
+
+
+class Status(_Msg, tag="status"):
+    rid: int
+
+
+ClientRequest = Union[
+    Connect,
+    RegisterKV,
+    NewRequest,
+    Lookup,
+    Load,
+    Store,
+    PrepareStore,
+    CompleteStore,
+    PrepareLoad,
+    CompleteLoad,
+    Touch,
+    FinishRequest,
+    EndStep,
+    ResetCache,
+    Poll,
+    Status,
+]
+
+
+# ---- client channel: replies -------------------------------------------------------------------
+
+
+class Error(_Msg, tag="error"):
+    """Typed failure of one call. ``rid`` is -1 when the request could not be decoded."""
+
+    rid: int
+    code: str
+    message: str
+
+
+class Ok(_Msg, tag="ok"):
+    rid: int
+
+
+class Connected(_Msg, tag="connected"):
+    rid: int
+    version: int
+    client_id: str
+    num_slots: int
+    block_bytes: int
+    key_bytes_min: int
+    key_bytes_max: int
+    pool_name: str
+    tiers: list[str]
+
+
+class NewRequestReply(_Msg, tag="new_request_reply"):
+    rid: int
+    request_level: bool
+
+
+class LookupReply(_Msg, tag="lookup_reply"):
+    """``results``/``reasons`` are tiering LookupResult/MissReason values, up to the first MISS."""
+
+    rid: int
+    results: list[int]
+    reasons: list[int]
+    hit_prefix: int
+    ready_prefix: int
+
+
+class JobAccepted(_Msg, tag="job_accepted"):
+    """A device job was submitted; its outcome arrives as a JobFinished event (exactly once).
+    ``job_id`` is None when there was nothing to do (every key already stored)."""
+
+    rid: int
+    job_id: int | None
+    keys: list[bytes]
+    evicted: list[bytes] = []
+
+
+class Slots(_Msg, tag="slots"):
+    """Reply to PrepareStore/PrepareLoad: slots co-indexed with ``keys``; for PrepareStore
+    ``keys`` are only the keys to write (already-present keys are skipped)."""
+
+    rid: int
+    keys: list[bytes]
+    slots: list[int]
+    evicted: list[bytes] = []
+
+
+class JobFinished(msgspec.Struct, forbid_unknown_fields=True):
+    job_id: int
+    req_id: str
+    kind: str  # "load" | "store"
+    success: bool
+    successful_keys: list[bytes] | None = None
+    error: str = ""
+
+
+class Events(_Msg, tag="events"):
+    rid: int
+    finished: list[JobFinished]
+
+
+class StatusReply(_Msg, tag="status_reply"):
+    rid: int
+    status: dict[str, Any]
+
+
+ClientReply = Union[
+    Error, Ok, Connected, NewRequestReply, LookupReply, JobAccepted, Slots, Events, StatusReply
+]
+
+
+# ---- job channel: worker -> manager ------------------------------------------------------------
+
+
+class WorkerHello(_Msg, tag="hello"):
+    version: int
+    worker: str
+    medium: str
+    pid: int
+    capabilities: list[str] = []
+
+
+class IndexUpdate(_Msg, tag="index_update"):
+    """Keys the worker's tier now holds / no longer holds; ``complete`` marks the end of the
+    start-up announcement."""
+
+    added: list[bytes] = []
+    removed: list[bytes] = []
+    complete: bool = False
+
+
+class JobDone(_Msg, tag="job_done"):
+    """Exactly one per job, sent only after every resource that could touch the pool for the
+    job is released. For probes, ``successful_keys`` are the keys found."""
+
+    job_id: int
+    success: bool
+    successful_keys: list[bytes] | None = None
+    transfer_s: float = 0.0
+    nbytes: int = 0
+    error: str = ""
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    inflight: int = 0
+    degraded: bool = False
+    stats: dict[str, Any] = {}
+
+
+WorkerMessage = Union[WorkerHello, IndexUpdate, JobDone, Heartbeat]
+
+
+# ---- job channel: manager -> worker ------------------------------------------------------------
+
+
+class HelloAck(_Msg, tag="hello_ack"):
+    version: int
+    accepted: bool
+    reason: str = ""
+
+
+class Job(_Msg, tag="job"):
+    """kind: device_store / device_load (cpu worker), promote / cascade / probe (tiers)."""
+
+    job_id: int
+    kind: str
+    keys: list[bytes]
+    slots: list[int] = []
+    device_blocks: list[int] = []
+    handle_id: str = ""
+
+
+class TouchKeys(_Msg, tag="touch_keys"):
+    keys: list[bytes]
+
+
+class AttachKV(_Msg, tag="attach_kv"):
+    handle: KVHandle
+
+
+class DetachKV(_Msg, tag="detach_kv"):
+    handle_id: str
+
+
+class FaultSpec(msgspec.Struct, forbid_unknown_fields=True):
+    """Fault injection for soak tests: fractions of operations that fail / are delayed /
+    are corrupted, release failures to inject, or a crash after ``crash_after_ops``."""
+
+    fail_fraction: float = 0.0
+    delay_s: float = 0.0
+    delay_fraction: float = 0.0
+    corrupt_fraction: float = 0.0
+    release_failures: int = 0
+    crash_after_ops: int = -1
+    seed: int = 0
+
+
+class Control(_Msg, tag="control"):
+    """action: "drain" (finish in-flight jobs, accept no more), "shutdown", "faults",
+    "hello" (the manager restarted and does not know this worker: send the hello again)."""
+
+    action: str
+    faults: FaultSpec | None = None
+
+
+ManagerMessage = Union[HelloAck, Job, TouchKeys, AttachKV, DetachKV, Control]
+
+
+# ---- encoding ----------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_client_request_decoder = msgspec.msgpack.Decoder(ClientRequest)
+_client_reply_decoder = msgspec.msgpack.Decoder(ClientReply)
+_worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+_manager_decoder = msgspec.msgpack.Decoder(ManagerMessage)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes):
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(str(exc)) from None
+
+
+def decode_client_request(frame: bytes) -> ClientRequest:
+    return _decode(_client_request_decoder, frame)
+
+
+def decode_client_reply(frame: bytes) -> ClientReply:
+    return _decode(_client_reply_decoder, frame)
+
+
+def decode_worker_message(frame: bytes) -> WorkerMessage:
+    return _decode(_worker_decoder, frame)
+
+
+def decode_manager_message(frame: bytes) -> ManagerMessage:
+    return _decode(_manager_decoder, frame)
+
+
+def request_id_of(frame: bytes) -> int:
+    """Best-effort ``rid`` of an undecodable client frame (-1 if none can be read)."""
+    try:
+        raw = msgspec.msgpack.decode(frame[:MAX_MESSAGE_BYTES])
+    except Exception:
+        return -1
+    rid = raw.get("rid") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, int) else -1

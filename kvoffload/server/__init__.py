@@ -1,0 +1,1 @@
+"""The manager process: the tiering library carried over ZeroMQ."""

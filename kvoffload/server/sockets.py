@@ -1,0 +1,48 @@
+"""Binding the manager's two ROUTER sockets, with size limits and CURVE for TCP clients."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from ..config import ServiceConfig
+
+# Frames a little over the protocol limit still arrive, so the manager can answer them with a
+# typed "bad_message" error; beyond this, ZeroMQ drops the connection of the sender.
+TRANSPORT_SLACK_BYTES = 1 << 20
+
+
+def bind_client_socket(
+    zctx: zmq.Context, endpoint: str, svc: ServiceConfig
+) -> tuple[zmq.Socket, ThreadAuthenticator | None]:
+    """ROUTER for engine clients. A tcp:// endpoint is served only with CURVE: the server's
+    secret key file and a directory of authorized client public keys."""
+    sock = zctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, svc.max_message_bytes + TRANSPORT_SLACK_BYTES)
+    auth = None
+    if endpoint.startswith("tcp://"):
+        if not (svc.curve_server_secret_file and svc.curve_authorized_dir):
+            raise ValueError("a tcp:// client endpoint requires CURVE keys (service.curve_*)")
+        auth = ThreadAuthenticator(zctx)
+        auth.start()
+        auth.configure_curve(domain="*", location=str(Path(svc.curve_authorized_dir)))
+        public, secret = zmq.auth.load_certificate(svc.curve_server_secret_file)
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+        sock.curve_server = True
+    sock.bind(endpoint)
+    return sock, auth
+
+
+def bind_job_socket(zctx: zmq.Context, endpoint: str, max_message_bytes: int) -> zmq.Socket:
+    """ROUTER for tier workers; a restarted worker reclaims its identity (ROUTER_HANDOVER)."""
+    sock = zctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + TRANSPORT_SLACK_BYTES)
+    sock.bind(endpoint)
+    return sock

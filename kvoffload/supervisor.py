@@ -1,0 +1,207 @@
+"""The supervisor: creates the run directory and the host pool, starts the manager, the tier
+workers and the configured engines, restarts crashed workers (and the manager) with backoff,
+and on SIGTERM/SIGINT drains, stops every child and removes every segment and socket it made.
+
+The supervisor owns the pool: it outlives manager and worker restarts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import structlog
+
+from .config import Config, resolve_runtime_dir
+from .pool import HostPool
+from .rundir import RunDir, cleanup_stale
+from .runspec import RunSpec, write_runspec
+
+log = structlog.get_logger()
+
+WORKER_MODULES = {"cpu": "workers.cpu", "disk": "workers.disk", "object": "workers.object"}
+HEALTHY_AFTER_S = 30.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    restart: bool
+    env: dict[str, str] = field(default_factory=dict)
+    affinity: tuple[int, ...] = ()
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    backoff_s: float = 0.0
+    restart_at: float | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+
+class Supervisor:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.rundir: RunDir | None = None
+        self.pool: HostPool | None = None
+        self.spec: RunSpec | None = None
+        self.children: dict[str, Child] = {}
+        self._stop_requested = False
+
+    # ---- start ----------------------------------------------------------------------------
+
+    def start(self) -> RunSpec:
+        base = resolve_runtime_dir(self.cfg)
+        removed = cleanup_stale(base)
+        if removed:
+            log.info("stale_runs_removed", removed=removed)
+        self.rundir = RunDir.create(base)
+        pool_name = self.rundir.shm_name("pool")
+        self.rundir.record_shm(pool_name)
+        self.pool = HostPool.create(pool_name, self.cfg.pool.num_slots, self.cfg.pool.block_bytes)
+        client_endpoint = self.cfg.service.client_endpoint or self.rundir.endpoint("client")
+        self.spec = RunSpec(
+            run_id=self.rundir.run_id,
+            job_endpoint=self.rundir.endpoint("jobs"),
+            client_endpoint=client_endpoint,
+            pool_name=pool_name,
+            config=self.cfg.to_toml_dict(redact_secrets=False),
+        )
+        spec_path = self.rundir.file_path("runspec.json")
+        write_runspec(spec_path, self.spec)
+        self._plan_children(spec_path)
+        for child in self.children.values():
+            self._spawn(child)
+        log.info(
+            "service_started",
+            run_id=self.spec.run_id,
+            client_endpoint=client_endpoint,
+            pool=pool_name,
+            slots=self.cfg.pool.num_slots,
+            block_bytes=self.cfg.pool.block_bytes,
+            children={c.name: c.pid for c in self.children.values()},
+        )
+        return self.spec
+
+    def _plan_children(self, spec_path: Path) -> None:
+        py = sys.executable
+        spec_arg = ["--spec", str(spec_path)]
+        cfg = self.cfg
+        self._add(Child("manager", [py, "-m", "kvoffload.server", *spec_arg], True, affinity=cfg.supervisor.cpu_affinity))
+        self._add(Child("cpu", [py, "-m", WORKER_MODULES["cpu"], *spec_arg], True, affinity=cfg.cpu.cpu_affinity))
+        if cfg.disk.enabled:
+            self._add(Child("disk", [py, "-m", WORKER_MODULES["disk"], *spec_arg], True, affinity=cfg.disk.cpu_affinity))
+        if cfg.object.enabled:
+            self._add(Child("object", [py, "-m", WORKER_MODULES["object"], *spec_arg], True, affinity=cfg.object.cpu_affinity))
+        for i, engine in enumerate(cfg.engines):
+            env = {**engine.env, "KVOFFLOAD_ENDPOINT": self.spec.client_endpoint}
+            self._add(Child(f"engine{i}", list(engine.command), False, env=env))
+
+    def _add(self, child: Child) -> None:
+        self.children[child.name] = child
+
+    def _spawn(self, child: Child) -> None:
+        env = {**os.environ, **child.env}
+        child.proc = subprocess.Popen(child.argv, env=env, stdin=subprocess.DEVNULL)
+        child.started_at = time.monotonic()
+        child.restart_at = None
+        if child.affinity:
+            try:
+                psutil.Process(child.proc.pid).cpu_affinity(list(child.affinity))
+            except (psutil.Error, AttributeError, ValueError) as exc:
+                log.warning("cpu_affinity_failed", child=child.name, error=str(exc))
+        log.info("child_started", child=child.name, child_pid=child.proc.pid, restarts=child.restarts)
+
+    # ---- watch ----------------------------------------------------------------------------
+
+    def run_forever(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            while not self._stop_requested:
+                self.watch_once()
+                time.sleep(0.05)
+        finally:
+            self.stop()
+        return 0
+
+    def _on_signal(self, signum, _frame) -> None:
+        log.info("supervisor_signal", signal=signal.Signals(signum).name)
+        self._stop_requested = True
+
+    def watch_once(self) -> None:
+        """Reap exited children and restart the restartable ones when their backoff is over."""
+        now = time.monotonic()
+        initial = self.cfg.supervisor.restart_backoff_initial_s
+        ceiling = self.cfg.supervisor.restart_backoff_max_s
+        for child in self.children.values():
+            if child.proc is None:
+                continue
+            code = child.proc.poll()
+            if code is None:
+                if now - child.started_at > HEALTHY_AFTER_S:
+                    child.backoff_s = 0.0
+                continue
+            if child.restart_at is None:
+                self._log_exit(child, code)
+                if not child.restart:
+                    child.proc = None
+                    continue
+                child.backoff_s = initial if child.backoff_s == 0 else min(child.backoff_s * 2, ceiling)
+                child.restart_at = now + child.backoff_s
+            elif now >= child.restart_at:
+                child.restarts += 1
+                self._spawn(child)
+
+    def _log_exit(self, child: Child, code: int) -> None:
+        fields = {"child": child.name, "child_pid": child.proc.pid, "exit_code": code}
+        if code < 0:
+            fields["signal"] = signal.Signals(-code).name
+        if child.restart:
+            log.error("child_exited", **fields)
+        else:
+            log.info("child_exited", **fields)
+
+    def child_pid(self, name: str) -> int | None:
+        child = self.children.get(name)
+        return None if child is None else child.pid
+
+    # ---- stop -----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Drain through the manager, stop every child, unlink the pool and run files."""
+        drain_s = self.cfg.supervisor.drain_timeout_s
+        manager = self.children.get("manager")
+        if manager is not None and manager.proc is not None and manager.proc.poll() is None:
+            manager.proc.send_signal(signal.SIGTERM)
+            _wait(manager.proc, drain_s + 5)
+        for child in self.children.values():
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        for child in self.children.values():
+            if child.proc is not None:
+                _wait(child.proc, 5)
+        if self.pool is not None:
+            self.pool.close()
+            self.pool.unlink()
+            self.pool = None
+        if self.rundir is not None:
+            self.rundir.remove()
+        log.info("service_stopped")
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float) -> None:
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        log.error("child_killed_after_timeout", child_pid=proc.pid, timeout_s=timeout_s)
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,25 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from tests.s3server import S3Server
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A real SeaweedFS S3 server for the whole run (endpoint, access_key, secret_key, region,
+    create_bucket(name), client(), stop()/start(), pause()/resume()).
+
+    A test that stops or pauses it brings it back before returning. Stopped at the end of the
+    run; its pid is verified gone."""
+    server = S3Server(tmp_path_factory.mktemp("s3server"))
+    server.start()
+    yield server
+    pid = server.pid
+    server.stop()
+    assert pid is None or not psutil.pid_exists(pid), f"weed pid {pid} still running"

@@ -1,0 +1,1 @@
+"""Tier worker processes and their storage engines."""
