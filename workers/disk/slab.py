@@ -1,0 +1,521 @@
+"""``DiskStore``: the disk tier's storage engine. Fixed-size blocks live in preallocated slab
+files of fixed-size records (see ``workers.disk.layout``); payloads move straight between the
+files and the caller's host-pool slots.
+
+Contracts:
+
+* Visibility: a key is indexed only once its payload and then its header page are written
+  (and fdatasync'ed with ``durability="fsync"``). A record about to be reused has its old
+  header page cleared before the new payload is written, so after a crash (kill -9) at any
+  point a valid header on disk always describes a completely written payload.
+* Reads verify the header (crc, magic, version, fingerprint, key, length, generation) and the
+  payload's xxh3_64 checksum. A bad copy raises ``CorruptBlock``, leaves the index and has its
+  header page cleared. Other read errors raise ``TransientIOError`` and keep the block, except
+  that ``MAX_READ_ERRORS`` consecutive EIO on one record count as corruption.
+* Capacity: record bytes never exceed ``capacity_bytes``. Recency (LRU) follows put, get and
+  touch; after ``open()`` it follows write order. Records pinned by an in-progress get are
+  never evicted or overwritten; a put that finds nothing to reuse raises ``StoreFull``.
+* Overwriting a key reuses its record in place when no get is reading it (the key leaves the
+  index and the old header is cleared first). While a get reads it, the new copy goes to
+  another record and the old one is cleared after the read; the header generation makes the
+  newest copy win at the next scan if a crash comes in between.
+* ENOSPC/EDQUOT fails the put with that OSError and sets ``degraded`` until a put succeeds.
+* Thread safety: every public method may be called from many threads at once, except
+  ``open`` and ``close``, which must not overlap other calls. One lock guards the index and
+  allocation metadata and is never held during I/O.
+* I/O mode: O_DIRECT when the probe in ``open()`` succeeds and ``block_bytes`` is a multiple of
+  ``PAGE_SIZE``, else buffered I/O. With O_DIRECT a slot that is not page aligned is moved
+  through the buffered descriptor of the same file, which the kernel keeps coherent.
+* Only ``open`` scans, reading header pages only; a torn payload is caught by the checksum at
+  get. Slab files beyond the capacity (after shrinking it) are left untouched and ignored.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from kvoffload.blockformat import (
+    HEADER_SIZE,
+    MAX_KEY_BYTES,
+    BlockHeader,
+    CorruptBlock,
+    decode_header,
+    payload_checksum,
+    verify_payload,
+)
+from workers.disk.errors import LayoutError, TransientIOError
+from workers.disk.layout import LOCK_FILE, SlabLayout, adopt_layout, fsync_directory, plan_layout
+from workers.disk.rawio import (
+    O_DIRECT,
+    PAGE_SIZE,
+    ZERO_PAGE,
+    is_page_aligned,
+    page_buffer,
+    preadv_all,
+    probe_direct_io,
+    pwrite_all,
+)
+from workers.disk.record_index import RecordIndex
+from workers.disk.scan import scan_slab
+
+FaultHook = Callable[[str, bytes], None]
+"""Called as ``hook(op, key)`` before each I/O; may raise OSError to inject a failure. ``op`` is
+one of ``FAULT_OPS``; ``key`` is the block's key, or ``b""`` for scan reads and scan clears."""
+
+FAULT_OPS = ("allocate", "invalidate", "write_payload", "write_header", "fsync", "read", "clear", "scan")
+
+MAX_READ_ERRORS = 3
+SCAN_THREADS = 8
+DURABILITY_MODES = ("none", "fsync")
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(slots=True)
+class _SlabFile:
+    buffered: int
+    direct: int | None
+    sized: bool
+
+    @property
+    def header_fd(self) -> int:
+        return self.buffered if self.direct is None else self.direct
+
+
+class DiskStore:
+    """Blocks of ``block_bytes`` under opaque keys (1..64 bytes) in ``<root>/<fingerprint hex>/``.
+
+    ``capacity_bytes`` bounds the record bytes (header page + page-rounded payload per block).
+    ``durability="fsync"`` fdatasyncs each payload and each header before the key is indexed.
+    ``direct_io``: None probes O_DIRECT, True requires it, False never uses it.
+    ``fault_hook``: see ``FaultHook``. Call ``open()`` before anything else.
+    """
+
+    def __init__(self, root: str | Path, block_bytes: int, fingerprint: bytes, capacity_bytes: int,
+                 durability: str = "none", records_per_slab: int = 256, direct_io: bool | None = None,
+                 fault_hook: FaultHook | None = None) -> None:
+        if durability not in DURABILITY_MODES:
+            raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
+        if len(fingerprint) != 16:
+            raise ValueError(f"fingerprint must be 16 bytes, got {len(fingerprint)}")
+        if direct_io and block_bytes % PAGE_SIZE:
+            raise ValueError(f"direct_io=True needs block_bytes to be a multiple of {PAGE_SIZE}")
+        self._layout: SlabLayout = plan_layout(Path(root), block_bytes, fingerprint, capacity_bytes,
+                                               records_per_slab)
+        self._durable = durability == "fsync"
+        self._direct_io_request = direct_io
+        self._direct_io = False
+        self._fault_hook = fault_hook
+        self._lock = threading.Lock()
+        self._files_lock = threading.Lock()
+        self._files: dict[int, _SlabFile] = {}
+        self._index = RecordIndex(self._layout.n_records)
+        self._local = threading.local()
+        self._lock_fd: int | None = None
+        self._is_open = False
+        self._degraded = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def open(self, on_batch: Callable[[list[bytes]], None] | None = None, batch_size: int = 4096) -> None:
+        """Lock the layout directory, check or write ``layout.json``, choose the I/O mode, and
+        rebuild the index from the header pages of existing slab files. Records that are not a
+        valid header of this layout, and older duplicate copies of a key, get their header page
+        cleared. ``on_batch`` receives the found keys in lists of up to ``batch_size`` while the
+        scan goes on (it runs in this thread). LayoutError if the directory holds an incompatible
+        layout or another process has it open."""
+        if self._is_open:
+            raise RuntimeError("DiskStore is already open")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        directory = self._layout.directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self._lock_directory()
+        try:
+            self._layout = adopt_layout(self._layout)
+            self._direct_io = self._choose_direct_io()
+            found = self._scan(on_batch, batch_size)
+        except BaseException:
+            self._release_files()
+            raise
+        self._is_open = True
+        self._log.info("disk_store_opened", blocks=found, direct_io=self._direct_io,
+                       records=self._layout.n_records, record_size=self._layout.record_size,
+                       durability="fsync" if self._durable else "none")
+
+    def close(self) -> None:
+        """Close files and unlock the directory. In-flight calls must have returned. Idempotent."""
+        with self._lock:
+            if not self._is_open:
+                return
+            self._is_open = False
+        self._release_files()
+
+    # ---- properties ------------------------------------------------------------------------
+
+    @property
+    def directory(self) -> Path:
+        """The layout directory, ``<root>/<fingerprint hex>``."""
+        return self._layout.directory
+
+    @property
+    def block_bytes(self) -> int:
+        return self._layout.block_bytes
+
+    @property
+    def record_size(self) -> int:
+        return self._layout.record_size
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Usable capacity: the requested capacity rounded down to whole records."""
+        return self._layout.n_records * self._layout.record_size
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of records that are indexed, being written, or waiting for a read to finish."""
+        with self._lock:
+            return self._index.used_records * self._layout.record_size
+
+    @property
+    def degraded(self) -> bool:
+        """True after a put failed for lack of space, until a put succeeds."""
+        return self._degraded
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether this store uses O_DIRECT (decided by ``open()``)."""
+        return self._direct_io
+
+    # ---- index queries ---------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def keys(self) -> list[bytes]:
+        """Stored keys, least recently used first."""
+        with self._lock:
+            return self._index.keys()
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark the given stored keys most recently used (absent keys are ignored)."""
+        with self._lock:
+            for key in keys:
+                self._index.touch(key)
+
+    # ---- block I/O -------------------------------------------------------------------------
+
+    def put(self, key: bytes, src) -> list[bytes]:
+        """Store ``src`` (a buffer of exactly ``block_bytes``) under ``key``; returns the keys
+        evicted to make room (at most one). Raises StoreFull, or the OSError of a failed write;
+        then the new bytes are not visible and the key's previous copy may be gone too."""
+        self._require_open()
+        _check_key(key)
+        view = self._payload_view(src, writable=False)
+        checksum = payload_checksum(view)
+        with self._lock:
+            reservation = self._index.reserve(key)
+        record = reservation.record
+        slab, offset = self._layout.locate(record)
+        header_may_be_valid = reservation.invalidate_first
+        try:
+            slab_file = self._writable_file(slab, key)
+            if reservation.invalidate_first:
+                self._fault("invalidate", key)
+                pwrite_all(slab_file.header_fd, ZERO_PAGE, offset)
+                header_may_be_valid = False
+            payload_fd = slab_file.buffered
+            if slab_file.direct is not None and is_page_aligned(view):
+                payload_fd = slab_file.direct
+            self._fault("write_payload", key)
+            pwrite_all(payload_fd, view, offset + PAGE_SIZE)
+            self._sync(slab_file, key)
+            page = self._write_page()
+            page[:HEADER_SIZE] = BlockHeader(key, len(view), checksum, self._layout.fingerprint,
+                                             reservation.generation).encode()
+            header_may_be_valid = True
+            self._fault("write_header", key)
+            pwrite_all(slab_file.header_fd, page, offset)
+            self._sync(slab_file, key)
+        except BaseException as exc:
+            cleared = not header_may_be_valid or self._clear_header(record, key)
+            with self._lock:
+                self._index.release(record, cleared)
+            if isinstance(exc, OSError) and exc.errno in _SPACE_ERRNOS:
+                self._degraded = True
+                self._log.warning("disk_store_degraded", key=key.hex(), error=str(exc))
+            raise
+        with self._lock:
+            to_clear = self._index.commit(key, record)
+            recovered, self._degraded = self._degraded, False
+        if recovered:
+            self._log.info("disk_store_recovered", key=key.hex())
+        if to_clear is not None:
+            self._clear_and_release(to_clear, key)
+        return reservation.evicted
+
+    def get(self, key: bytes, dst) -> None:
+        """Copy ``key``'s payload into ``dst`` (a writable buffer of exactly ``block_bytes``).
+        KeyError if absent; CorruptBlock if the stored copy is bad (it is dropped);
+        TransientIOError if the read failed but the block is kept. After a failure ``dst`` may
+        hold garbage."""
+        self._require_open()
+        view = self._payload_view(dst, writable=True)
+        with self._lock:
+            record, generation = self._index.pin(key)
+        corrupt = False
+        try:
+            self._read_record(key, record, generation, view)
+        except CorruptBlock as exc:
+            corrupt = True
+            self._log.warning("disk_block_corrupt", key=key.hex(), record=record, reason=str(exc))
+            raise
+        finally:
+            with self._lock:
+                if corrupt:
+                    self._index.drop(key, record)
+                must_clear = self._index.unpin(record)
+            if must_clear:
+                self._clear_and_release(record, key)
+
+    def delete(self, key: bytes) -> bool:
+        """Remove ``key``; False if it was absent. Its header page is cleared now, or after the
+        reads in progress finish."""
+        self._require_open()
+        with self._lock:
+            record = self._index.record_of(key)
+            if record is None:
+                return False
+            must_clear = self._index.drop(key, record)
+        if must_clear:
+            self._clear_and_release(record, key)
+        return True
+
+    # ---- internals -------------------------------------------------------------------------
+
+    @property
+    def _log(self) -> Any:
+        """A lazy structlog logger bound to this store's directory (resolved at log time)."""
+        return structlog.get_logger(directory=str(self._layout.directory))
+
+    def _read_record(self, key: bytes, record: int, generation: int, view: memoryview) -> None:
+        slab, offset = self._layout.locate(record)
+        slab_file = self._files[slab]
+        page = self._read_page()
+        fd = slab_file.buffered
+        if slab_file.direct is not None and is_page_aligned(view):
+            fd = slab_file.direct
+        total = PAGE_SIZE + len(view)
+        try:
+            self._fault("read", key)
+            got = preadv_all(fd, [page, view], offset, total)
+        except OSError as exc:
+            with self._lock:
+                failures = self._index.note_read_error(record)
+            if exc.errno == errno.EIO and failures >= MAX_READ_ERRORS:
+                raise CorruptBlock(f"{failures} consecutive read errors: {exc}") from exc
+            raise TransientIOError(exc.errno, f"reading block failed: {exc.strerror or exc}") from exc
+        if got != total:
+            raise CorruptBlock(f"short read: {got} of {total} bytes")
+        header = decode_header(page, self._layout.fingerprint)
+        if header.generation != generation:
+            raise CorruptBlock(f"generation {header.generation} differs from the index ({generation})")
+        verify_payload(header, key, view)
+        with self._lock:
+            self._index.note_read_ok(record)
+
+    def _clear_header(self, record: int, key: bytes) -> bool:
+        """Zero ``record``'s header page; False (logged) if that failed."""
+        slab, offset = self._layout.locate(record)
+        slab_file = self._files.get(slab)
+        if slab_file is None:
+            return True
+        try:
+            self._fault("clear", key)
+            pwrite_all(slab_file.header_fd, ZERO_PAGE, offset)
+        except OSError as exc:
+            self._log.warning("disk_header_clear_failed", record=record, error=str(exc))
+            return False
+        return True
+
+    def _clear_and_release(self, record: int, key: bytes) -> None:
+        cleared = self._clear_header(record, key)
+        with self._lock:
+            self._index.release(record, cleared)
+
+    def _writable_file(self, slab: int, key: bytes) -> _SlabFile:
+        """The slab's descriptors, creating the file and allocating its full size on first use."""
+        slab_file = self._files.get(slab)
+        if slab_file is not None and slab_file.sized:
+            return slab_file
+        with self._files_lock:
+            slab_file = self._files.get(slab)
+            if slab_file is None:
+                slab_file = self._open_slab(slab, create=True)
+                self._files[slab] = slab_file
+            if not slab_file.sized:
+                self._fault("allocate", key)
+                _allocate(slab_file.buffered, self._layout.slab_bytes(slab))
+                if self._durable:
+                    os.fsync(slab_file.buffered)
+                    fsync_directory(self._layout.directory)
+                slab_file.sized = True
+        return slab_file
+
+    def _open_slab(self, slab: int, create: bool) -> _SlabFile:
+        path = self._layout.slab_path(slab)
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        buffered = os.open(path, flags, 0o600)
+        direct = None
+        if self._direct_io:
+            try:
+                direct = os.open(path, os.O_RDWR | os.O_CLOEXEC | O_DIRECT)
+            except BaseException:
+                os.close(buffered)
+                raise
+        return _SlabFile(buffered, direct, sized=False)
+
+    def _scan(self, on_batch: Callable[[list[bytes]], None] | None, batch_size: int) -> int:
+        layout = self._layout
+        existing = [s for s in range(layout.n_slabs) if layout.slab_path(s).exists()]
+        for slab in existing:
+            self._files[slab] = self._open_slab(slab, create=False)
+        best: dict[bytes, tuple[int, int]] = {}
+        to_clear: list[int] = []
+        stale: list[int] = []
+        pending: list[bytes] = []
+        if existing:
+            before_read = partial(self._fault, "scan", b"")
+            with ThreadPoolExecutor(min(SCAN_THREADS, len(existing)), thread_name_prefix="disk-scan") as pool:
+                futures = [pool.submit(scan_slab, self._files[s].header_fd, layout, s, before_read)
+                           for s in existing]
+                for future in as_completed(futures):
+                    result = future.result()
+                    for key, record, generation in result.found:
+                        known = best.get(key)
+                        if known is None:
+                            best[key] = (record, generation)
+                            pending.append(key)
+                        elif generation > known[1]:
+                            to_clear.append(known[0])
+                            best[key] = (record, generation)
+                        else:
+                            to_clear.append(record)
+                    to_clear.extend(result.invalid)
+                    stale.extend(result.unreadable)
+                    if len(pending) >= batch_size:
+                        pending = self._announce(on_batch, pending, batch_size)
+        self._announce(on_batch, pending, batch_size, flush=True)
+        stale.extend(r for r in to_clear if not self._clear_header(r, b""))
+        if to_clear or stale:
+            self._log.warning("disk_scan_dropped_records", cleared=len(to_clear), unreadable=len(stale))
+        entries = [(key, record, generation) for key, (record, generation) in best.items()]
+        self._index = RecordIndex.from_scan(layout.n_records, entries, stale)
+        return len(entries)
+
+    @staticmethod
+    def _announce(on_batch: Callable[[list[bytes]], None] | None, pending: list[bytes], batch_size: int,
+                  flush: bool = False) -> list[bytes]:
+        """Hand full batches (and with ``flush`` the remainder) to ``on_batch``; returns the rest."""
+        while len(pending) >= batch_size or (flush and pending):
+            batch, pending = pending[:batch_size], pending[batch_size:]
+            if on_batch is not None:
+                on_batch(batch)
+        return pending
+
+    def _choose_direct_io(self) -> bool:
+        if self._direct_io_request is False:
+            return False
+        if self._layout.block_bytes % PAGE_SIZE:
+            self._log.info("disk_direct_io_off_unaligned_block", block_bytes=self._layout.block_bytes)
+            return False
+        if probe_direct_io(self._layout.directory):
+            return True
+        if self._direct_io_request:
+            raise OSError(errno.EINVAL, f"O_DIRECT is not supported in {self._layout.directory}")
+        self._log.warning("disk_direct_io_unavailable", block_bytes=self._layout.block_bytes)
+        return False
+
+    def _lock_directory(self) -> None:
+        fd = os.open(self._layout.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LayoutError(f"{self._layout.directory} is open in another DiskStore") from None
+        self._lock_fd = fd
+
+    def _release_files(self) -> None:
+        with self._files_lock:
+            for slab_file in self._files.values():
+                os.close(slab_file.buffered)
+                if slab_file.direct is not None:
+                    os.close(slab_file.direct)
+            self._files.clear()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _sync(self, slab_file: _SlabFile, key: bytes) -> None:
+        if self._durable:
+            self._fault("fsync", key)
+            os.fdatasync(slab_file.buffered)
+
+    def _fault(self, op: str, key: bytes) -> None:
+        if self._fault_hook is not None:
+            self._fault_hook(op, key)
+
+    def _read_page(self) -> mmap.mmap:
+        """This thread's aligned page that reads land in."""
+        page = getattr(self._local, "read_page", None)
+        if page is None:
+            page = self._local.read_page = page_buffer()
+        return page
+
+    def _write_page(self) -> mmap.mmap:
+        """This thread's aligned header page for writes; bytes past the header stay zero."""
+        page = getattr(self._local, "write_page", None)
+        if page is None:
+            page = self._local.write_page = page_buffer()
+        return page
+
+    def _payload_view(self, buf, writable: bool) -> memoryview:
+        view = memoryview(buf)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        if view.nbytes != self._layout.block_bytes:
+            raise ValueError(f"buffer holds {view.nbytes} bytes, blocks are {self._layout.block_bytes}")
+        if writable and view.readonly:
+            raise ValueError("destination buffer is read-only")
+        return view
+
+    def _require_open(self) -> None:
+        if not self._is_open:
+            raise RuntimeError("DiskStore is not open")
+
+
+def _check_key(key: bytes) -> None:
+    if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes")
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Reserve ``size`` bytes of disk for the file; a filesystem without fallocate gets a size."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, max(size, os.fstat(fd).st_size))
