@@ -29,14 +29,23 @@ class LookupOutcome:
     """A lookup reply in the tiering library's types (results up to the first MISS)."""
 
     def __init__(self, reply: p.LookupReply) -> None:
-        self.results = [LookupResult(r) for r in reply.results]
-        self.reasons = [MissReason(r) for r in reply.reasons]
+        self.raw_results = reply.results
+        self.raw_reasons = reply.reasons
         self.hit_prefix = reply.hit_prefix
         self.ready_prefix = reply.ready_prefix
 
     @property
+    def results(self) -> list[LookupResult]:
+        return [LookupResult(r) for r in self.raw_results]
+
+    @property
+    def reasons(self) -> list[MissReason]:
+        return [MissReason(r) for r in self.raw_reasons]
+
+    @property
     def must_wait(self) -> bool:
-        return any(r in (LookupResult.HIT_PENDING, LookupResult.RETRY) for r in self.results)
+        raw = self.raw_results
+        return bytes([LookupResult.HIT_PENDING]) in raw or bytes([LookupResult.RETRY]) in raw
 
     def __repr__(self) -> str:
         return f"LookupOutcome(hit_prefix={self.hit_prefix}, ready_prefix={self.ready_prefix}, results={[r.name for r in self.results]})"
@@ -62,7 +71,11 @@ class KVOffloadClient:
         self._sock.connect(endpoint)
         self._rids = itertools.count(1)
         self._events: deque[p.JobFinished] = deque()
-        self.info = self._call(p.Connect, version=p.PROTOCOL_VERSION, client_name=name)
+        try:
+            self.info = self._call(p.Connect, version=p.PROTOCOL_VERSION, client_name=name)
+        except BaseException:
+            self._sock.close(linger=0)
+            raise
 
     # ---- plumbing -------------------------------------------------------------------------
 
@@ -82,7 +95,14 @@ class KVOffloadClient:
             return reply
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        """Tell the manager we leave (best effort: it finishes our requests and releases our
+        pins at once instead of at lease expiry), then close the socket."""
+        if not self._sock.closed:
+            try:
+                self._call(p.Disconnect, timeout_s=1.0)
+            except (TimeoutError, KVOffloadError, zmq.ZMQError):
+                pass
+            self._sock.close(linger=0)
 
     def __enter__(self) -> "KVOffloadClient":
         return self

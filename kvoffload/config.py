@@ -372,10 +372,11 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
     if disk.enabled:
         if not disk.root:
             fail("disk.root", "must not be empty when disk.enabled")
-        if disk.capacity_bytes <= pool.block_bytes:
+        if disk.capacity_bytes < pool.block_bytes + 4096:
             fail(
                 "disk.capacity_bytes",
-                f"must exceed pool.block_bytes ({pool.block_bytes}), got {disk.capacity_bytes}",
+                f"must hold one record (pool.block_bytes + a 4096-byte header = "
+                f"{pool.block_bytes + 4096}), got {disk.capacity_bytes}",
             )
 
     obj = cfg.object

@@ -62,6 +62,11 @@ def _reserve_and_prefault(fd: int, mapping: mmap.mmap, size: int) -> None:
         del pages
 
 
+# Fill the page tables at attach time: the first touch of a shared page in a new process costs a
+# minor fault, which would otherwise land on the first transfers of every worker.
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
 class HostPool:
     """A mapped host pool. Build it with ``create`` (creator) or ``attach`` (everyone else)."""
 
@@ -112,7 +117,7 @@ class HostPool:
 
     @classmethod
     def attach(cls, name: str, num_slots: int, block_bytes: int) -> HostPool:
-        """Map an existing segment. FileNotFoundError if it does not exist; PoolMismatch if its
+        """Map an existing segment, page tables populated. FileNotFoundError if it does not exist; PoolMismatch if its
         size is not ``num_slots * block_bytes``."""
         _validate_geometry(name, num_slots, block_bytes)
         size = num_slots * block_bytes
@@ -127,7 +132,7 @@ class HostPool:
                     f"host pool {name} is {actual} bytes, expected {num_slots} slots x "
                     f"{block_bytes} bytes = {size}"
                 )
-            mapping = mmap.mmap(shm.fd, size)
+            mapping = mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
         finally:
             shm.close_fd()
         return cls(name, num_slots, block_bytes, mapping, creator=False)

@@ -154,6 +154,12 @@ class Status(_Msg, tag="status"):
     rid: int
 
 
+class Disconnect(_Msg, tag="disconnect"):
+    """The client is leaving: its open requests finish and its pins are released now."""
+
+    rid: int
+
+
 ClientRequest = Union[
     Connect,
     RegisterKV,
@@ -171,6 +177,7 @@ ClientRequest = Union[
     ResetCache,
     Poll,
     Status,
+    Disconnect,
 ]
 
 
@@ -207,11 +214,12 @@ class NewRequestReply(_Msg, tag="new_request_reply"):
 
 
 class LookupReply(_Msg, tag="lookup_reply"):
-    """``results``/``reasons`` are tiering LookupResult/MissReason values, up to the first MISS."""
+    """``results``/``reasons``: one byte per evaluated key (tiering LookupResult / MissReason
+    values), up to and including the first MISS."""
 
     rid: int
-    results: list[int]
-    reasons: list[int]
+    results: bytes
+    reasons: bytes
     hit_prefix: int
     ready_prefix: int
 

@@ -27,6 +27,9 @@ log = structlog.get_logger()
 
 WORKER_MODULES = {"cpu": "workers.cpu", "disk": "workers.disk", "object": "workers.object"}
 HEALTHY_AFTER_S = 30.0
+EXIT_REFUSED = 2
+"""A child that exits with this code refused its configuration (bad credentials, missing bucket,
+protocol mismatch): restarting it cannot help, so it stays down and its tier's jobs fail."""
 
 
 @dataclass
@@ -48,8 +51,10 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, log_path: Path | None = None) -> None:
+        """``log_path``: where children's stdout/stderr go (default: inherited)."""
         self.cfg = cfg
+        self.log_path = log_path
         self.rundir: RunDir | None = None
         self.pool: HostPool | None = None
         self.spec: RunSpec | None = None
@@ -110,7 +115,12 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         env = {**os.environ, **child.env}
-        child.proc = subprocess.Popen(child.argv, env=env, stdin=subprocess.DEVNULL)
+        out = open(self.log_path, "ab") if self.log_path is not None else None
+        try:
+            child.proc = subprocess.Popen(child.argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        finally:
+            if out is not None:
+                out.close()
         child.started_at = time.monotonic()
         child.restart_at = None
         if child.affinity:
@@ -152,7 +162,7 @@ class Supervisor:
                 continue
             if child.restart_at is None:
                 self._log_exit(child, code)
-                if not child.restart:
+                if not child.restart or code == EXIT_REFUSED:
                     child.proc = None
                     continue
                 child.backoff_s = initial if child.backoff_s == 0 else min(child.backoff_s * 2, ceiling)
@@ -165,7 +175,9 @@ class Supervisor:
         fields = {"child": child.name, "child_pid": child.proc.pid, "exit_code": code}
         if code < 0:
             fields["signal"] = signal.Signals(-code).name
-        if child.restart:
+        if child.restart and code == EXIT_REFUSED:
+            log.error("child_refused_to_start", **fields)
+        elif child.restart:
             log.error("child_exited", **fields)
         else:
             log.info("child_exited", **fields)

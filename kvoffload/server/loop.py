@@ -8,6 +8,7 @@ its client exactly once (long-poll). It never maps the pool's bytes.
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ class ManagerServer:
             p.ResetCache: self._on_reset_cache,
             p.Poll: self._on_poll,
             p.Status: self._on_status,
+            p.Disconnect: self._on_disconnect,
         }
         self.metrics = MetricsEndpoint(svc.metrics_port) if svc.metrics_port else None
         self.started_at = time.monotonic()
@@ -145,7 +147,10 @@ class ManagerServer:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            handler(frames)
+            try:
+                handler(frames)
+            except Exception:
+                log.exception("message_handling_crashed", channel="jobs" if sock is self.job_sock else "clients")
 
     def _housekeeping(self, now: float) -> None:
         for worker in self.registry.expired(now):
@@ -239,7 +244,8 @@ class ManagerServer:
         if isinstance(msg, p.JobDone):
             self._on_job_done(worker, msg)
         elif isinstance(msg, p.IndexUpdate):
-            self.tiering.apply_index_update(name, msg.added, msg.removed)
+            if name != CPU_WORKER:
+                self.tiering.apply_index_update(name, msg.added, msg.removed)
             worker.index_complete = worker.index_complete or msg.complete
         elif isinstance(msg, p.Heartbeat):
             if msg.degraded != worker.degraded:
@@ -430,11 +436,7 @@ class ManagerServer:
         self._check_keys(msg.keys)
         reply = self.tiering.lookup(self._scoped(session, msg.req_id), msg.keys)
         return p.LookupReply(
-            msg.rid,
-            [int(r) for r in reply.results],
-            [int(r) for r in reply.reasons],
-            reply.hit_prefix,
-            reply.ready_prefix,
+            msg.rid, bytes(reply.results), bytes(reply.reasons), reply.hit_prefix, reply.ready_prefix
         )
 
     def _on_store(self, identity, session: ClientSession, msg: p.Store):
@@ -576,6 +578,10 @@ class ManagerServer:
             if session.pending_poll is not None and now >= session.pending_poll.deadline:
                 self._answer_poll(session, force=True)
 
+    def _on_disconnect(self, identity, session: ClientSession, msg: p.Disconnect):
+        self._drop_session(session, "disconnected")
+        return p.Ok(msg.rid)
+
     def _on_status(self, identity, session, msg: p.Status):
         return p.StatusReply(msg.rid, self.status(time.monotonic()))
 
@@ -616,7 +622,8 @@ class ManagerServer:
             if self.registry.live(CPU_WORKER) is not None:
                 self._send_worker(CPU_WORKER, p.DetachKV(handle_id))
         self._dispatch_tier_jobs()
-        log.warning(
+        log.log(
+            logging.INFO if reason == "disconnected" else logging.WARNING,
             "client_dropped",
             client_id=session.client_id,
             reason=reason,

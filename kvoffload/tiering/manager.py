@@ -97,6 +97,7 @@ class TieringManager:
         self._jobs: dict[int, TransferJob] = {}
         self._requests: dict[str, RequestState] = {}
         self._pending_promotions: list[dict[str, PendingPromotion]] = [{} for _ in self.tiers]
+        self._parked_requests: set[str] = set()
         self._outbox: list[TransferJob] = []
         self._landed: set[Key] = set()
         self._unread_total = 0
@@ -355,14 +356,14 @@ class TieringManager:
                 ready.append(key)
             elif result is HIT_PENDING:
                 state.parked_cascade_keys[key] = None
+                self._parked_requests.add(state.ctx.req_id)
         if ready:
             for i in sorted(state.request_level_tiers):
                 self._submit_cascade(i, ready, state.ctx.req_id)
 
     def _retry_parked_cascades(self) -> None:
-        for req_id, state in list(self._requests.items()):
-            if not state.parked_cascade_keys:
-                continue
+        for req_id in list(self._parked_requests):
+            state = self._requests[req_id]
             parked = list(state.parked_cascade_keys)
             state.parked_cascade_keys.clear()
             ready = []
@@ -375,6 +376,8 @@ class TieringManager:
             if ready:
                 for i in sorted(state.request_level_tiers):
                     self._submit_cascade(i, ready, req_id)
+            if not state.parked_cascade_keys:
+                self._parked_requests.discard(req_id)
             self._maybe_finalize(req_id)
 
     def _submit_cascade(self, tier_idx: int, keys: list[Key], req_id: str | None) -> None:
@@ -546,7 +549,7 @@ class TieringManager:
             self._jobs
             or self._outbox
             or any(self._pending_promotions)
-            or any(s.parked_cascade_keys for s in self._requests.values())
+            or self._parked_requests
             or any(t.has_queued_probes() for t in self.tiers)
         )
 
@@ -567,6 +570,7 @@ class TieringManager:
             state.pending_primary_stores = 0
             state.parked_cascade_keys.clear()
             state.unread.clear()
+            self._parked_requests.discard(req_id)
             state.pending_deadlines.clear()
             self._maybe_finalize(req_id)
         self._landed.clear()

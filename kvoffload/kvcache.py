@@ -1,0 +1,363 @@
+"""Engine-side KV caches the cpu worker can reach, and the ``KVHandle`` that describes them.
+
+Layout contract (shared with ``workers.cpu``): a KV cache is a list of block-major tensors, each
+``num_blocks`` rows of ``row_bytes[j]`` bytes. A device block's bytes in a pool slot are the
+concatenation, in tensor order, of each tensor's row for that block, so ``sum(row_bytes)`` must
+equal the pool's ``block_bytes``.
+
+- ``SharedKVCache``: a CPU KV cache in one POSIX shared-memory segment (engines without a GPU,
+  tests, the demo). The creator ``create``s and ``unlink``s it; the cpu worker ``attach``es.
+- ``cuda_kv_handle``: a handle for CUDA KV tensors, shared through CUDA IPC. The engine must
+  keep those tensors alive until the worker has been told ``DetachKV``.
+
+torch is imported only by the functions that need it.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import posix_ipc
+
+from kvoffload.logs import get_logger
+from kvoffload.protocol import KVHandle, TensorSpec
+
+if TYPE_CHECKING:
+    import torch
+
+log = get_logger()
+
+PAGE_BYTES = 4096
+SHM_KIND = "shm"
+CUDA_IPC_KIND = "cuda_ipc"
+
+
+def _align_up(value: int, to: int = PAGE_BYTES) -> int:
+    return (value + to - 1) // to * to
+
+
+def unique_kv_name() -> str:
+    """A fresh segment name ``/kvoffload-kv-<random>``."""
+    return f"/kvoffload-kv-{secrets.token_hex(8)}"
+
+
+def layout(num_blocks: int, row_bytes: Sequence[int]) -> tuple[list[int], int]:
+    """Page-aligned byte offsets of the tensors laid out one after another, and the total size."""
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    if not row_bytes or any(rb <= 0 for rb in row_bytes):
+        raise ValueError(
+            f"row_bytes must be a non-empty list of positive sizes, got {list(row_bytes)}"
+        )
+    offsets = []
+    end = 0
+    for rb in row_bytes:
+        offsets.append(end)
+        end = _align_up(end + num_blocks * rb)
+    return offsets, end
+
+
+class SharedKVCache:
+    """A KV cache in one shm segment. ``tensors[j]`` is a writable zero-copy uint8 array of
+    shape ``(num_blocks, row_bytes[j])``. Build it with ``create`` or ``attach``."""
+
+    def __init__(
+        self,
+        name: str,
+        num_blocks: int,
+        row_bytes: Sequence[int],
+        offsets: Sequence[int],
+        mapping: mmap.mmap,
+        creator: bool,
+    ) -> None:
+        self._name = name
+        self._num_blocks = num_blocks
+        self._row_bytes = tuple(row_bytes)
+        self._offsets = tuple(offsets)
+        self._mmap: mmap.mmap | None = mapping
+        self._creator = creator
+        self._unlinked = False
+        # np.frombuffer keeps the mapping exported while a view lives (np.ndarray(buffer=...)
+        # would not, and mmap.close() would then unmap under it).
+        self.tensors: list[np.ndarray] = [
+            np.frombuffer(mapping, dtype=np.uint8, count=num_blocks * rb, offset=off).reshape(
+                num_blocks, rb
+            )
+            for rb, off in zip(self._row_bytes, self._offsets)
+        ]
+
+    @classmethod
+    def create(cls, name: str | None, num_blocks: int, row_bytes: Sequence[int]) -> SharedKVCache:
+        """Create and map a new zeroed segment, mode 0600 (``name`` None: ``unique_kv_name()``;
+        FileExistsError if it exists). Its pages are reserved up front (ENOSPC raises here)."""
+        offsets, size = layout(num_blocks, row_bytes)
+        name = name if name is not None else unique_kv_name()
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+        except posix_ipc.ExistentialError as exc:
+            raise FileExistsError(f"KV cache segment {name} already exists") from exc
+        try:
+            os.fchmod(shm.fd, 0o600)
+            try:
+                os.posix_fallocate(shm.fd, 0, size)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise
+            mapping = mmap.mmap(shm.fd, size)
+        except BaseException:
+            shm.close_fd()
+            shm.unlink()
+            raise
+        shm.close_fd()
+        log.debug("kv_cache_created", segment=name, blocks=num_blocks, bytes=size)
+        return cls(name, num_blocks, row_bytes, offsets, mapping, creator=True)
+
+    @classmethod
+    def attach(cls, handle: KVHandle) -> SharedKVCache:
+        """Map the segment of an ``shm`` handle. FileNotFoundError if it is gone; ValueError if
+        the handle is not ``shm`` or a tensor lies outside the segment."""
+        if handle.kind != SHM_KIND:
+            raise ValueError(f"handle {handle.handle_id} is {handle.kind!r}, not {SHM_KIND!r}")
+        if handle.num_blocks < 1 or not handle.tensors:
+            raise ValueError(f"handle {handle.handle_id} has no blocks or no tensors")
+        try:
+            shm = posix_ipc.SharedMemory(handle.shm_name)
+        except posix_ipc.ExistentialError as exc:
+            raise FileNotFoundError(f"KV cache segment {handle.shm_name} does not exist") from exc
+        except ValueError as exc:
+            raise ValueError(f"bad KV cache segment name {handle.shm_name!r}: {exc}") from None
+        try:
+            size = os.fstat(shm.fd).st_size
+            for j, t in enumerate(handle.tensors):
+                end = t.offset + handle.num_blocks * t.row_bytes
+                if t.row_bytes <= 0 or t.offset < 0 or end > size:
+                    raise ValueError(
+                        f"tensor {j} of handle {handle.handle_id} (offset {t.offset}, "
+                        f"{handle.num_blocks} x {t.row_bytes} bytes) lies outside the "
+                        f"{size}-byte segment"
+                    )
+            mapping = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        return cls(
+            handle.shm_name,
+            handle.num_blocks,
+            [t.row_bytes for t in handle.tensors],
+            [t.offset for t in handle.tensors],
+            mapping,
+            creator=False,
+        )
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def row_bytes(self) -> tuple[int, ...]:
+        return self._row_bytes
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return self._offsets
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in a pool slot: the sum of the row sizes."""
+        return sum(self._row_bytes)
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+    def block(self, block_id: int) -> bytes:
+        """A copy of one block's bytes in pool order (the rows concatenated)."""
+        return b"".join(t[block_id].tobytes() for t in self.tensors)
+
+    def handle(self, handle_id: str) -> KVHandle:
+        """The ``shm`` handle to send in ``RegisterKV`` / ``AttachKV``."""
+        return KVHandle(
+            handle_id=handle_id,
+            kind=SHM_KIND,
+            num_blocks=self._num_blocks,
+            tensors=[
+                TensorSpec(row_bytes=rb, offset=off)
+                for rb, off in zip(self._row_bytes, self._offsets)
+            ],
+            shm_name=self._name,
+        )
+
+    def torch_views(self, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Zero-copy torch tensors over ``tensors``, shape ``(num_blocks, row_bytes // itemsize)``
+        of ``dtype`` (default uint8). They keep the mapping exported, so drop them before
+        ``close`` (a ``torch.frombuffer`` view would not, and could outlive the mapping)."""
+        import torch
+
+        dtype = torch.uint8 if dtype is None else dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        views = []
+        for j, array in enumerate(self.tensors):
+            if array.shape[1] % itemsize:
+                raise ValueError(
+                    f"row_bytes[{j}]={array.shape[1]} is not a multiple of {dtype}'s size"
+                )
+            views.append(torch.from_numpy(array).view(dtype))
+        return views
+
+    def close(self) -> None:
+        """Unmap. Idempotent. If views handed out are still alive the unmap is left to the
+        garbage collector (logged as ``kv_cache_close_deferred``)."""
+        mapping, self._mmap = self._mmap, None
+        if mapping is None:
+            return
+        self.tensors = []
+        try:
+            mapping.close()
+        except BufferError:
+            log.warning("kv_cache_close_deferred", segment=self._name)
+
+    def unlink(self) -> None:
+        """Remove the segment's name (creator only; mappings stay valid). Idempotent."""
+        if not self._creator:
+            raise PermissionError(f"KV cache {self._name} was attached, only its creator unlinks")
+        if self._unlinked:
+            return
+        try:
+            posix_ipc.unlink_shared_memory(self._name)
+        except posix_ipc.ExistentialError:
+            pass
+        self._unlinked = True
+
+    def __enter__(self) -> SharedKVCache:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Close the mapping; the creator also unlinks the segment."""
+        self.close()
+        if self._creator:
+            self.unlink()
+
+
+# ---- CUDA IPC --------------------------------------------------------------------------------
+
+_IPC_FIELDS = (
+    "size",
+    "stride",
+    "tensor_offset",
+    "dtype",
+    "device",
+    "handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
+
+
+def cuda_ipc_fields(tensor: torch.Tensor) -> dict[str, Any]:
+    """torch's CUDA IPC sharing fields of ``tensor`` as plain msgpack-able values (the
+    ``TensorSpec.ipc`` dict; ``rebuild_cuda_ipc_tensor`` is the inverse)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(tensor)
+    (
+        _tensor_cls,
+        size,
+        stride,
+        tensor_offset,
+        _storage_cls,
+        dtype,
+        device,
+        handle,
+        storage_size_bytes,
+        storage_offset_bytes,
+        _requires_grad,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = args
+    return {
+        "size": list(size),
+        "stride": list(stride),
+        "tensor_offset": int(tensor_offset),
+        "dtype": str(dtype),
+        "device": int(device),
+        "handle": bytes(handle),
+        "storage_size_bytes": int(storage_size_bytes),
+        "storage_offset_bytes": int(storage_offset_bytes),
+        "ref_counter_handle": bytes(ref_counter_handle),
+        "ref_counter_offset": int(ref_counter_offset),
+        "event_handle": None if event_handle is None else bytes(event_handle),
+        "event_sync_required": bool(event_sync_required),
+    }
+
+
+def rebuild_cuda_ipc_tensor(ipc: dict[str, Any]) -> torch.Tensor:
+    """Open a tensor shared by ``cuda_ipc_fields`` (in another process than the producer).
+    ValueError for a malformed field dict."""
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    missing = [f for f in _IPC_FIELDS if f not in ipc]
+    if missing:
+        raise ValueError(f"cuda ipc fields missing: {missing}")
+    dtype_name = str(ipc["dtype"]).removeprefix("torch.")
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {ipc['dtype']!r}")
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size(ipc["size"]),
+        tuple(ipc["stride"]),
+        ipc["tensor_offset"],
+        torch.storage.TypedStorage,
+        dtype,
+        ipc["device"],
+        ipc["handle"],
+        ipc["storage_size_bytes"],
+        ipc["storage_offset_bytes"],
+        False,
+        ipc["ref_counter_handle"],
+        ipc["ref_counter_offset"],
+        ipc["event_handle"],
+        ipc["event_sync_required"],
+    )
+
+
+def cuda_kv_handle(handle_id: str, tensors: Sequence[torch.Tensor]) -> KVHandle:
+    """A ``cuda_ipc`` handle for block-major CUDA KV tensors (first dim = blocks, same for all).
+    Each tensor's row is ``tensor[0]``; tensors must be contiguous (ValueError otherwise)."""
+    if not tensors:
+        raise ValueError("no tensors")
+    num_blocks = int(tensors[0].shape[0])
+    specs = []
+    for j, t in enumerate(tensors):
+        if not t.is_cuda:
+            raise ValueError(f"tensor {j} is on {t.device}, not a CUDA device")
+        if not t.is_contiguous():
+            raise ValueError(f"tensor {j} is not contiguous")
+        if t.dim() < 1 or int(t.shape[0]) != num_blocks:
+            raise ValueError(
+                f"tensor {j} has shape {tuple(t.shape)}, expected {num_blocks} blocks first"
+            )
+        row_bytes = t[0].numel() * t.element_size()
+        specs.append(TensorSpec(row_bytes=row_bytes, ipc=cuda_ipc_fields(t)))
+    return KVHandle(handle_id=handle_id, kind=CUDA_IPC_KIND, num_blocks=num_blocks, tensors=specs)

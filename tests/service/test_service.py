@@ -1,0 +1,188 @@
+"""The running service: real supervisor, manager, cpu worker, sockets and shared memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from kvoffload import protocol as p
+from kvoffload.client import KVOffloadError
+from kvoffload.kvcache import SharedKVCache
+from kvoffload.tiering import LookupResult
+
+from .conftest import shm_segments
+
+BLOCK = 65536
+
+
+def keys_for(prefix: str, n: int) -> list[bytes]:
+    return [f"{prefix}-{i}".encode().ljust(16, b".") for i in range(n)]
+
+
+@pytest.fixture
+def kv():
+    cache = SharedKVCache.create(f"/kvoffload-kvtest-{os.getpid()}-{time.monotonic_ns()}", 32, [BLOCK // 2, BLOCK // 2])
+    rng = np.random.default_rng(7)
+    for t in cache.tensors:
+        t[:] = rng.integers(0, 256, size=t.shape, dtype=np.uint8)
+    yield cache
+    cache.close()
+    cache.unlink()
+
+
+def block_bytes(cache, block: int) -> bytes:
+    return b"".join(t[block].tobytes() for t in cache.tensors)
+
+
+def store_and_wait(client, req, keys, blocks, handle_id="kv"):
+    accepted = client.store(req, keys, blocks, handle_id)
+    if accepted.job_id is None:
+        return None
+    return client.wait([accepted.job_id])[accepted.job_id]
+
+
+def test_store_lookup_load_round_trip(start_service, kv):
+    service = start_service()
+    with service.client("engine") as c:
+        c.register_kv(kv.handle("kv"))
+        c.new_request("r1")
+        keys = keys_for("a", 8)
+        done = store_and_wait(c, "r1", keys, list(range(8)))
+        assert done.success and done.kind == "store"
+        reply = c.lookup("r1", keys)
+        assert reply.results == [LookupResult.HIT] * 8 and reply.hit_prefix == 8
+        accepted = c.load("r1", keys, list(range(16, 24)), "kv")
+        assert c.wait([accepted.job_id])[accepted.job_id].success
+        for i in range(8):
+            assert block_bytes(kv, 16 + i) == block_bytes(kv, i)
+        c.finish_request("r1")
+    status = service.status()["tiering"]
+    assert status["pinned_slots"] == 0 and status["jobs_in_flight"] == 0
+
+
+def test_two_clients_share_a_prefix(start_service, kv):
+    service = start_service()
+    keys = keys_for("shared", 4)
+    with service.client("writer") as w, service.client("reader") as r:
+        w.register_kv(kv.handle("kv-w"))
+        w.new_request("x")
+        assert store_and_wait(w, "x", keys, [0, 1, 2, 3], "kv-w").success
+        w.finish_request("x")
+        r.new_request("x")  # same request id in another client is another request
+        assert r.lookup("x", keys).hit_prefix == 4
+
+
+def test_errors_are_typed_and_manager_keeps_serving(start_service, kv):
+    service = start_service()
+    with service.client("engine") as c:
+        c.register_kv(kv.handle("kv"))
+        with pytest.raises(KVOffloadError) as err:
+            c.lookup("never-created", keys_for("k", 1))
+        assert err.value.code == "unknown_request"
+        c.new_request("r")
+        with pytest.raises(KVOffloadError) as err:
+            c.lookup("r", [b"short"])
+        assert err.value.code == "bad_key"
+        with pytest.raises(KVOffloadError) as err:
+            c.store("r", keys_for("k", 2), [0, 999], "kv")
+        assert err.value.code == "block_out_of_range"
+        with pytest.raises(KVOffloadError) as err:
+            c.store("r", keys_for("k", 1), [0], "not-mine")
+        assert err.value.code == "unknown_handle"
+        with pytest.raises(KVOffloadError) as err:
+            c.complete_load("r", keys_for("k", 1))
+        assert err.value.code == "not_pinned"
+        assert c.lookup("r", keys_for("k", 1)).results == [LookupResult.MISS]
+
+
+def test_malformed_frames_on_client_channel(start_service):
+    service = start_service()
+    zctx = zmq.Context.instance()
+    raw = zctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(service.endpoint)
+    try:
+        for frame in [b"\xc1\xc1", msgspec.msgpack.encode({"t": "lookup", "rid": 9, "keys": 3}), b"\x00" * (p.MAX_MESSAGE_BYTES + 10)]:
+            raw.send(frame)
+            assert raw.poll(5000)
+            reply = p.decode_client_reply(raw.recv())
+            assert isinstance(reply, p.Error) and reply.code == "bad_message"
+        raw.send(p.encode(p.Connect(rid=1, version=p.PROTOCOL_VERSION + 1)))
+        assert raw.poll(5000)
+        reply = p.decode_client_reply(raw.recv())
+        assert reply.code == "version_mismatch"
+        raw.send(p.encode(p.Lookup(rid=2, req_id="r", keys=[])))
+        assert raw.poll(5000)
+        assert p.decode_client_reply(raw.recv()).code == "not_connected"
+    finally:
+        raw.close()
+    assert service.status()["clients"] >= 0
+
+
+def test_bad_worker_hello_is_refused(start_service):
+    service = start_service()
+    zctx = zmq.Context.instance()
+    jobs_endpoint = f"ipc://{service.base / (service.run_id + '-jobs.sock')}"
+    for identity, hello, reason in [
+        (b"cpu", p.WorkerHello(version=p.PROTOCOL_VERSION + 5, worker="cpu", medium="cpu", pid=1), "protocol version"),
+        (b"bogus", p.WorkerHello(version=p.PROTOCOL_VERSION, worker="bogus", medium="cpu", pid=1), "unknown worker"),
+    ]:
+        sock = zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity + b"-probe" if identity == b"cpu" else identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(jobs_endpoint)
+        try:
+            sock.send(b"\xc1 garbage")
+            sock.send(p.encode(hello))
+            assert sock.poll(5000)
+            ack = p.decode_manager_message(sock.recv())
+            assert isinstance(ack, p.HelloAck) and not ack.accepted
+        finally:
+            sock.close()
+    assert "cpu" in service.status()["workers"]
+
+
+def test_killed_worker_fails_its_jobs_and_is_restarted(start_service):
+    service = start_service()
+    big = SharedKVCache.create(f"/kvoffload-kvbig-{os.getpid()}", 64, [BLOCK])
+    try:
+        with service.client("engine") as c:
+            c.register_kv(big.handle("big"))
+            c.new_request("r")
+            old_pid = service.status()["workers"]["cpu"]["pid"]
+            accepted = [c.store("r", keys_for(f"b{j}", 16), list(range(16 * j, 16 * j + 16)), "big") for j in range(4)]
+            os.kill(old_pid, signal.SIGKILL)
+            results = c.wait([a.job_id for a in accepted], timeout_s=30)
+            assert len(results) == 4  # every job got its one result, none hung
+            workers = service.wait_workers(["cpu"], exclude_pids=[old_pid])
+            assert workers["cpu"]["pid"] != old_pid
+            deadline = time.monotonic() + 10
+            while service.status()["tiering"]["pinned_slots"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert service.status()["tiering"]["pinned_slots"] == 0
+            c.new_request("r2")
+            done = store_and_wait(c, "r2", keys_for("after", 2), [0, 1], "big")
+            assert done.success
+    finally:
+        big.close()
+        big.unlink()
+
+
+def test_sigterm_with_jobs_in_flight_leaves_nothing_behind(start_service, kv):
+    service = start_service()
+    with service.client("engine") as c:
+        c.register_kv(kv.handle("kv"))
+        c.new_request("r")
+        for j in range(3):
+            c.store("r", keys_for(f"t{j}", 8), list(range(8)), "kv")
+    assert service.stop() == 0
+    assert shm_segments(service.run_id) == []
+    assert [f for f in os.listdir(service.base) if service.run_id in f] == []
+    events = {e["event"] for e in service.log_events()}
+    assert {"manager_stopping", "service_stopped"} <= events

@@ -1,0 +1,107 @@
+"""The interface between the common worker loop (``workers.framework``) and one tier's medium.
+
+A backend moves bytes between host-pool slots and its medium; the framework owns the socket,
+the job threads, validation, fault settings and the one-result-per-job rule. Threading:
+``run_job`` runs on the framework's job threads (several at once); every other method runs on
+the worker's main thread.
+
+Resource contract (seed 002): ``run_job`` returns a ``JobOutcome`` whose ``release`` drops
+everything that could still touch the pool (or the engine's KV cache) for that job. The
+framework calls ``release`` on the main thread and publishes the job's ``JobDone`` only after it
+returned; if it raises, the job stays tracked and ``release`` is called again later, so it must
+be safe to call again after a failure. ``cleanup`` is secondary best-effort work run once after
+a successful release; its failures are only logged and never hold back the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from kvoffload.pool import HostPool
+from kvoffload.protocol import Job, KVHandle
+from workers.faults import FaultInjector
+
+DEVICE_STORE = "device_store"
+DEVICE_LOAD = "device_load"
+PROMOTE = "promote"
+CASCADE = "cascade"
+PROBE = "probe"
+
+JOB_KINDS = frozenset({DEVICE_STORE, DEVICE_LOAD, PROMOTE, CASCADE, PROBE})
+SLOT_KINDS = frozenset({DEVICE_STORE, DEVICE_LOAD, PROMOTE, CASCADE})
+"""Kinds whose ``Job.slots`` are co-indexed with ``Job.keys``."""
+DEVICE_KINDS = frozenset({DEVICE_STORE, DEVICE_LOAD})
+"""Kinds whose ``Job.device_blocks`` are co-indexed with ``Job.keys`` and need ``handle_id``."""
+URGENT_KINDS = frozenset({DEVICE_LOAD, PROMOTE, PROBE})
+"""Kinds on the engine's critical path: run before stores and cascades when both are queued."""
+
+
+@dataclass
+class JobOutcome:
+    """What one job did.
+
+    ``ok_keys``: the keys that succeeded, in job order (all of them means success).
+    ``nbytes``: bytes moved. ``error``: a short summary of the failures (details are logged by
+    the backend). ``release``: None when nothing is held; else must succeed before the result is
+    published (retried while it raises). ``cleanup``: None or best-effort work after release.
+    """
+
+    ok_keys: list[bytes]
+    nbytes: int = 0
+    error: str = ""
+    release: Callable[[], None] | None = None
+    cleanup: Callable[[], None] | None = None
+
+
+class AttachRefused(ValueError):
+    """An ``AttachKV`` handle that this worker cannot use (wrong geometry, unreachable memory)."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One tier's medium, driven by ``workers.framework.run_worker``.
+
+    ``name`` is the worker's identity on the job channel ("cpu", "disk", "object"); ``medium``
+    is reported in the hello; ``capabilities`` lists the job kinds it runs (jobs of other kinds
+    are refused by the framework) plus optional feature tags. ``degraded`` is reported in every
+    heartbeat.
+    """
+
+    name: str
+    medium: str
+    capabilities: list[str]
+    degraded: bool
+
+    def start(self, pool: HostPool, faults: FaultInjector) -> None:
+        """Open the medium; called once before the hello. ``faults`` stays the same object for
+        the worker's life (``Control(faults)`` updates it in place). Raising aborts the worker."""
+
+    def initial_index(self) -> Iterable[list[bytes]]:
+        """Batches of the keys the medium holds now (any batch size; the framework
+        re-batches). Empty for a backend without an index. Called after the first ack, and
+        again on the main thread when a restarted manager asks for a new hello."""
+
+    def run_job(self, job: Job) -> JobOutcome:
+        """Run one validated job (blocking, on a job thread). Per-key failures are reported in
+        the outcome, never raised; an exception fails the whole job and is logged."""
+
+    def touch(self, keys: list[bytes]) -> None:
+        """Mark ``keys`` recently used (eviction order); unknown keys are ignored."""
+
+    def take_index_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """(added, removed) keys since the previous call, e.g. evictions; both empty when none."""
+
+    def attach_kv(self, handle: KVHandle) -> None:
+        """Make an engine's KV cache reachable (cpu worker); raise AttachRefused if unusable.
+        Other backends ignore it."""
+
+    def detach_kv(self, handle_id: str) -> None:
+        """Forget a KV cache; jobs still using it keep it mapped until their release."""
+
+    def stats(self) -> dict[str, Any]:
+        """Plain msgpack-able counters for the heartbeat."""
+
+    def close(self) -> None:
+        """Release the medium; called once after the last job was released."""

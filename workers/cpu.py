@@ -1,0 +1,336 @@
+"""The cpu worker: copies KV blocks between an engine's KV cache and host-pool slots.
+
+Jobs: ``device_store`` (device block ``device_blocks[i]`` of KV cache ``handle_id`` -> pool slot
+``slots[i]``) and ``device_load`` (slot -> device block). A block's bytes in a slot are the
+concatenation, in tensor order, of each tensor's row for that block.
+
+KV caches arrive with ``AttachKV``:
+- ``shm``: the engine's ``SharedKVCache`` segment is mapped; rows are copied with ``np.copyto``
+  straight between the engine's row and the slot (no staging buffer; the GIL is released).
+- ``cuda_ipc``: the CUDA tensors are opened through CUDA IPC and copied with ``non_blocking``
+  on a stream per job thread, synchronized before the job's outcome is returned. torch is
+  imported, and the pool registered with ``cudaHostRegister``, at the first such attach only.
+
+Each job holds a reference on its KV cache; the job's release drops it. ``DetachKV`` unmaps a
+cache once no job holds it.
+
+Run: ``python -m workers.cpu --spec RUNSPEC_JSON``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvoffload.config import Config
+from kvoffload.kvcache import CUDA_IPC_KIND, SHM_KIND, SharedKVCache, rebuild_cuda_ipc_tensor
+from kvoffload.logs import get_logger
+from kvoffload.pool import HostPool
+from kvoffload.protocol import Job, KVHandle
+from workers.backend import DEVICE_LOAD, DEVICE_STORE, AttachRefused, JobOutcome
+from workers.faults import FaultInjector
+from workers.framework import worker_main
+
+log = get_logger()
+
+UNKNOWN_HANDLE = "unknown_handle"
+
+
+class _AttachedKV:
+    """One attached KV cache: per-block row copies to and from pool slots, plus the count of
+    jobs holding it. Subclasses implement the copies; ``close`` unmaps."""
+
+    def __init__(self, handle: KVHandle) -> None:
+        self.handle_id = handle.handle_id
+        self.num_blocks = handle.num_blocks
+        self.row_bytes = [t.row_bytes for t in handle.tensors]
+        self.holders = 0
+        self.detached = False
+
+    def store(self, block: int, slot: int) -> None:
+        """Copy device block -> pool slot (may complete only at ``finish``)."""
+        raise NotImplementedError
+
+    def load(self, slot: int, block: int) -> None:
+        """Copy pool slot -> device block (may complete only at ``finish``)."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Wait until every copy this thread issued is complete."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _ShmKV(_AttachedKV):
+    def __init__(self, handle: KVHandle, pool: HostPool) -> None:
+        super().__init__(handle)
+        self._cache = SharedKVCache.attach(handle)
+        # (device rows, the same tensor's column range in every pool slot), per tensor
+        slots = pool.as_numpy()
+        self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        offset = 0
+        for rows, size in zip(self._cache.tensors, self.row_bytes):
+            self._pairs.append((rows, slots[:, offset : offset + size]))
+            offset += size
+
+    def store(self, block: int, slot: int) -> None:
+        for rows, parts in self._pairs:
+            np.copyto(parts[slot], rows[block])
+
+    def load(self, slot: int, block: int) -> None:
+        for rows, parts in self._pairs:
+            np.copyto(rows[block], parts[slot])
+
+    def close(self) -> None:
+        self._pairs = []
+        self._cache.close()
+
+
+class _CudaKV(_AttachedKV):
+    """CUDA tensors opened from IPC handles; copies go through ``streams`` (one per thread)."""
+
+    def __init__(self, handle: KVHandle, pool: HostPool, streams: threading.local) -> None:
+        super().__init__(handle)
+        import torch
+
+        if not torch.cuda.is_available():
+            raise AttachRefused("a cuda_ipc handle needs a CUDA device in the cpu worker")
+        rows = []
+        for j, spec in enumerate(handle.tensors):
+            if not spec.ipc:
+                raise AttachRefused(f"tensor {j} has no ipc fields")
+            tensor = rebuild_cuda_ipc_tensor(spec.ipc)
+            if not tensor.is_contiguous() or int(tensor.shape[0]) != self.num_blocks:
+                raise AttachRefused(
+                    f"tensor {j} is not contiguous with {self.num_blocks} blocks first"
+                )
+            row = tensor.reshape(self.num_blocks, -1).view(torch.uint8)
+            if row.shape[1] != spec.row_bytes:
+                raise AttachRefused(
+                    f"tensor {j} rows are {row.shape[1]} bytes, handle says {spec.row_bytes}"
+                )
+            rows.append(row)
+        self._device = rows[0].device
+        self._rows = rows
+        if not pool.register_cuda():
+            log.warning("pool_not_cuda_registered", pool=pool.name)
+        self._pool = torch.from_numpy(pool.as_numpy())
+        self._streams = streams
+        self._torch = torch
+
+    def _stream(self) -> Any:
+        streams = getattr(self._streams, "by_device", None)
+        if streams is None:
+            streams = self._streams.by_device = {}
+        stream = streams.get(self._device)
+        if stream is None:
+            stream = streams[self._device] = self._torch.cuda.Stream(device=self._device)
+        return stream
+
+    def store(self, block: int, slot: int) -> None:
+        dst = self._pool[slot]
+        offset = 0
+        with self._torch.cuda.stream(self._stream()):
+            for rows, size in zip(self._rows, self.row_bytes):
+                dst[offset : offset + size].copy_(rows[block], non_blocking=True)
+                offset += size
+
+    def load(self, slot: int, block: int) -> None:
+        src = self._pool[slot]
+        offset = 0
+        with self._torch.cuda.stream(self._stream()):
+            for rows, size in zip(self._rows, self.row_bytes):
+                rows[block].copy_(src[offset : offset + size], non_blocking=True)
+                offset += size
+
+    def finish(self) -> None:
+        self._stream().synchronize()
+
+    def close(self) -> None:
+        self._rows = []
+        self._pool = None
+
+
+class CpuBackend:
+    """The cpu worker's backend (see the module docstring). No index, no eviction."""
+
+    name = "cpu"
+    medium = "device"
+
+    def __init__(self, cfg: Config | None = None) -> None:
+        self.capabilities = [DEVICE_STORE, DEVICE_LOAD, SHM_KIND]
+        if importlib.util.find_spec("torch") is not None:
+            self.capabilities.append(CUDA_IPC_KIND)
+        self.degraded = False
+        self._pool: HostPool | None = None
+        self._faults = FaultInjector()
+        self._lock = threading.Lock()
+        self._handles: dict[str, _AttachedKV] = {}
+        self._streams = threading.local()
+        self._counters = {"bytes_stored": 0, "bytes_loaded": 0, "keys_failed": 0}
+
+    def start(self, pool: HostPool, faults: FaultInjector) -> None:
+        self._pool = pool
+        self._faults = faults
+
+    def initial_index(self) -> Iterable[list[bytes]]:
+        return ()
+
+    def touch(self, keys: list[bytes]) -> None:
+        return None
+
+    def take_index_changes(self) -> tuple[list[bytes], list[bytes]]:
+        return [], []
+
+    def _require_pool(self) -> HostPool:
+        if self._pool is None:
+            raise RuntimeError("CpuBackend.start was not called")
+        return self._pool
+
+    def attach_kv(self, handle: KVHandle) -> None:
+        """Map ``handle`` (replacing a cache of the same id). AttachRefused when its block
+        bytes differ from the pool's or its memory cannot be reached."""
+        pool = self._require_pool()
+        block_bytes = sum(t.row_bytes for t in handle.tensors)
+        if block_bytes != pool.block_bytes or handle.num_blocks < 1:
+            raise AttachRefused(
+                f"handle {handle.handle_id}: rows sum to {block_bytes} bytes over "
+                f"{handle.num_blocks} blocks; the pool's blocks are {pool.block_bytes} bytes"
+            )
+        try:
+            if handle.kind == SHM_KIND:
+                kv: _AttachedKV = _ShmKV(handle, pool)
+            elif handle.kind == CUDA_IPC_KIND:
+                kv = _CudaKV(handle, pool, self._streams)
+            else:
+                raise AttachRefused(f"unknown handle kind {handle.kind!r}")
+        except AttachRefused:
+            raise
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise AttachRefused(f"handle {handle.handle_id}: {exc}") from exc
+        with self._lock:
+            old = self._handles.get(handle.handle_id)
+            self._handles[handle.handle_id] = kv
+        if old is not None:
+            self._retire(old)
+
+    def detach_kv(self, handle_id: str) -> None:
+        with self._lock:
+            kv = self._handles.pop(handle_id, None)
+        if kv is not None:
+            self._retire(kv)
+
+    def _retire(self, kv: _AttachedKV) -> None:
+        with self._lock:
+            kv.detached = True
+            idle = kv.holders == 0
+        if idle:
+            kv.close()
+
+    def _hold(self, handle_id: str) -> _AttachedKV | None:
+        with self._lock:
+            kv = self._handles.get(handle_id)
+            if kv is not None:
+                kv.holders += 1
+            return kv
+
+    def _unhold(self, kv: _AttachedKV) -> None:
+        with self._lock:
+            kv.holders -= 1
+            idle = kv.detached and kv.holders == 0
+        if idle:
+            kv.close()
+
+    def run_job(self, job: Job) -> JobOutcome:
+        if job.kind not in (DEVICE_STORE, DEVICE_LOAD):
+            return JobOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
+        kv = self._hold(job.handle_id)
+        if kv is None:
+            log.warning("job_unknown_handle", job_id=job.job_id, handle_id=job.handle_id)
+            return JobOutcome(ok_keys=[], error=UNKNOWN_HANDLE)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._unhold(kv)
+
+        try:
+            ok, nbytes, error = self._copy(job, kv)
+        except BaseException:
+            release()
+            raise
+        return JobOutcome(ok_keys=ok, nbytes=nbytes, error=error, release=release)
+
+    def _copy(self, job: Job, kv: _AttachedKV) -> tuple[list[bytes], int, str]:
+        store = job.kind == DEVICE_STORE
+        pool = self._require_pool()
+        block_bytes, num_slots = pool.block_bytes, pool.num_slots
+        faults = self._faults
+        ok: list[bytes] = []
+        failures: list[str] = []
+        for key, slot, block in zip(job.keys, job.slots, job.device_blocks):
+            try:
+                if not 0 <= block < kv.num_blocks:
+                    raise IndexError(f"device block {block} not in [0, {kv.num_blocks})")
+                if not 0 <= slot < num_slots:
+                    raise IndexError(f"slot {slot} not in [0, {num_slots})")
+                if faults.active:
+                    faults.on_op(job.kind, key)
+                if store:
+                    kv.store(block, slot)
+                else:
+                    kv.load(slot, block)
+            except Exception as exc:
+                failures.append(repr(exc))
+                log.warning(
+                    "device_copy_failed",
+                    job_id=job.job_id,
+                    kind=job.kind,
+                    key=key.hex(),
+                    slot=slot,
+                    block=block,
+                    error=repr(exc),
+                )
+                continue
+            ok.append(key)
+        try:
+            kv.finish()
+        except Exception as exc:
+            log.error("device_copy_sync_failed", job_id=job.job_id, kind=job.kind, error=repr(exc))
+            return [], 0, f"copy_failed: {exc!r}"
+        nbytes = len(ok) * block_bytes
+        with self._lock:
+            self._counters["bytes_stored" if store else "bytes_loaded"] += nbytes
+            self._counters["keys_failed"] += len(failures)
+        error = (
+            f"{len(failures)} of {len(job.keys)} keys failed, first: {failures[0]}"
+            if failures
+            else ""
+        )
+        return ok, nbytes, error
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {**self._counters, "kv_handles": len(self._handles)}
+
+    def close(self) -> None:
+        with self._lock:
+            handles = list(self._handles)
+        for handle_id in handles:
+            self.detach_kv(handle_id)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return worker_main(CpuBackend, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

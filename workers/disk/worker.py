@@ -1,0 +1,255 @@
+"""The disk worker's backend: promotions and cascades between host-pool slots and a ``DiskStore``.
+
+Jobs (``slots[i]`` co-indexed with ``keys[i]``):
+
+- ``promote``: ``store.get(key, slot)``. Bytes land only in the job's own slots (reserved by
+  the manager, not readable until the result arrives); a failed key may leave garbage there,
+  which the manager never serves since it frees that slot.
+- ``cascade``: ``store.put(key, slot)``; the slot is only read.
+
+Per-key outcomes: a corrupt or absent copy fails the key and reports it removed; a transient
+read error fails the key and keeps it indexed; ENOSPC/EDQUOT or ``StoreFull`` fail the key
+(the store reports ``degraded`` until a put succeeds); keys evicted by a put are reported
+removed, keys stored are reported added.
+
+Index changes: each job notes the keys it may have changed in its ``cleanup``, which the
+framework runs on the main thread just before it publishes the job's result.
+``take_index_changes`` reports each noted key as added or removed by what the store holds at
+that moment, so the manager's last word on a key always follows the result that asserted it.
+
+Fault injection (``FaultInjector``, through the store's fault hook): every store operation
+counts toward ``crash_after_ops`` and may be delayed; the data-path operations in
+``FAILING_OPS`` fail with an injected EIO for ``fail_fraction`` of calls; a ``corrupt_fraction``
+of cascaded keys are written from a private copy in which one byte is flipped after the store
+computed the checksum, so the stored copy is indexed but fails its checksum when read.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from kvoffload.blockformat import CorruptBlock, deployment_fingerprint
+from kvoffload.config import Config
+from kvoffload.logs import get_logger
+from kvoffload.pool import HostPool
+from kvoffload.protocol import Job, KVHandle
+from workers.backend import CASCADE, PROMOTE, JobOutcome
+from workers.disk.errors import StoreFull, TransientIOError
+from workers.disk.slab import DiskStore
+from workers.faults import FaultInjector
+
+log = get_logger(tier="disk")
+
+INDEX_BATCH_KEYS = 4096
+FAILING_OPS = frozenset({"allocate", "invalidate", "write_payload", "write_header", "fsync", "read"})
+"""Store operations that injected failures may hit (``clear`` and ``scan`` are left alone:
+failing them would only strand records until the next start)."""
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_COUNTERS = ("bytes_read", "bytes_written", "keys_promoted", "keys_cascaded", "corrupt_blocks",
+             "absent_keys", "transient_errors", "enospc_errors", "store_full", "write_errors",
+             "injected_corruptions")
+
+
+class DiskBackend:
+    """The disk tier's ``Backend`` (see the module docstring). Built from the whole config;
+    ``start`` opens the store at ``disk.root``."""
+
+    name = "disk"
+    medium = "storage"
+
+    def __init__(self, cfg: Config) -> None:
+        self.capabilities = [PROMOTE, CASCADE]
+        self._cfg = cfg
+        self._pool: HostPool | None = None
+        self._store: DiskStore | None = None
+        self._faults = FaultInjector()
+        self._lock = threading.Lock()
+        self._changed: dict[bytes, None] = {}
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._local = threading.local()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self, pool: HostPool, faults: FaultInjector) -> None:
+        """Open the store (scanning its header pages). LayoutError if the directory belongs to
+        another deployment geometry or another process holds it."""
+        disk, block_bytes = self._cfg.disk, self._cfg.pool.block_bytes
+        if pool.block_bytes != block_bytes:
+            raise ValueError(f"pool blocks are {pool.block_bytes} bytes, config says {block_bytes}")
+        self._pool = pool
+        self._faults = faults
+        store = DiskStore(disk.root, block_bytes, deployment_fingerprint(block_bytes, self._cfg.pool.layout_id),
+                          disk.capacity_bytes, durability=disk.durability, fault_hook=self._on_store_op)
+        store.open()
+        self._store = store
+        log.info("disk_backend_started", root=str(store.directory), capacity_bytes=store.capacity_bytes,
+                 used_bytes=store.used_bytes, direct_io=store.direct_io, durability=disk.durability)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+    def initial_index(self) -> Iterable[list[bytes]]:
+        keys = self._require_store().keys()
+        return (keys[i:i + INDEX_BATCH_KEYS] for i in range(0, len(keys), INDEX_BATCH_KEYS))
+
+    # ---- jobs ------------------------------------------------------------------------------
+
+    def run_job(self, job: Job) -> JobOutcome:
+        if job.kind == PROMOTE:
+            move = self._promote_one
+        elif job.kind == CASCADE:
+            move = self._cascade_one
+        else:
+            return JobOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
+        pool = self._require_pool()
+        ok: list[bytes] = []
+        changed: list[bytes] = []
+        failures: Counter[str] = Counter()
+        first_error = ""
+        try:
+            for key, slot in zip(job.keys, job.slots):
+                failure = move(key, pool.slot(slot), changed)
+                if failure:
+                    failures[failure.split(":", 1)[0]] += 1
+                    first_error = first_error or failure
+                else:
+                    ok.append(key)
+        except BaseException:
+            self._note_changed(changed)  # the job fails as a whole; still report what it changed
+            raise
+        nbytes = len(ok) * pool.block_bytes
+        self._count("bytes_read" if job.kind == PROMOTE else "bytes_written", nbytes)
+        self._count("keys_promoted" if job.kind == PROMOTE else "keys_cascaded", len(ok))
+        error = ""
+        if failures:
+            error = f"{sum(failures.values())} of {len(job.keys)} keys failed ({dict(failures)}), first: {first_error}"
+            log.warning("disk_keys_failed", job_id=job.job_id, kind=job.kind, keys=len(job.keys),
+                        failures=dict(failures), error=first_error)
+        return JobOutcome(ok_keys=ok, nbytes=nbytes, error=error, cleanup=lambda: self._note_changed(changed))
+
+    def _promote_one(self, key: bytes, dst: memoryview, changed: list[bytes]) -> str:
+        """Read ``key`` into ``dst``; "" on success, else "<reason>: <detail>"."""
+        store = self._require_store()
+        try:
+            store.get(key, dst)
+        except CorruptBlock as exc:
+            self._count("corrupt_blocks")
+            changed.append(key)
+            return f"corrupt: {exc}"
+        except KeyError:
+            self._count("absent_keys")
+            changed.append(key)
+            return "absent: not stored"
+        except TransientIOError as exc:
+            self._count("transient_errors")
+            return f"transient: {exc}"
+        return ""
+
+    def _cascade_one(self, key: bytes, src: memoryview, changed: list[bytes]) -> str:
+        """Write ``src`` under ``key``; "" on success, else "<reason>: <detail>". The key is
+        noted as changed either way: a failed put may have dropped its previous copy."""
+        store = self._require_store()
+        changed.append(key)
+        if self._faults.should_corrupt():
+            self._count("injected_corruptions")
+            src = self._corrupting_copy(src)
+        try:
+            changed.extend(store.put(key, src))
+        except StoreFull as exc:
+            self._count("store_full")
+            return f"store_full: {exc}"
+        except OSError as exc:
+            if exc.errno in _SPACE_ERRNOS:
+                self._count("enospc_errors")
+                return f"no_space: {exc}"
+            self._count("write_errors")
+            return f"write_error: {exc}"
+        finally:
+            self._local.corrupt = None
+        return ""
+
+    def _corrupting_copy(self, src: memoryview) -> mmap.mmap:
+        """A page-aligned private copy of ``src``; the next ``write_payload`` op of this thread
+        flips one of its bytes (after the store computed the checksum)."""
+        buf = getattr(self._local, "buffer", None)
+        if buf is None:
+            buf = self._local.buffer = mmap.mmap(-1, len(src))
+        buf[:] = src
+        self._local.corrupt = buf
+        return buf
+
+    def _on_store_op(self, op: str, key: bytes) -> None:
+        """The store's fault hook (runs before each of its I/O operations)."""
+        faults = self._faults
+        faults.count_op()
+        faults.maybe_delay()
+        if op in FAILING_OPS:
+            faults.maybe_fail(op, key)
+        buf = getattr(self._local, "corrupt", None)
+        if op == "write_payload" and buf is not None:
+            self._local.corrupt = None
+            buf[len(buf) // 2] ^= 0xFF
+            log.warning("disk_payload_corrupted_on_purpose", key=key.hex())
+
+    # ---- index -----------------------------------------------------------------------------
+
+    def _note_changed(self, keys: list[bytes]) -> None:
+        with self._lock:
+            self._changed.update(dict.fromkeys(keys))
+
+    def take_index_changes(self) -> tuple[list[bytes], list[bytes]]:
+        with self._lock:
+            keys, self._changed = list(self._changed), {}
+        if not keys:
+            return [], []
+        store = self._require_store()
+        added: list[bytes] = []
+        removed: list[bytes] = []
+        for key in keys:
+            (added if store.contains(key) else removed).append(key)
+        return added, removed
+
+    def touch(self, keys: list[bytes]) -> None:
+        self._require_store().touch(keys)
+
+    # ---- state -----------------------------------------------------------------------------
+
+    @property
+    def degraded(self) -> bool:
+        """True while the store's last put failed for lack of space."""
+        return self._store is not None and self._store.degraded
+
+    def stats(self) -> dict[str, Any]:
+        store = self._require_store()
+        with self._lock:
+            counters = dict(self._counters)
+        return {"used_bytes": store.used_bytes, "capacity_bytes": store.capacity_bytes,
+                "direct_io": store.direct_io, "degraded": store.degraded, **counters}
+
+    def attach_kv(self, handle: KVHandle) -> None:
+        """The disk worker never touches an engine's KV cache."""
+
+    def detach_kv(self, handle_id: str) -> None:
+        """See ``attach_kv``."""
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += amount
+
+    def _require_store(self) -> DiskStore:
+        if self._store is None:
+            raise RuntimeError("DiskBackend.start was not called")
+        return self._store
+
+    def _require_pool(self) -> HostPool:
+        if self._pool is None:
+            raise RuntimeError("DiskBackend.start was not called")
+        return self._pool

@@ -1,0 +1,730 @@
+"""The common tier-worker process: job channel, job threads, results, heartbeats and control.
+
+Every worker ``main`` calls ``worker_main`` (or ``run_worker``) with its ``Backend``. The loop:
+
+1. configure logging, pin CPUs, attach the host pool, ``backend.start``;
+2. send ``WorkerHello`` every second until a ``HelloAck`` arrives (refused: exit code 2, no ack
+   within the timeout: exit code 1);
+3. announce the backend's index in ``IndexUpdate`` batches (the last one ``complete``);
+4. serve: validate each ``Job`` and queue it on a bounded pool of job threads (loads,
+   promotions and probes before stores and cascades), heartbeat, apply control messages:
+   ``drain`` (refuse new jobs with error "draining", finish the others, keep heartbeating),
+   ``shutdown`` (drain, then exit; also SIGTERM/SIGINT), ``faults`` (replace the fault spec),
+   ``hello`` (a restarted manager asks again: hello, and re-announce the index once acked).
+
+Results (seed 002): a finished job's ``JobOutcome.release`` is called on the main thread; only
+after it returned is the one ``JobDone`` of that job sent. A release that raises keeps the job
+tracked (logged as ``job_release_failed``) and is retried every ``RELEASE_RETRY_S``. Secondary
+``cleanup`` then runs best effort. Job threads never touch the socket: they push their result
+on a deque and wake the main loop through an eventfd polled next to the DEALER.
+
+Exit codes: 0 after shutdown (control, SIGTERM or SIGINT), 1 on start-up failure or hello
+timeout, 2 when the manager refuses the hello or the run spec is invalid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import queue
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import psutil
+import zmq
+
+from kvoffload.config import Config
+from kvoffload.logs import configure_logging, get_logger
+from kvoffload.pool import HostPool
+from kvoffload.protocol import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    AttachKV,
+    Control,
+    DetachKV,
+    FaultSpec,
+    Heartbeat,
+    HelloAck,
+    IndexUpdate,
+    Job,
+    JobDone,
+    ProtocolError,
+    TouchKeys,
+    WorkerHello,
+    decode_manager_message,
+    encode,
+)
+from kvoffload.runspec import RunSpec as SupervisorRunSpec
+from workers.backend import (
+    DEVICE_KINDS,
+    SLOT_KINDS,
+    URGENT_KINDS,
+    AttachRefused,
+    Backend,
+    JobOutcome,
+)
+from workers.faults import FaultInjector, InjectedFault, spec_from_config
+
+log = get_logger()
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_REFUSED = 2
+
+HELLO_RESEND_S = 1.0
+CONNECT_RETRY_S = 0.02
+RELEASE_RETRY_S = 0.01
+INDEX_BATCH_KEYS = 4096
+MAX_FRAMES_PER_TURN = 1024
+CLOSE_LINGER_MS = 1000
+_STOP_PRIORITY = 2  # after every queued job (priorities 0 and 1)
+
+
+class RunSpec(SupervisorRunSpec):
+    """What the supervisor hands a worker (a JSON file written by ``kvoffload.runspec``): run
+    id, the manager's job endpoint, the client endpoint, the host pool's name, and the whole
+    configuration as a plain dict. Same fields and file format as the supervisor's struct."""
+
+    def to_config(self) -> Config:
+        """``config`` as a typed ``Config`` (msgspec.ValidationError if it does not fit)."""
+        return msgspec.convert(self.config, Config)
+
+
+def load_runspec(path: str | Path) -> RunSpec:
+    """Read a run spec JSON file (OSError, msgspec.DecodeError or msgspec.ValidationError)."""
+    return msgspec.json.decode(Path(path).read_bytes(), type=RunSpec)
+
+
+def job_threads_of(cfg: Config, worker: str) -> int:
+    """Job threads for ``worker``: disk read+write threads, object io threads, else [cpu]."""
+    if worker == "disk":
+        return cfg.disk.read_threads + cfg.disk.write_threads
+    if worker == "object":
+        return cfg.object.io_threads
+    return cfg.cpu.threads
+
+
+def cpu_affinity_of(cfg: Config, worker: str) -> tuple[int, ...]:
+    """Core set for ``worker`` from its config section ([cpu] for any other name)."""
+    if worker == "disk":
+        return cfg.disk.cpu_affinity
+    if worker == "object":
+        return cfg.object.cpu_affinity
+    return cfg.cpu.cpu_affinity
+
+
+def pin_cpus(cores: Sequence[int]) -> None:
+    """Pin this process to ``cores`` (no-op when empty); failures are logged, not raised."""
+    if not cores:
+        return
+    try:
+        psutil.Process().cpu_affinity(list(cores))
+    except (AttributeError, NotImplementedError, OSError, ValueError, psutil.Error) as exc:
+        log.warning("cpu_affinity_unsupported", cores=list(cores), error=repr(exc))
+        return
+    log.info("cpu_affinity_set", cores=list(cores))
+
+
+def validate_job(job: Job, num_slots: int, kinds: Iterable[str]) -> str:
+    """Why ``job`` must not run ("" when it may): unsupported kind, slots or device blocks not
+    co-indexed with keys, a slot outside the pool, a device job without a handle."""
+    if job.kind not in kinds:
+        return f"unsupported_kind: {job.kind!r}"
+    if job.kind in SLOT_KINDS:
+        if len(job.slots) != len(job.keys):
+            return f"invalid_job: {len(job.slots)} slots for {len(job.keys)} keys"
+        bad = [s for s in job.slots if not 0 <= s < num_slots]
+        if bad:
+            return f"slot_out_of_range: {bad[:4]} not in [0, {num_slots})"
+    if job.kind in DEVICE_KINDS:
+        if len(job.device_blocks) != len(job.keys):
+            return f"invalid_job: {len(job.device_blocks)} device blocks for {len(job.keys)} keys"
+        if not job.handle_id:
+            return "invalid_job: no handle_id"
+    return ""
+
+
+def job_done_of(job: Job, outcome: JobOutcome, transfer_s: float) -> JobDone:
+    """The one result of ``job``: success when every key succeeded; otherwise the succeeded
+    keys (as the backend listed them, None when none) and an error summary. Keys the backend
+    reports that are not in the job are dropped (logged)."""
+    wanted = set(job.keys)
+    ok = [key for key in outcome.ok_keys if key in wanted]
+    if len(ok) != len(outcome.ok_keys):
+        log.error(
+            "job_outcome_foreign_keys", job_id=job.job_id, count=len(outcome.ok_keys) - len(ok)
+        )
+    success = wanted.issubset(ok)
+    return JobDone(
+        job_id=job.job_id,
+        success=success,
+        successful_keys=None if success or not ok else ok,
+        transfer_s=transfer_s,
+        nbytes=outcome.nbytes,
+        error="" if success else (outcome.error or "failed"),
+    )
+
+
+@dataclass
+class _Finished:
+    """A job whose backend work is over and whose release may still be pending."""
+
+    job: Job
+    outcome: JobOutcome
+    transfer_s: float
+    release_attempts: int = 0
+
+
+class _Worker:
+    def __init__(
+        self,
+        backend: Backend,
+        spec: RunSpec,
+        cfg: Config,
+        pool: HostPool,
+        faults: FaultInjector,
+        threads: int,
+        hello_timeout_s: float,
+    ) -> None:
+        self._backend = backend
+        self._spec = spec
+        self._pool = pool
+        self._faults = faults
+        self._threads_wanted = threads
+        self._hello_timeout_s = hello_timeout_s
+        self._heartbeat_s = cfg.service.heartbeat_interval_s
+        self._drain_timeout_s = cfg.supervisor.drain_timeout_s
+        self._kinds = frozenset(backend.capabilities)
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, backend.name.encode())
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # queue only on a live connection: no pile of stale hellos while the manager is down
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_fd, zmq.POLLIN)
+
+        self._queue: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._finished: deque[_Finished] = deque()
+        self._inflight: set[int] = set()
+        self._releasing: dict[int, _Finished] = {}
+        self._outbox: deque[bytes] = deque()
+
+        self.abandoned = False  # shutdown gave up on running jobs: their memory stays mapped
+        self._exit_code = EXIT_OK
+        self._rehello_sent_at: float | None = None
+        self._stop_requested = False
+        self._draining = False
+        self._shutdown_deadline: float | None = None
+        self._counters = {
+            "jobs_done": 0,
+            "jobs_failed": 0,
+            "jobs_refused": 0,
+            "release_failures": 0,
+            "cleanup_failures": 0,
+            "bad_messages": 0,
+        }
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Signal-safe: ask the main loop to shut down."""
+        self._stop_requested = True
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except OSError:  # already closed: the loop is over anyway
+            pass
+
+    def run(self) -> int:
+        """Connect, hand-shake, serve until shutdown. Returns the exit code."""
+        try:
+            self._sock.connect(self._spec.job_endpoint)
+            code = self._handshake()
+            if code is not None:
+                return code
+            if not self._announce_index():
+                return EXIT_FAILED
+            self._start_threads()
+            self.abandoned = not self._serve()
+            return self._exit_code
+        finally:
+            self._close()
+
+    def _start_threads(self) -> None:
+        for i in range(self._threads_wanted):
+            thread = threading.Thread(target=self._job_thread, name=f"job-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _close(self) -> None:
+        """Stop the job threads, send what is queued, close the socket and the backend. With
+        ``abandoned`` jobs the backend stays open: a job thread may still be using it."""
+        for _ in self._threads:
+            self._queue.put((_STOP_PRIORITY, next(self._seq), None))
+        if not self.abandoned:
+            for thread in self._threads:
+                thread.join()
+        self._flush()
+        self._sock.close(linger=CLOSE_LINGER_MS)
+        self._ctx.term()
+        wake_fd, self._wake_fd = self._wake_fd, -1
+        os.close(wake_fd)
+        if not self.abandoned:
+            try:
+                self._backend.close()
+            except Exception:
+                log.exception("backend_close_failed")
+
+    # ---- handshake and index ------------------------------------------------------------------
+
+    def _hello(self) -> WorkerHello:
+        backend = self._backend
+        return WorkerHello(
+            version=PROTOCOL_VERSION,
+            worker=backend.name,
+            medium=backend.medium,
+            pid=os.getpid(),
+            capabilities=list(backend.capabilities),
+        )
+
+    def _handshake(self) -> int | None:
+        """None once accepted, else the exit code."""
+        hello = encode(self._hello())
+        deadline = time.monotonic() + self._hello_timeout_s
+        next_send = 0.0
+        while True:
+            now = time.monotonic()
+            if self._stop_requested:
+                log.info("worker_stopped_before_ack")
+                return EXIT_OK
+            if now >= deadline:
+                log.error(
+                    "hello_timeout",
+                    endpoint=self._spec.job_endpoint,
+                    timeout_s=self._hello_timeout_s,
+                )
+                return EXIT_FAILED
+            if now >= next_send:
+                try:
+                    self._sock.send(hello, zmq.NOBLOCK)
+                    next_send = now + HELLO_RESEND_S
+                except zmq.Again:  # not connected yet
+                    next_send = now + CONNECT_RETRY_S
+            wait_s = max(0.0, min(next_send, deadline) - now)
+            events = dict(self._poller.poll(wait_s * 1000))
+            self._drain_wake(events)
+            if events.get(self._sock):
+                frame = self._recv_one()
+                if frame is None:
+                    continue
+                try:
+                    msg = decode_manager_message(frame)
+                except ProtocolError as exc:
+                    self._bad_message(len(frame), str(exc))
+                    continue
+                if not isinstance(msg, HelloAck):
+                    log.warning("message_before_ack", type=type(msg).__name__)
+                    continue
+                if not self._accepted(msg):
+                    return EXIT_REFUSED
+                return None
+
+    def _accepted(self, ack: HelloAck) -> bool:
+        if not ack.accepted or ack.version != PROTOCOL_VERSION:
+            log.error(
+                "worker_refused",
+                reason=ack.reason or f"manager protocol version {ack.version}",
+                version=ack.version,
+                worker_version=PROTOCOL_VERSION,
+            )
+            return False
+        log.info("worker_accepted", endpoint=self._spec.job_endpoint)
+        return True
+
+    def _rehello(self) -> None:
+        """``Control(hello)``: a restarted manager does not know this worker. Hello again (at
+        most once per HELLO_RESEND_S while unacked); the ack re-announces the index."""
+        now = time.monotonic()
+        if self._rehello_sent_at is not None and now - self._rehello_sent_at < HELLO_RESEND_S:
+            return
+        self._rehello_sent_at = now
+        log.info("worker_rehello")
+        self._send(self._hello())
+
+    def _on_late_ack(self, ack: HelloAck) -> None:
+        if self._rehello_sent_at is None:
+            log.debug("extra_hello_ack")
+            return
+        self._rehello_sent_at = None
+        if not self._accepted(ack):
+            self._exit_code = EXIT_REFUSED
+            self._begin_shutdown("refused")
+            return
+        self._announce_index()
+
+    def _announce_index(self) -> bool:
+        """Send the start-up index in batches of at most INDEX_BATCH_KEYS keys, the last one
+        marked complete (a lone empty complete update without an index). False on failure."""
+        pending: list[bytes] = []
+        total = 0
+        try:
+            for batch in self._backend.initial_index():
+                pending.extend(batch)
+                total += len(batch)
+                while len(pending) > INDEX_BATCH_KEYS:
+                    self._send(IndexUpdate(added=pending[:INDEX_BATCH_KEYS]))
+                    del pending[:INDEX_BATCH_KEYS]
+        except Exception:
+            log.exception("initial_index_failed")
+            return False
+        self._send(IndexUpdate(added=pending, complete=True))
+        self._flush()
+        log.info("index_announced", keys=total)
+        return True
+
+    # ---- main loop ----------------------------------------------------------------------------
+
+    def _serve(self) -> bool:
+        """Serve until shutdown. False when the drain timed out with jobs still running."""
+        next_heartbeat = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if self._stop_requested and self._shutdown_deadline is None:
+                self._begin_shutdown("signal")
+            if self._shutdown_deadline is not None:
+                if not self._inflight:
+                    log.info("worker_shutdown", reason="drained")
+                    return True
+                if now >= self._shutdown_deadline:
+                    log.error(
+                        "shutdown_drain_timeout",
+                        inflight=len(self._inflight),
+                        timeout_s=self._drain_timeout_s,
+                    )
+                    return False
+            wait_s = max(0.0, next_heartbeat - now)
+            if self._releasing or self._outbox:
+                wait_s = min(wait_s, RELEASE_RETRY_S)
+            if self._shutdown_deadline is not None:
+                wait_s = min(wait_s, max(0.0, self._shutdown_deadline - now))
+            events = dict(self._poller.poll(wait_s * 1000))
+            self._drain_wake(events)
+            if events.get(self._sock):
+                self._receive()
+            self._collect_finished()
+            self._release_finished()
+            self._send_index_changes()
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                self._heartbeat()
+                next_heartbeat = now + self._heartbeat_s
+            self._flush()
+
+    def _recv_one(self) -> bytes | None:
+        """One single-part frame, or None when none is waiting (multi-part frames are logged
+        and dropped)."""
+        try:
+            parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return None
+        if len(parts) != 1:
+            self._bad_message(sum(len(p) for p in parts), f"{len(parts)}-part message")
+            return b""
+        return parts[0]
+
+    def _receive(self) -> None:
+        for _ in range(MAX_FRAMES_PER_TURN):
+            frame = self._recv_one()
+            if frame is None:
+                return
+            if frame:
+                self._dispatch(frame)
+
+    def _drain_wake(self, events: dict[Any, int]) -> None:
+        if events.get(self._wake_fd):
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass
+
+    def _bad_message(self, nbytes: int, error: str) -> None:
+        self._counters["bad_messages"] += 1
+        log.warning("bad_manager_message", bytes=nbytes, error=error)
+
+    def _dispatch(self, frame: bytes) -> None:
+        try:
+            msg = decode_manager_message(frame)
+        except ProtocolError as exc:
+            self._bad_message(len(frame), str(exc))
+            return
+        backend = self._backend
+        try:
+            if isinstance(msg, Job):
+                self._submit(msg)
+            elif isinstance(msg, TouchKeys):
+                backend.touch(msg.keys)
+            elif isinstance(msg, AttachKV):
+                self._attach(msg)
+            elif isinstance(msg, DetachKV):
+                backend.detach_kv(msg.handle_id)
+                log.info("kv_detached", handle_id=msg.handle_id)
+            elif isinstance(msg, Control):
+                self._control(msg)
+            else:
+                self._on_late_ack(msg)
+        except Exception:
+            log.exception("manager_message_failed", type=type(msg).__name__)
+
+    def _attach(self, msg: AttachKV) -> None:
+        handle = msg.handle
+        try:
+            self._backend.attach_kv(handle)
+        except AttachRefused as exc:
+            log.error(
+                "kv_attach_refused", handle_id=handle.handle_id, kind=handle.kind, error=str(exc)
+            )
+            return
+        log.info(
+            "kv_attached", handle_id=handle.handle_id, kind=handle.kind, blocks=handle.num_blocks
+        )
+
+    def _control(self, msg: Control) -> None:
+        if msg.action == "drain":
+            self._draining = True
+            log.info("worker_draining", inflight=len(self._inflight))
+        elif msg.action == "shutdown":
+            self._begin_shutdown("control")
+        elif msg.action == "faults":
+            self._faults.replace(msg.faults if msg.faults is not None else FaultSpec())
+        elif msg.action == "hello":
+            self._rehello()
+        else:
+            self._bad_message(0, f"unknown control action {msg.action!r}")
+
+    def _begin_shutdown(self, reason: str) -> None:
+        self._draining = True
+        self._shutdown_deadline = time.monotonic() + self._drain_timeout_s
+        log.info("worker_shutting_down", reason=reason, inflight=len(self._inflight))
+
+    # ---- jobs ---------------------------------------------------------------------------------
+
+    def _submit(self, job: Job) -> None:
+        if job.job_id in self._inflight:
+            log.error("duplicate_job_id", job_id=job.job_id, kind=job.kind)
+            return
+        error = (
+            "draining" if self._draining else validate_job(job, self._pool.num_slots, self._kinds)
+        )
+        if error:
+            self._counters["jobs_refused"] += 1
+            log.warning("job_refused", job_id=job.job_id, kind=job.kind, error=error)
+            self._send(JobDone(job_id=job.job_id, success=False, error=error))
+            return
+        self._inflight.add(job.job_id)
+        priority = 0 if job.kind in URGENT_KINDS else 1
+        self._queue.put((priority, next(self._seq), job))
+
+    def _job_thread(self) -> None:
+        while True:
+            _, _, job = self._queue.get()
+            if job is None:
+                return
+            start = time.perf_counter()
+            try:
+                outcome = self._backend.run_job(job)
+            except Exception as exc:
+                log.exception("job_crashed", job_id=job.job_id, kind=job.kind)
+                outcome = JobOutcome(ok_keys=[], error=f"internal_error: {exc!r}")
+            self._finished.append(_Finished(job, outcome, time.perf_counter() - start))
+            os.eventfd_write(self._wake_fd, 1)
+
+    def _collect_finished(self) -> None:
+        while self._finished:
+            item = self._finished.popleft()
+            self._releasing[item.job.job_id] = item
+
+    def _release_finished(self) -> None:
+        """Release every finished job; publish those whose release succeeded (seed 002)."""
+        for job_id, item in list(self._releasing.items()):
+            if not self._release(item):
+                continue
+            del self._releasing[job_id]
+            self._cleanup(item)
+            self._publish(item)
+
+    def _release(self, item: _Finished) -> bool:
+        item.release_attempts += 1
+        try:
+            if self._faults.take_release_failure():
+                raise InjectedFault("injected release failure")
+            if item.outcome.release is not None:
+                item.outcome.release()
+        except Exception as exc:
+            self._counters["release_failures"] += 1
+            attempt = item.release_attempts
+            if attempt & (attempt - 1) == 0:  # attempts 1, 2, 4, 8, ...: bounded log volume
+                log.warning(
+                    "job_release_failed", job_id=item.job.job_id, attempt=attempt, error=repr(exc)
+                )
+            return False
+        if item.release_attempts > 1:
+            log.info("job_released", job_id=item.job.job_id, attempts=item.release_attempts)
+        return True
+
+    def _cleanup(self, item: _Finished) -> None:
+        if item.outcome.cleanup is None:
+            return
+        try:
+            item.outcome.cleanup()
+        except Exception as exc:
+            self._counters["cleanup_failures"] += 1
+            log.warning("job_cleanup_failed", job_id=item.job.job_id, error=repr(exc))
+
+    def _publish(self, item: _Finished) -> None:
+        job = item.job
+        done = job_done_of(job, item.outcome, item.transfer_s)
+        self._inflight.discard(job.job_id)
+        self._counters["jobs_done" if done.success else "jobs_failed"] += 1
+        fields = dict(
+            job_id=job.job_id,
+            kind=job.kind,
+            keys=len(job.keys),
+            bytes=done.nbytes,
+            duration_ms=round(item.transfer_s * 1000, 3),
+        )
+        if done.success:
+            log.debug("job_done", **fields)
+        else:
+            ok = len(done.successful_keys or ())
+            log.warning("job_failed", ok_keys=ok, error=done.error, **fields)
+        self._send(done)
+
+    # ---- outgoing -----------------------------------------------------------------------------
+
+    def _send_index_changes(self) -> None:
+        added, removed = self._backend.take_index_changes()
+        for start in range(0, max(len(added), len(removed)), INDEX_BATCH_KEYS):
+            self._send(
+                IndexUpdate(
+                    added=added[start : start + INDEX_BATCH_KEYS],
+                    removed=removed[start : start + INDEX_BATCH_KEYS],
+                )
+            )
+
+    def _heartbeat(self) -> None:
+        """Queue a heartbeat, unless frames are still waiting for the socket (a stale
+        heartbeat is useless)."""
+        if self._outbox:
+            return
+        try:
+            stats = dict(self._backend.stats())
+        except Exception as exc:
+            log.warning("backend_stats_failed", error=repr(exc))
+            stats = {}
+        stats.update(self._counters)
+        stats["queued"] = self._queue.qsize()
+        stats["releasing"] = len(self._releasing)
+        self._send(
+            Heartbeat(
+                inflight=len(self._inflight), degraded=bool(self._backend.degraded), stats=stats
+            )
+        )
+
+    def _send(self, msg: msgspec.Struct) -> None:
+        self._outbox.append(encode(msg))
+
+    def _flush(self) -> None:
+        """Send queued frames without blocking; what the socket cannot take now stays queued."""
+        while self._outbox:
+            try:
+                self._sock.send(self._outbox[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._outbox.popleft()
+
+
+def run_worker(
+    backend: Backend,
+    spec: RunSpec,
+    *,
+    config: Config | None = None,
+    hello_timeout_s: float = 30.0,
+) -> int:
+    """Run ``backend`` as the worker process of ``spec`` until shutdown; returns the exit code.
+
+    Configures logging as ``backend.name``, pins CPUs, attaches the host pool (closed on exit),
+    starts the backend, then runs the loop described in the module docstring. SIGTERM and
+    SIGINT shut down like ``Control(shutdown)``.
+    """
+    cfg = config if config is not None else spec.to_config()
+    configure_logging(proc=backend.name, level=cfg.service.log_level)
+    pin_cpus(cpu_affinity_of(cfg, backend.name))
+    try:
+        pool = HostPool.attach(spec.pool_name, cfg.pool.num_slots, cfg.pool.block_bytes)
+    except Exception as exc:
+        log.error("pool_attach_failed", pool=spec.pool_name, error=repr(exc))
+        return EXIT_FAILED
+    faults = FaultInjector(spec_from_config(cfg.faults))
+    if faults.active:
+        log.warning("faults_enabled", **msgspec.structs.asdict(faults.spec))
+    try:
+        backend.start(pool, faults)
+    except Exception:
+        log.exception("backend_start_failed", worker=backend.name)
+        pool.close()
+        return EXIT_FAILED
+    worker = _Worker(
+        backend, spec, cfg, pool, faults, job_threads_of(cfg, backend.name), hello_timeout_s
+    )
+    previous = {
+        sig: signal.signal(sig, lambda *_: worker.request_stop())
+        for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        log.info("worker_started", run_id=spec.run_id, endpoint=spec.job_endpoint)
+        code = worker.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if not worker.abandoned:
+            pool.close()
+    log.info("worker_exit", code=code)
+    return code
+
+
+def worker_main(
+    build_backend: Callable[[Config], Backend], argv: Sequence[str] | None = None
+) -> int:
+    """``python -m workers.<name> --spec RUNSPEC_JSON [--hello-timeout S]``: load the run spec,
+    build the backend from its config, ``run_worker``. Returns the exit code."""
+    parser = argparse.ArgumentParser(description="kvoffload tier worker")
+    parser.add_argument(
+        "--spec", required=True, help="run spec JSON file written by the supervisor"
+    )
+    parser.add_argument(
+        "--hello-timeout", type=float, default=30.0, help="seconds to wait for the manager's ack"
+    )
+    args = parser.parse_args(argv)
+    try:
+        spec = load_runspec(args.spec)
+        cfg = spec.to_config()
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        configure_logging(proc="worker")
+        log.error("runspec_invalid", path=args.spec, error=str(exc))
+        return EXIT_REFUSED
+    configure_logging(proc="worker", level=cfg.service.log_level)  # until the backend is named
+    return run_worker(build_backend(cfg), spec, config=cfg, hello_timeout_s=args.hello_timeout)
