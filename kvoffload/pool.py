@@ -2,8 +2,10 @@
 
 Ownership: the supervisor ``create``s the segment (mode 0600, per-run name) and is the only
 process that ``unlink``s it. Every process that moves bytes ``attach``es and ``close``s its own
-mapping. Slot views (memoryview, numpy, ``torch.frombuffer``) are zero-copy windows into the
-mapping; callers must drop them before ``close`` or the unmap is left to the garbage collector.
+mapping. Slot views (memoryview, numpy, ``torch.from_numpy`` of a slot array) are zero-copy
+windows into the mapping that keep it alive; callers must drop them before ``close`` or the unmap
+is left to the garbage collector. ``torch.frombuffer`` over the mapping does NOT keep it alive
+(a tensor could outlive the unmap), so it is not used on the pool.
 """
 
 from __future__ import annotations

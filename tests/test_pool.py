@@ -17,6 +17,17 @@ import pytest
 
 from kvoffload.pool import HostPool, PoolMismatch
 
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+CUDA = _cuda_available()
+
 BLOCK = 4096 * 4
 SLOTS = 8
 REPO = Path(__file__).resolve().parents[1]
@@ -106,9 +117,9 @@ def test_slot_views_are_zero_copy_and_writable(pool: HostPool) -> None:
     assert np.shares_memory(arr, pool.as_numpy())
 
 
-def test_torch_frombuffer_is_zero_copy(pool: HostPool) -> None:
+def test_torch_view_is_zero_copy(pool: HostPool) -> None:
     torch = pytest.importorskip("torch")
-    tensor = torch.frombuffer(pool.slot(3), dtype=torch.uint8)
+    tensor = torch.from_numpy(pool.slot_array(3))
     assert tensor.data_ptr() == pool.address() + 3 * BLOCK
     tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
     assert bytes(pool.slot(3)[:4]) == b"\x01\x02\x03\x04"
@@ -205,23 +216,20 @@ def test_importing_pool_does_not_import_torch() -> None:
     assert result.stdout.strip() == "ok"
 
 
+@pytest.mark.skipif(CUDA, reason="a CUDA device is present")
 def test_register_cuda_without_cuda_is_false(pool: HostPool) -> None:
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present")
     assert pool.register_cuda() is False
     assert pool.cuda_registered is False
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_register_cuda_and_copy_from_gpu(pool_name: str) -> None:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+    import torch
     pool = HostPool.create(pool_name, SLOTS, BLOCK)
     try:
         assert pool.register_cuda() is True
-        host = torch.frombuffer(pool.slot(4), dtype=torch.uint8)
+        host = torch.from_numpy(pool.slot_array(4))
         assert host.is_pinned()
         source = torch.arange(BLOCK, device="cuda", dtype=torch.int64).remainder(251).to(
             torch.uint8

@@ -265,6 +265,11 @@ class ManagerServer:
             log.error("worker_refused", worker=name, reason=reason)
             self._send_worker(name, p.HelloAck(p.PROTOCOL_VERSION, False, reason))
             return
+        known = self.registry.live(name)
+        if known is not None and known.pid == hello.pid:
+            known.last_seen = now
+            self._send_worker(name, p.HelloAck(p.PROTOCOL_VERSION, True))
+            return
         previous = self.registry.hello(name, hello.pid, hello.medium, hello.capabilities, now)
         if previous is not None:
             log.warning("worker_restarted", worker=name, old_pid=previous.pid, new_pid=hello.pid)

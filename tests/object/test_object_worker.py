@@ -330,16 +330,8 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("release_failures", [0, 1])
-def test_blocks_come_back_from_s3_after_reset(
-    start_service, s3_server: S3Server, bucket: str, kv, release_failures: int
-) -> None:
-    """With ``release_failures`` the object worker's first slot release fails (seed 002): the
-    cascade's result still arrives once, after the retried release, and nothing is lost."""
-    prefix = f"e2e/{uuid.uuid4().hex[:8]}"
-    service = start_service(
-        workers=("cpu", "object"),
-        extra_config=f"""
+def object_section(s3_server: S3Server, bucket: str, prefix: str) -> str:
+    return f"""
 [object]
 enabled = true
 endpoint = "{s3_server.endpoint}"
@@ -351,10 +343,62 @@ secret_access_key = "{s3_server.secret_key}"
 io_threads = 4
 request_timeout_s = 2.0
 verdict_timeout_s = 10.0
+"""
 
-[faults]
-release_failures = {release_failures}
-""",
+
+def lookup_until_hit(client, req: str, keys: list[bytes], timeout_s: float = 20.0) -> list[LookupResult]:
+    """Repeat the lookup (ending steps) until every key is HIT; returns the sequence of
+    distinct results seen for the first key. A MISS fails the test."""
+    seen: list[LookupResult] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        outcome = client.lookup(req, keys)
+        if not seen or seen[-1] != outcome.results[0]:
+            seen.append(outcome.results[0])
+        if outcome.results == [LookupResult.HIT] * len(keys):
+            assert outcome.hit_prefix == len(keys)
+            return seen
+        assert LookupResult.MISS not in outcome.results, outcome
+        assert time.monotonic() < deadline, (seen, outcome)
+        client.end_step()
+        time.sleep(0.02)
+
+
+def test_second_node_hits_blocks_the_first_node_stored(start_service, s3_server: S3Server, bucket: str, kv) -> None:
+    """Two services (two pools, two managers) on one bucket: a prefix computed on one node is
+    a hit on the other, and loads bit-exact."""
+    prefix = f"fleet/{uuid.uuid4().hex[:8]}"
+    node_a = start_service(workers=("cpu", "object"), extra_config=object_section(s3_server, bucket, prefix))
+    node_b = start_service(workers=("cpu", "object"), extra_config=object_section(s3_server, bucket, prefix))
+    keys = [key(i, "fleet") for i in range(6)]
+    with node_a.client("engine-a") as a:
+        a.register_kv(kv.handle("kv-a"))
+        a.new_request("w")
+        accepted = a.store("w", keys, list(range(6)), "kv-a")
+        assert a.wait([accepted.job_id])[accepted.job_id].success
+        a.finish_request("w")
+        wait_until(lambda: node_a.status()["tiering"]["jobs_in_flight"] == 0, 20.0, "the cascade to S3")
+    with node_b.client("engine-b") as b:
+        b.register_kv(kv.handle("kv-b"))
+        b.new_request("r")
+        assert lookup_until_hit(b, "r", keys) == [LookupResult.RETRY, LookupResult.HIT_PENDING, LookupResult.HIT]
+        loaded = b.load("r", keys, list(range(20, 26)), "kv-b")
+        assert b.wait([loaded.job_id])[loaded.job_id].success
+        for i in range(6):
+            assert device_block(kv, 20 + i) == device_block(kv, i)
+        b.finish_request("r")
+
+
+@pytest.mark.parametrize("release_failures", [0, 1])
+def test_blocks_come_back_from_s3_after_reset(
+    start_service, s3_server: S3Server, bucket: str, kv, release_failures: int
+) -> None:
+    """With ``release_failures`` the object worker's first slot release fails (seed 002): the
+    cascade's result still arrives once, after the retried release, and nothing is lost."""
+    prefix = f"e2e/{uuid.uuid4().hex[:8]}"
+    service = start_service(
+        workers=("cpu", "object"),
+        extra_config=object_section(s3_server, bucket, prefix) + f"\n[faults]\nrelease_failures = {release_failures}\n",
     )
     keys = [key(i, "e2e") for i in range(8)]
     raw = s3_server.client()
@@ -374,20 +418,8 @@ release_failures = {release_failures}
         c.reset_cache()
 
         c.new_request("reader")
-        seen: list[LookupResult] = []
-        deadline = time.monotonic() + 20.0
-        while True:
-            outcome = c.lookup("reader", keys)
-            if not seen or seen[-1] != outcome.results[0]:
-                seen.append(outcome.results[0])
-            if outcome.results == [LookupResult.HIT] * len(keys):
-                break
-            assert LookupResult.MISS not in outcome.results, (outcome, service.log_path.read_text()[-3000:])
-            assert time.monotonic() < deadline, (seen, outcome)
-            c.end_step()
-            time.sleep(0.02)
+        seen = lookup_until_hit(c, "reader", keys)
         assert seen == [LookupResult.RETRY, LookupResult.HIT_PENDING, LookupResult.HIT], seen
-        assert outcome.hit_prefix == len(keys)
 
         loaded = c.load("reader", keys, list(range(16, 24)), "kv")
         assert c.wait([loaded.job_id])[loaded.job_id].success

@@ -18,7 +18,9 @@ from kvoffload.rundir import live_runs
 class Service:
     """A running supervisor with its manager and workers; ``stop()`` SIGTERMs it by pid."""
 
-    def __init__(self, tmp: Path, extra_config: str = "", workers=("cpu",)) -> None:
+    def __init__(self, tmp: Path, extra_config: str = "", workers=("cpu",), service_options: str = "") -> None:
+        """``service_options``: extra ``key = value`` lines of the [service] table;
+        ``extra_config``: extra tables appended at the end."""
         self.base = tmp / "run"
         self.data = tmp / "data"
         self.config = tmp / "kvoffload.toml"
@@ -30,6 +32,7 @@ runtime_dir = "{self.base}"
 heartbeat_interval_s = 0.2
 heartbeat_timeout_s = 3.0
 log_level = "info"
+{service_options}
 
 [pool]
 num_slots = 64
@@ -122,7 +125,9 @@ def start_service(tmp_path):
     started: list[Service] = []
 
     def start(**kw) -> Service:
-        service = Service(tmp_path, **kw)
+        home = tmp_path / f"svc{len(started)}"
+        home.mkdir()
+        service = Service(home, **kw)
         started.append(service)
         service.wait_ready()
         return service

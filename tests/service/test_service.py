@@ -186,3 +186,31 @@ def test_sigterm_with_jobs_in_flight_leaves_nothing_behind(start_service, kv):
     assert [f for f in os.listdir(service.base) if service.run_id in f] == []
     events = {e["event"] for e in service.log_events()}
     assert {"manager_stopping", "service_stopped"} <= events
+
+
+def test_status_cli_and_metrics_endpoint(start_service):
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    service = start_service(service_options=f"metrics_port = {port}")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "status", "--config", str(service.config)],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "cpu" in out.stdout and "slots used" in out.stdout
+    deadline = time.monotonic() + 10
+    body = ""
+    while time.monotonic() < deadline and "kvoffload_worker_up" not in body:
+        try:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        except OSError:
+            pass
+        time.sleep(0.1)
+    assert 'kvoffload_worker_up{worker="cpu"} 1' in body
+    assert "kvoffload_tier_lookups_hit" in body
