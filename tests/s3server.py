@@ -30,6 +30,9 @@ GRPC_PORT_OFFSET = 10000
 _UNIX_SOCKET_PATH_MAX = 100
 
 
+READY_BUCKET = "kvoffload-readiness"
+
+
 class S3ServerError(RuntimeError):
     """The server could not be started or did not answer in time."""
 
@@ -188,12 +191,25 @@ class S3Server:
             if self._proc.poll() is not None:
                 raise S3ServerError(f"weed exited with {self._proc.returncode}; see {self.log_path}")
             try:
-                client.list_buckets()
+                self._probe_write_path(client)
                 return
             except Exception as exc:  # noqa: BLE001 - any failure means "not ready yet"
                 last_error = exc
                 time.sleep(0.1)
         raise S3ServerError(f"S3 at {self.endpoint} not ready after {timeout_s}s: {last_error!r}")
+
+    @staticmethod
+    def _probe_write_path(client) -> None:
+        """Ready means objects can be written and read back, not only listed: after a restart
+        the S3 gateway answers listings before its volume server takes writes."""
+        client.list_buckets()
+        try:
+            client.create_bucket(Bucket=READY_BUCKET)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        client.put_object(Bucket=READY_BUCKET, Key="probe", Body=b"ready")
+        if client.get_object(Bucket=READY_BUCKET, Key="probe")["Body"].read() != b"ready":
+            raise S3ServerError("probe object read back wrong")
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM the started process, SIGKILL it after timeout_s, and reap it. Idempotent."""
