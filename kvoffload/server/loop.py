@@ -75,6 +75,7 @@ class ManagerServer:
             unread_promotion_cap=int(cfg.pool.unread_promotion_cap * cfg.pool.num_slots),
             probe_timeout_s=cfg.object.verdict_timeout_s,
         )
+        self.tiering._next_job_id = time.time_ns() // 1000  # never reuse a crashed manager's job ids
         self.worker_names = {CPU_WORKER, *(t.name for t in self.tiering.tiers)}
         self.registry = WorkerRegistry(svc.heartbeat_timeout_s)
         self.sessions: dict[bytes, ClientSession] = {}
