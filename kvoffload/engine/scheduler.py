@@ -148,7 +148,7 @@ class Engine:
                 reused = self._reuse_prefix(req_id, prompt_keys[: (len(prompt) - 1) // bt], table, result)
             else:
                 request_level, prompt_keys, reused = False, [], 0
-            first = len(prompt) if reused * bt >= len(prompt) else reused * bt
+            first = reused * bt
             logits = self._prefill(prompt, first, table)
             token = int(logits.argmax())
             result.ttft_s = time.perf_counter() - started
