@@ -8,6 +8,7 @@ import psutil
 import pytest
 
 from tests.s3server import S3Server
+from tests.service_process import start_service  # noqa: F401 (a fixture for every test module)
 
 
 @pytest.fixture(scope="session")

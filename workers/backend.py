@@ -105,3 +105,23 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release the medium; called once after the last job was released."""
+
+
+class NoIndexBackend:
+    """Defaults for a backend whose medium keeps no key index and reaches no engine KV cache:
+    no keys at start-up, touches ignored, no index changes, KV handles ignored."""
+
+    def initial_index(self) -> Iterable[list[bytes]]:
+        return ()
+
+    def touch(self, keys: list[bytes]) -> None:
+        return None
+
+    def take_index_changes(self) -> tuple[list[bytes], list[bytes]]:
+        return [], []
+
+    def attach_kv(self, handle: KVHandle) -> None:
+        return None
+
+    def detach_kv(self, handle_id: str) -> None:
+        return None

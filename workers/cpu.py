@@ -23,7 +23,7 @@ import importlib.util
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,7 @@ from kvoffload.kvcache import CUDA_IPC_KIND, SHM_KIND, SharedKVCache, rebuild_cu
 from kvoffload.logs import get_logger
 from kvoffload.pool import HostPool
 from kvoffload.protocol import Job, KVHandle
-from workers.backend import DEVICE_LOAD, DEVICE_STORE, AttachRefused, JobOutcome
+from workers.backend import DEVICE_LOAD, DEVICE_STORE, AttachRefused, JobOutcome, NoIndexBackend
 from workers.faults import FaultInjector
 from workers.framework import worker_main
 
@@ -161,7 +161,7 @@ class _CudaKV(_AttachedKV):
         self._pool = None
 
 
-class CpuBackend:
+class CpuBackend(NoIndexBackend):
     """The cpu worker's backend (see the module docstring). No index, no eviction."""
 
     name = "cpu"
@@ -188,15 +188,6 @@ class CpuBackend:
     def start(self, pool: HostPool, faults: FaultInjector) -> None:
         self._pool = pool
         self._faults = faults
-
-    def initial_index(self) -> Iterable[list[bytes]]:
-        return ()
-
-    def touch(self, keys: list[bytes]) -> None:
-        return None
-
-    def take_index_changes(self) -> tuple[list[bytes], list[bytes]]:
-        return [], []
 
     def _require_pool(self) -> HostPool:
         if self._pool is None:

@@ -21,7 +21,7 @@ from kvoffload.kvcache import SharedKVCache
 from kvoffload.pool import HostPool
 from kvoffload.protocol import FaultSpec, Job
 from kvoffload.tiering import LookupResult
-from tests.service.conftest import start_service  # noqa: F401  (pytest fixture)
+
 from workers.backend import CASCADE, PROMOTE, Backend, JobOutcome
 from workers.disk.worker import DiskBackend
 from workers.faults import FaultInjector

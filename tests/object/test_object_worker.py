@@ -24,7 +24,7 @@ from kvoffload.pool import HostPool
 from kvoffload.protocol import FaultSpec, Job
 from kvoffload.tiering import LookupResult
 from tests.s3server import S3Server
-from tests.service.conftest import shm_segments, start_service  # noqa: F401 - start_service is a fixture
+from tests.service_process import shm_segments
 from workers.backend import CASCADE, PROBE, PROMOTE, Backend
 from workers.faults import FaultInjector
 from workers.framework import EXIT_REFUSED, RunSpec

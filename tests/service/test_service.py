@@ -16,7 +16,7 @@ from kvoffload.client import KVOffloadError
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.tiering import LookupResult
 
-from .conftest import shm_segments
+from tests.service_process import shm_segments
 
 BLOCK = 65536
 

@@ -25,12 +25,11 @@ from kvoffload.protocol import (
     IndexUpdate,
     Job,
     JobDone,
-    KVHandle,
     WorkerHello,
     encode,
 )
 from tests.workers.conftest import FakeManager, write_spec
-from workers.backend import JOB_KINDS, Backend, JobOutcome
+from workers.backend import JOB_KINDS, Backend, JobOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault
 from workers.framework import (
     EXIT_FAILED,
@@ -57,7 +56,7 @@ def index_key(i: int) -> bytes:
     return b"idx-" + i.to_bytes(12, "big")
 
 
-class EchoBackend:
+class EchoBackend(NoIndexBackend):
     """Writes each key into its slot. Keys starting with ``slow`` make the job sleep 0.3 s,
     ``fail`` fail, ``boom`` raise; ``relfail`` makes the release raise twice, ``cleanfail`` the
     cleanup raise. The release writes RELEASE_MARK into the last byte of each slot, so a
@@ -117,18 +116,6 @@ class EchoBackend:
         return JobOutcome(
             ok_keys=ok, nbytes=len(ok), error="some keys failed", release=release, cleanup=cleanup
         )
-
-    def touch(self, keys: list[bytes]) -> None:
-        return None
-
-    def take_index_changes(self) -> tuple[list[bytes], list[bytes]]:
-        return [], []
-
-    def attach_kv(self, handle: KVHandle) -> None:
-        return None
-
-    def detach_kv(self, handle_id: str) -> None:
-        return None
 
     def stats(self) -> dict[str, Any]:
         return {"echo": True}

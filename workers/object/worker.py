@@ -22,7 +22,7 @@ probe) before the store is called.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,8 +30,8 @@ from kvoffload.blockformat import CorruptBlock, deployment_fingerprint
 from kvoffload.config import Config
 from kvoffload.logs import get_logger
 from kvoffload.pool import HostPool
-from kvoffload.protocol import Job, KVHandle
-from workers.backend import CASCADE, PROBE, PROMOTE, JobOutcome
+from kvoffload.protocol import Job
+from workers.backend import CASCADE, PROBE, PROMOTE, JobOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault
 from workers.object.breaker import CLOSED, BreakerOpen, CircuitBreaker
 from workers.object.errors import ObjectStoreError, ReleaseFailed
@@ -77,7 +77,7 @@ def _failure_reason(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-class ObjectBackend:
+class ObjectBackend(NoIndexBackend):
     """The object worker's ``Backend`` (see the module docstring). No index: the tier is probed.
 
     The store is built in ``__init__`` without any network call, so a caller can ``check`` it
@@ -126,21 +126,6 @@ class ObjectBackend:
             raise ValueError(f"pool blocks are {pool.block_bytes} bytes, the store's {self._store.block_bytes}")
         self._pool = pool
         self._faults = faults
-
-    def initial_index(self) -> Iterable[list[bytes]]:
-        return ()
-
-    def touch(self, keys: list[bytes]) -> None:
-        return None
-
-    def take_index_changes(self) -> tuple[list[bytes], list[bytes]]:
-        return [], []
-
-    def attach_kv(self, handle: KVHandle) -> None:
-        return None
-
-    def detach_kv(self, handle_id: str) -> None:
-        return None
 
     def run_job(self, job: Job) -> JobOutcome:
         if job.kind == PROBE:
