@@ -195,19 +195,25 @@ class ManagerServer:
                 log.warning("tier_job_failed_no_worker", tier=tier, job_id=job.job_id)
                 self.tiering.apply_result(tier, JobResult(job.job_id, False))
                 continue
-            worker.jobs.add(job.job_id)
             msg = p.Job(job.job_id, JOB_KIND_NAMES[job.kind], job.keys, job.slots)
-            self._send_worker(tier, msg)
+            if self._send_worker(tier, msg):
+                worker.jobs.add(job.job_id)
+            else:
+                self.tiering.apply_result(tier, JobResult(job.job_id, False))
         for tier in self.tiering.tiers:
             touched = self.tiering.take_touched(tier.name)
             if touched and self.registry.live(tier.name) is not None:
                 self._send_worker(tier.name, p.TouchKeys(touched))
 
-    def _send_worker(self, name: str, msg) -> None:
+    def _send_worker(self, name: str, msg) -> bool:
+        """False when the message could not be handed to the worker's connection (gone, or its
+        queue full): the caller fails the job at once instead of waiting for a timeout."""
         try:
             self.job_sock.send_multipart([name.encode(), p.encode(msg)], zmq.NOBLOCK)
+            return True
         except zmq.ZMQError as exc:
-            log.error("worker_send_failed", worker=name, error=str(exc))
+            log.error("worker_send_failed", worker=name, kind=type(msg).__name__, error=str(exc))
+            return False
 
     def _fail_worker(self, name: str, reason: str) -> None:
         """Every job in flight on the worker fails: tier jobs through the tiering library, device
@@ -432,8 +438,10 @@ class ManagerServer:
 
     def _on_new_request(self, identity, session: ClientSession, msg: p.NewRequest):
         scoped = session.scoped(msg.req_id)
-        if scoped in session.requests and self.tiering.has_request(scoped):
-            raise RequestError("duplicate_request", f"request {msg.req_id!r} is already active")
+        if self.tiering.has_request(scoped):
+            raise RequestError(
+                "duplicate_request", f"request {msg.req_id!r} is active or still finishing its stores"
+            )
         policy = self.tiering.on_new_request(ReqContext.from_params(scoped, msg.params))
         session.requests.add(scoped)
         return p.NewRequestReply(msg.rid, bool(policy))
@@ -459,10 +467,12 @@ class ManagerServer:
             return p.JobAccepted(msg.rid, None, [], out.evicted)
         block_of = dict(zip(reversed(msg.keys), reversed(msg.device_blocks)))
         blocks = [block_of[k] for k in out.keys_to_store]
-        job_id = self._submit_device_job(session, scoped, msg.req_id, "store", out.keys_to_store)
-        self._send_worker(
-            CPU_WORKER,
-            p.Job(job_id, "device_store", out.keys_to_store, out.slots, blocks, msg.handle_id),
+        job_id = self._submit_device_job(
+            session,
+            scoped,
+            msg.req_id,
+            "store",
+            p.Job(0, "device_store", out.keys_to_store, out.slots, blocks, msg.handle_id),
         )
         return p.JobAccepted(msg.rid, job_id, out.keys_to_store, out.evicted)
 
@@ -474,19 +484,26 @@ class ManagerServer:
         if self.registry.live(CPU_WORKER) is None:
             raise RequestError("worker_unavailable", "the cpu worker is not connected")
         slots = self.tiering.prepare_load(scoped, msg.keys)
-        job_id = self._submit_device_job(session, scoped, msg.req_id, "load", list(msg.keys))
-        self._send_worker(
-            CPU_WORKER,
-            p.Job(job_id, "device_load", msg.keys, slots, msg.device_blocks, msg.handle_id),
+        job_id = self._submit_device_job(
+            session,
+            scoped,
+            msg.req_id,
+            "load",
+            p.Job(0, "device_load", msg.keys, slots, msg.device_blocks, msg.handle_id),
         )
         return p.JobAccepted(msg.rid, job_id, list(msg.keys))
 
-    def _submit_device_job(self, session, scoped, req_id, kind, keys) -> int:
-        job_id = self.tiering.next_job_id()
-        self.device_jobs[job_id] = DeviceJob(session.identity, scoped, req_id, kind, keys)
-        session.device_jobs.add(job_id)
-        self.registry.live(CPU_WORKER).jobs.add(job_id)
-        return job_id
+    def _submit_device_job(self, session, scoped: str, req_id: str, kind: str, job: p.Job) -> int:
+        """Track and send a device job; if it cannot be sent it finishes at once as failed
+        (its event still reaches the client exactly once)."""
+        job.job_id = self.tiering.next_job_id()
+        self.device_jobs[job.job_id] = DeviceJob(session.identity, scoped, req_id, kind, list(job.keys))
+        session.device_jobs.add(job.job_id)
+        if self._send_worker(CPU_WORKER, job):
+            self.registry.live(CPU_WORKER).jobs.add(job.job_id)
+        else:
+            self._finish_device_job(job.job_id, False, None, "worker_unreachable")
+        return job.job_id
 
     def _on_prepare_store(self, identity, session: ClientSession, msg: p.PrepareStore):
         self._check_writable()

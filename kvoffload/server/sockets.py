@@ -39,10 +39,12 @@ def bind_client_socket(
 
 
 def bind_job_socket(zctx: zmq.Context, endpoint: str, max_message_bytes: int) -> zmq.Socket:
-    """ROUTER for tier workers; a restarted worker reclaims its identity (ROUTER_HANDOVER)."""
+    """ROUTER for tier workers; a restarted worker reclaims its identity (ROUTER_HANDOVER), and
+    a send to a worker that is not connected fails at once (ROUTER_MANDATORY)."""
     sock = zctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + TRANSPORT_SLACK_BYTES)
     sock.bind(endpoint)
     return sock

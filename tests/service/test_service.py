@@ -87,6 +87,9 @@ def test_errors_are_typed_and_manager_keeps_serving(start_service, kv):
         assert err.value.code == "unknown_request"
         c.new_request("r")
         with pytest.raises(KVOffloadError) as err:
+            c.new_request("r")
+        assert err.value.code == "duplicate_request"
+        with pytest.raises(KVOffloadError) as err:
             c.lookup("r", [b"short"])
         assert err.value.code == "bad_key"
         with pytest.raises(KVOffloadError) as err:
