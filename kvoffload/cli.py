@@ -92,6 +92,13 @@ def cmd_demo(args) -> int:
     return run_demo(cfg, args)
 
 
+def cmd_soak(args) -> int:
+    from .soak.runner import run_from_args
+
+    configure_logging("soak", "error")
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvoffload", description="Tiered KV-cache offload service")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,13 +113,24 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     status.set_defaults(func=cmd_status)
 
-    demo = sub.add_parser("demo", help="start the service, offload and reload KV blocks, verify")
-    demo.add_argument("--config", help="TOML config file (defaults are embedded)")
+    demo = sub.add_parser(
+        "demo", help="run the reference engine through the service and check reused KV changes nothing"
+    )
+    demo.add_argument("--config", help="TOML config file (defaults are embedded; pool.block_bytes is set for the model)")
     demo.add_argument("--conversations", type=int, default=4)
-    demo.add_argument("--turns", type=int, default=4)
-    demo.add_argument("--blocks-per-turn", type=int, default=16)
-    demo.add_argument("--json-out", help="write the summary as JSON here")
+    demo.add_argument("--turns", type=int, default=4, help="turns of phase 1")
+    demo.add_argument("--blocks-per-turn", type=int, default=16, help="new user blocks (16 tokens each) per turn")
+    demo.add_argument("--new-tokens", type=int, default=8, help="tokens generated per turn")
+    demo.add_argument("--seed", type=int, help="seed of the token ids (default: random, printed)")
+    demo.add_argument("--restart", action="store_true", help="also restart the whole service and serve from disk")
+    demo.add_argument("--json-out", help="write the rows and the verdict as JSON here")
     demo.set_defaults(func=cmd_demo)
+
+    from .soak.runner import add_arguments as add_soak_arguments
+
+    soak = sub.add_parser("soak", help="run the service under load and injected faults, check invariants")
+    add_soak_arguments(soak)
+    soak.set_defaults(func=cmd_soak)
     return parser
 
 

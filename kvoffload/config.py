@@ -67,7 +67,8 @@ class ServiceConfig(_Section):
 
 class PoolConfig(_Section):
     """Host pool geometry and primary-tier policy. ``unread_promotion_cap`` is a fraction of
-    the slots."""
+    the slots. ``slot_headers``: workers stamp a checksummed header per ready slot, so a
+    restarted manager rebuilds its primary index instead of starting cold."""
 
     num_slots: int = 1024
     block_bytes: int = 256 * 1024
@@ -76,6 +77,7 @@ class PoolConfig(_Section):
     layout_id: str = "default"
     key_bytes_min: int = 16
     key_bytes_max: int = 64
+    slot_headers: bool = True
 
 
 class CpuConfig(_Section):

@@ -1,116 +1,317 @@
-"""``kvoffload demo``: start the service on the given config, run a multi-turn workload of
-synthetic KV blocks through it, and verify every byte that comes back.
+"""``kvoffload demo``: the reference engine (a small torch transformer computing real attention
+K/V) runs a multi-turn workload through the service and proves that reused K/V changes nothing.
 
-Each block's bytes are a pure function of its key (a chained prefix hash), so any block loaded
-from any tier can be checked. Phases: (1) multi-turn conversations whose turns share growing
-prefixes, served from the host pool; (2) a second engine process reuses every conversation;
-(3) the host pool is reset and the prefixes come back from the disk tier.
+Phases (each conversation's next prompt is everything so far plus new user tokens):
+1. host pool: conversations x turns on the main engine; later turns reuse earlier turns' blocks;
+2. a second engine process runs every conversation's next turn on the main engine's blocks;
+3. the host pool is reset (``reset_cache``); the prefixes come back from the secondary tiers;
+4. with ``--restart``: the whole service is stopped and started again on the same config; the
+   disk tier (or object tier) still serves the prefixes.
+
+Every prompt also runs on an engine without the service (full recompute). A row passes when the
+generated tokens are identical, the logits agree within ``LOGITS_ATOL``, every loaded block is
+bit-identical to the block as it was computed (its digest was recorded when it was offloaded),
+every offload succeeded, and the phase reused blocks from the tier it demonstrates. The exit
+status is 1 if any row fails. Token ids come from ``--seed`` (random by default, printed).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from .client import KVOffloadClient
 from .config import Config
-from .kvcache import SharedKVCache, unique_kv_name
 from .logs import configure_logging
 
-
-def chain_keys(conversation: int, num_blocks: int) -> list[bytes]:
-    """Prefix-hash chain: key[i] = blake2b(key[i-1] || block content id), 32 bytes."""
-    keys, prev = [], b"kvoffload-demo"
-    for i in range(num_blocks):
-        prev = hashlib.blake2b(prev + f"{conversation}:{i}".encode(), digest_size=32).digest()
-        keys.append(prev)
-    return keys
-
-
-def block_content(key: bytes, nbytes: int) -> np.ndarray:
-    """The bytes of a block: a deterministic stream seeded by its key (the "computed KV")."""
-    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
-    return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+LOGITS_ATOL = 1e-4
+POOL = frozenset({"pool"})
+SECONDARY = frozenset({"disk", "object", "secondary"})
 
 
 @dataclass
-class TurnReport:
+class Row:
+    phase: str
     engine: str
     conversation: int
     turn: int
-    blocks: int
-    reused: int
-    computed: int
-    served_by: str
-    seconds: float
-    verified: bool
+    prompt_tokens: int
+    reused_tokens: int
+    computed_tokens: int
+    served_by: dict[str, int]
+    ttft_ms: float
+    recompute_ms: float
+    tokens_same: bool
+    logits_max_diff: float
+    kv: str  # "-" nothing loaded, "same", "DIFF", "unrecorded" (an earlier run's blocks)
+    store_failures: int
+    expected_from: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
 
 
-class DemoEngine:
-    """A client that plays an inference engine: look up, load hits, compute the rest, store."""
+def demo_config(cfg: Config, block_bytes: int, layout_id: str) -> Config:
+    """``cfg`` with the pool sized for the reference model's blocks and named for its layout."""
+    return msgspec.structs.replace(
+        cfg, pool=msgspec.structs.replace(cfg.pool, block_bytes=block_bytes, layout_id=layout_id)
+    )
 
-    def __init__(self, endpoint: str, name: str, num_blocks: int) -> None:
-        self.client = KVOffloadClient(endpoint, name=name, timeout_s=30.0)
-        self.name = name
-        self.block_bytes = self.client.info.block_bytes
-        self.kv = SharedKVCache.create(unique_kv_name(), num_blocks, [self.block_bytes])
-        self.client.register_kv(self.kv.handle(f"{name}-kv"))
-        self.handle_id = f"{name}-kv"
-        self._req = 0
 
-    def run_prompt(self, conversation: int, turn: int, keys: list[bytes], served_by: str) -> TurnReport:
-        self._req += 1
-        req = f"{self.name}-{self._req}"
-        started = time.perf_counter()
-        self.client.new_request(req)
-        reply = self.client.lookup(req, keys)
-        while reply.must_wait:
-            self.client.end_step()
-            time.sleep(0.002)
-            reply = self.client.lookup(req, keys)
-        reused = reply.ready_prefix
-        verified = True
-        if reused:
-            job = self.client.load(req, keys[:reused], list(range(reused)), self.handle_id)
-            done = self.client.wait([job.job_id])[job.job_id]
-            verified = done.success and all(
-                np.array_equal(self.kv.tensors[0][i], block_content(keys[i], self.block_bytes))
-                for i in range(reused)
+def user_tokens(seed: int, conversation: int, turn: int, count: int, vocab: int) -> list[int]:
+    return np.random.default_rng([seed, conversation, turn]).integers(0, vocab, size=count).tolist()
+
+
+def served_text(served_by: dict[str, int], block_tokens: int) -> str:
+    if not served_by:
+        return "-"
+    return " + ".join(f"{tier} {blocks * block_tokens}" for tier, blocks in sorted(served_by.items()))
+
+
+HEADER = (
+    f"{'phase':<10}{'engine':<9}{'conv':>4}{'turn':>5}{'prompt':>8}{'reused':>8}{'computed':>9}  "
+    f"{'served by (tokens)':<20}{'TTFT ms':>8}{'recompute':>10}{'speedup':>8}  {'tokens':<7}{'KV':<6}"
+)
+
+
+def format_row(r: Row, block_tokens: int) -> str:
+    speedup = f"{r.recompute_ms / r.ttft_ms:.1f}x" if r.ttft_ms > 0 else "-"
+    line = (
+        f"{r.phase:<10}{r.engine[:8]:<9}{r.conversation:>4}{r.turn:>5}{r.prompt_tokens:>8}{r.reused_tokens:>8}"
+        f"{r.computed_tokens:>9}  {served_text(r.served_by, block_tokens):<20}{r.ttft_ms:>8.1f}{r.recompute_ms:>10.1f}"
+        f"{speedup:>8}  {'same' if r.tokens_same else 'DIFF':<7}{r.kv:<6}"
+    )
+    return line if r.ok else f"{line}  FAIL: {'; '.join(r.problems)}"
+
+
+class Demo:
+    """The demo's state: the service, the main engine, the reference engine, the conversations
+    and the digests of every block offloaded in this run."""
+
+    def __init__(self, cfg: Config, model, args, seed: int) -> None:
+        from .engine import Engine
+
+        self.cfg = cfg
+        self.model = model
+        self.args = args
+        self.seed = seed
+        self.bt = model.cfg.block_tokens
+        self.user_count = args.blocks_per_turn * self.bt
+        phases_turns = args.turns + 3
+        self.cache_blocks = phases_turns * (self.user_count + args.new_tokens) // self.bt + 4
+        self.reference = Engine.local(model, self.cache_blocks)
+        self.histories: list[list[int]] = [[] for _ in range(args.conversations)]
+        self.record: dict[str, str] = {}
+        self.stored_since_start = 0
+        self.rows: list[Row] = []
+        self.log_file = Path(tempfile.gettempdir()) / f"kvoffload-demo-{os.getpid()}.log"
+        self.supervisor = None
+        self.engine = None
+        self.endpoint = ""
+
+    # ---- service --------------------------------------------------------------------------
+
+    def start_service(self) -> None:
+        from .engine import Engine
+        from .supervisor import Supervisor
+
+        self.supervisor = Supervisor(self.cfg, log_path=self.log_file)
+        self.endpoint = self.supervisor.start().client_endpoint
+        _wait_ready(self.endpoint, ["cpu", *self.secondary_tiers])
+        self.engine = Engine.connect(self.model, self.endpoint, self.cache_blocks, "main")
+        self.stored_since_start = 0
+
+    def stop_service(self) -> None:
+        engine, self.engine = self.engine, None
+        supervisor, self.supervisor = self.supervisor, None
+        try:
+            if engine is not None:
+                engine.close()
+        finally:
+            if supervisor is not None:
+                supervisor.stop()
+
+    @property
+    def secondary_tiers(self) -> list[str]:
+        return [name for name, on in (("disk", self.cfg.disk.enabled), ("object", self.cfg.object.enabled)) if on]
+
+    def wait_cascades(self, timeout_s: float = 60.0) -> None:
+        """Until every block offloaded since the service started reached every secondary tier
+        (or was refused), and no tier job is in flight."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            tiering = self.engine.client.status()["tiering"]
+            done = all(
+                tiering["per_tier"][t]["cascaded_keys_ok"] + tiering["per_tier"][t]["cascades_dropped"]
+                >= self.stored_since_start
+                for t in self.secondary_tiers
             )
-        for i in range(reused, len(keys)):
-            self.kv.tensors[0][i] = block_content(keys[i], self.block_bytes)
-        if reused < len(keys):
-            job = self.client.store(req, keys[reused:], list(range(reused, len(keys))), self.handle_id)
-            if job.job_id is not None:
-                verified &= self.client.wait([job.job_id])[job.job_id].success
-        self.client.finish_request(req)
-        return TurnReport(
-            self.name, conversation, turn, len(keys), reused, len(keys) - reused,
-            served_by if reused else "-", time.perf_counter() - started, verified,
+            if done and tiering["jobs_in_flight"] == 0:
+                return
+            time.sleep(0.05)
+        print(f"  (cascades still running after {timeout_s:.0f} s; continuing)")
+
+    # ---- turns ----------------------------------------------------------------------------
+
+    def next_prompt(self, conversation: int, turn: int) -> list[int]:
+        new = user_tokens(self.seed, conversation, turn, self.user_count, self.model.cfg.vocab_size)
+        return self.histories[conversation] + new
+
+    def main_turn(self, phase: str, conversation: int, turn: int, expect: frozenset[str] | None) -> None:
+        prompt = self.next_prompt(conversation, turn)
+        result = self.engine.generate(prompt, self.args.new_tokens).to_dict(with_logits=True)
+        self.finish_row(phase, "main", conversation, turn, prompt, result, expect)
+        self.supervisor.watch_once()
+
+    def second_process_turns(self, phase: str, turn: int) -> bool:
+        """Run every conversation's next turn in another engine process. False if it failed."""
+        import torch
+
+        prompts = [self.next_prompt(c, turn) for c in range(self.args.conversations)]
+        with tempfile.TemporaryDirectory(prefix="kvoffload-demo-") as tmp:
+            prompts_file, out_file = Path(tmp) / "prompts.json", Path(tmp) / "results.json"
+            prompts_file.write_text(json.dumps(prompts))
+            proc = subprocess.run(
+                [sys.executable, "-m", "kvoffload.engine", "--endpoint", self.endpoint, "--prompts", str(prompts_file),
+                 "--model", "demo", "--max-new-tokens", str(self.args.new_tokens), "--cache-blocks",
+                 str(self.cache_blocks), "--threads", str(torch.get_num_threads()), "--name", "second",
+                 "--logits", "--out", str(out_file)],
+                capture_output=True, text=True, timeout=600,
+            )
+            if proc.returncode != 0:
+                print(f"the second engine process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
+                return False
+            results = json.loads(out_file.read_text())
+        for conversation, (prompt, result) in enumerate(zip(prompts, results)):
+            self.finish_row(phase, "second", conversation, turn, prompt, result, POOL)
+        return True
+
+    def finish_row(self, phase, engine, conversation, turn, prompt, result: dict, expect) -> None:
+        """Run the reference on ``prompt``, compare, record, print; extend the conversation."""
+        import torch
+
+        reference = self.reference.generate(prompt, self.args.new_tokens)
+        logits = torch.tensor(result["logits"], dtype=torch.float32)
+        tokens_same = result["tokens"] == reference.tokens
+        max_diff = float((logits - reference.logits).abs().max())
+        kv, unrecorded, differing = self.check_loaded(result["loaded"])
+        self.record.update(result["stored"])
+        self.stored_since_start += len(result["stored"])
+        served = {t: int(n) for t, n in result["served_by"].items()}
+        problems = []
+        if not tokens_same:
+            problems.append("generated tokens differ from the full recompute")
+        if not max_diff <= LOGITS_ATOL:
+            problems.append(f"logits differ by {max_diff:.2e} (> {LOGITS_ATOL})")
+        if differing:
+            problems.append(f"{differing} loaded blocks differ from the computed K/V")
+        if result["store_failures"]:
+            problems.append(f"{result['store_failures']} blocks failed to offload")
+        if expect is not None and not any(served.get(t, 0) for t in expect):
+            problems.append(f"expected blocks from {'/'.join(sorted(expect))}, got {served or 'none'}")
+        row = Row(
+            phase, engine, conversation, turn, len(prompt), result["reused_blocks"] * self.bt,
+            result["computed_tokens"], served, result["ttft_s"] * 1000, reference.ttft_s * 1000, tokens_same,
+            max_diff, kv, result["store_failures"], sorted(expect or ()), problems,
         )
+        if unrecorded:
+            row.kv = "unrecorded"
+        self.rows.append(row)
+        print(format_row(row, self.bt), flush=True)
+        self.histories[conversation] = prompt + result["tokens"]
+
+    def check_loaded(self, loaded: dict[str, str]) -> tuple[str, int, int]:
+        """(column text, blocks not offloaded in this run, blocks whose bytes differ)."""
+        if not loaded:
+            return "-", 0, 0
+        unrecorded = sum(1 for k in loaded if k not in self.record)
+        differing = sum(1 for k, d in loaded.items() if k in self.record and self.record[k] != d)
+        return ("DIFF" if differing else "same"), unrecorded, differing
+
+    # ---- the phases -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        args = self.args
+        tiers = ["host pool", *self.secondary_tiers]
+        print(f"kvoffload demo: reference model {self.model.cfg.describe()}")
+        print(f"seed {self.seed} (rerun with --seed {self.seed}); service logs in {self.log_file}")
+        self.start_service()
+        print(f"service up: pool {self.cfg.pool.num_slots} x {self.cfg.pool.block_bytes} B; tiers: {', '.join(tiers)}")
+        print(f"\nphase 1: {args.conversations} conversations x {args.turns} turns, {self.user_count} new user "
+              f"tokens and {args.new_tokens} generated tokens per turn\n{HEADER}")
+        for turn in range(args.turns):
+            for c in range(args.conversations):
+                self.main_turn("1 pool", c, turn, POOL if turn else None)
+        turn = args.turns
+        print("phase 2: a second engine process runs every conversation's next turn on the main engine's blocks")
+        if not self.second_process_turns("2 process", turn):
+            raise DemoFailed("the second engine process failed")
+        if not self.secondary_tiers:
+            print("no secondary tier configured: skipping phases 3 and 4")
+            return
+        turn += 1
+        print(f"phase 3: host pool reset; prefixes come back from the {' / '.join(self.secondary_tiers)} tier")
+        self.wait_cascades()
+        self.engine.client.reset_cache()
+        for c in range(args.conversations):
+            self.main_turn("3 reset", c, turn, SECONDARY)
+        if args.restart:
+            turn += 1
+            print(f"phase 4: the whole service is stopped and started again; the {' / '.join(self.secondary_tiers)} "
+                  f"tier still serves the prefixes")
+            self.wait_cascades()
+            self.stop_service()
+            self.start_service()
+            for c in range(args.conversations):
+                self.main_turn("4 restart", c, turn, SECONDARY)
 
     def close(self) -> None:
-        self.client.close()
-        self.kv.close()
-        self.kv.unlink()
+        try:
+            self.stop_service()
+        finally:
+            self.reference.close()
+
+    def summary(self) -> bool:
+        rows = self.rows
+        ok = bool(rows) and all(r.ok for r in rows)
+        reused = [r for r in rows if r.reused_tokens]
+        prompt_total = sum(r.prompt_tokens for r in rows)
+        reused_total = sum(r.reused_tokens for r in rows)
+        loaded_blocks = sum(r.reused_tokens // self.bt for r in rows if r.kv in ("same", "DIFF"))
+        unrecorded = [r for r in rows if r.kv == "unrecorded"]
+        print(f"\nprompt tokens {prompt_total}: reused {reused_total} "
+              f"({100 * reused_total / max(prompt_total, 1):.0f}%), computed {prompt_total - reused_total}")
+        if reused:
+            with_kvo = sum(r.ttft_ms for r in reused) / len(reused)
+            without = sum(r.recompute_ms for r in reused) / len(reused)
+            print(f"mean TTFT of turns with reuse: {with_kvo:.1f} ms with kvoffload vs {without:.1f} ms recomputing "
+                  f"({without / with_kvo:.1f}x)")
+        print(f"generated tokens identical to the full recompute: "
+              f"{'yes' if all(r.tokens_same for r in rows) else 'NO'} ({len(rows)} prompts)")
+        print(f"loaded K/V bit-identical to the computed K/V: "
+              f"{'NO' if any(r.kv == 'DIFF' for r in rows) else 'yes'} ({loaded_blocks} blocks checked)")
+        if unrecorded:
+            print(f"note: {len(unrecorded)} prompts reused blocks offloaded by an earlier run with this seed; "
+                  f"only their tokens and logits were checked")
+        failed = [r for r in rows if not r.ok]
+        print("PASS" if ok else f"FAIL: {len(failed)} of {len(rows)} rows failed")
+        return ok
 
 
-def replay(endpoint: str, conversations: int, blocks: int) -> list[TurnReport]:
-    """What the second engine process runs: every conversation's full prompt once."""
-    engine = DemoEngine(endpoint, f"engine-{os.getpid()}", blocks)
-    try:
-        return [engine.run_prompt(c, 0, chain_keys(c, blocks), "pool (other engine)") for c in range(conversations)]
-    finally:
-        engine.close()
+class DemoFailed(RuntimeError):
+    """A phase could not run."""
 
 
 def _wait_ready(endpoint: str, workers: list[str], timeout_s: float = 60.0) -> None:
@@ -127,75 +328,32 @@ def _wait_ready(endpoint: str, workers: list[str], timeout_s: float = 60.0) -> N
     raise TimeoutError(f"workers {workers} did not connect in {timeout_s} s")
 
 
-def _print_table(reports: list[TurnReport]) -> None:
-    print(f"{'engine':<16}{'conv':>5}{'turn':>5}{'blocks':>7}{'reused':>7}{'computed':>9}  {'served by':<22}{'ms':>8}  ok")
-    for r in reports:
-        print(
-            f"{r.engine[:15]:<16}{r.conversation:>5}{r.turn:>5}{r.blocks:>7}{r.reused:>7}{r.computed:>9}  "
-            f"{r.served_by:<22}{r.seconds * 1000:>8.1f}  {'yes' if r.verified else 'NO'}"
-        )
-
-
 def run_demo(cfg: Config, args) -> int:
-    from .supervisor import Supervisor
-
-    configure_logging("demo", "warning")
-    log_file = Path(tempfile.gettempdir()) / f"kvoffload-demo-{os.getpid()}.log"
-    supervisor = Supervisor(cfg, log_path=log_file)
-    spec = supervisor.start()
-    endpoint = spec.client_endpoint
-    per_turn = args.blocks_per_turn
-    total_blocks = per_turn * args.turns
-    reports: list[TurnReport] = []
+    """Run the demo on ``cfg`` (its pool geometry is set to the reference model's); 0 if every
+    check passed, 1 otherwise, 2 if torch is missing."""
     try:
-        print(f"kvoffload demo: service up (pool {cfg.pool.num_slots} x {cfg.pool.block_bytes} B, "
-              f"tiers: host pool{', disk' if cfg.disk.enabled else ''}{', object' if cfg.object.enabled else ''}); "
-              f"logs in {log_file}")
-        _wait_ready(endpoint, ["cpu"] + (["disk"] if cfg.disk.enabled else []))
-        engine = DemoEngine(endpoint, "engine-main", total_blocks)
-        try:
-            print(f"phase 1: {args.conversations} conversations x {args.turns} turns, {per_turn} new blocks per turn")
-            for turn in range(args.turns):
-                for c in range(args.conversations):
-                    keys = chain_keys(c, per_turn * (turn + 1))
-                    reports.append(engine.run_prompt(c, turn, keys, "host pool"))
-                    supervisor.watch_once()
-            print("phase 2: a second engine process replays every conversation")
-            out = subprocess.run(
-                [sys.executable, "-m", "kvoffload.demo", endpoint, str(args.conversations), str(total_blocks)],
-                capture_output=True, text=True, timeout=300,
-            )
-            if out.returncode != 0:
-                print(out.stderr[-2000:], file=sys.stderr)
-                return 1
-            reports.extend(TurnReport(**r) for r in json.loads(out.stdout))
-            if cfg.disk.enabled:
-                print("phase 3: host pool reset; prefixes come back from the disk tier")
-                _wait_cascades(engine.client)
-                engine.client.reset_cache()
-                for c in range(args.conversations):
-                    reports.append(engine.run_prompt(c, args.turns, chain_keys(c, total_blocks), "disk tier"))
-        finally:
-            engine.close()
+        from .engine import DEMO_MODEL, TinyDecoder
+    except ImportError as exc:
+        print(f"kvoffload demo needs torch (the engine extra): pip install torch==2.13.0 -e '.[engine]' ({exc})",
+              file=sys.stderr)
+        return 2
+    configure_logging("demo", "warning")
+    model = TinyDecoder(DEMO_MODEL)
+    cfg = demo_config(cfg, model.cfg.block_bytes, model.layout_id)
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    demo = Demo(cfg, model, args, seed)
+    started = time.monotonic()
+    try:
+        demo.run()
+    except DemoFailed as exc:
+        print(f"FAIL: {exc}", file=sys.stderr)
+        return 1
     finally:
-        supervisor.stop()
-    _print_table(reports)
-    ok = all(r.verified for r in reports)
-    reused = sum(r.reused for r in reports)
-    print(f"\nblocks reused {reused}, computed {sum(r.computed for r in reports)}; "
-          f"every loaded block bit-identical to its computed bytes: {'yes' if ok else 'NO'}")
+        demo.close()
+    ok = demo.summary()
+    print(f"demo took {time.monotonic() - started:.1f} s")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps([asdict(r) for r in reports], indent=2))
+        Path(args.json_out).write_text(json.dumps(
+            {"seed": seed, "model": asdict(model.cfg), "ok": ok,
+             "rows": [{**asdict(r), "ok": r.ok} for r in demo.rows]}, indent=2))
     return 0 if ok else 1
-
-
-def _wait_cascades(client: KVOffloadClient, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while client.status()["tiering"]["jobs_in_flight"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-if __name__ == "__main__":
-    configure_logging("demo-engine", "warning")
-    endpoint_arg, conversations_arg, blocks_arg = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    print(json.dumps([asdict(r) for r in replay(endpoint_arg, conversations_arg, blocks_arg)]))

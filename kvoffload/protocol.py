@@ -410,4 +410,4 @@ def request_id_of(frame: bytes) -> int:
     except Exception:
         return -1
     rid = raw.get("rid") if isinstance(raw, dict) else None
-    return rid if isinstance(rid, int) else -1
+    return rid if isinstance(rid, int) and not isinstance(rid, bool) else -1

@@ -21,6 +21,8 @@ class RunSpec(msgspec.Struct, forbid_unknown_fields=True):
     client_endpoint: str
     pool_name: str
     config: dict[str, Any]
+    slot_table_name: str = ""
+    """The slot header table's shm name; "" when ``pool.slot_headers`` is off."""
 
     def load_config(self) -> Config:
         return msgspec.convert(self.config, Config)

@@ -2,7 +2,8 @@
 workers and the configured engines, restarts crashed workers (and the manager) with backoff,
 and on SIGTERM/SIGINT drains, stops every child and removes every segment and socket it made.
 
-The supervisor owns the pool: it outlives manager and worker restarts.
+The supervisor owns the pool and its slot header table: both outlive manager and worker
+restarts, so a restarted manager rebuilds its primary index from the headers.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .config import Config, resolve_runtime_dir
 from .pool import HostPool
 from .rundir import RunDir, cleanup_stale
 from .runspec import RunSpec, write_runspec
+from .slottable import SlotTable
 
 log = structlog.get_logger()
 
@@ -57,6 +59,7 @@ class Supervisor:
         self.log_path = log_path
         self.rundir: RunDir | None = None
         self.pool: HostPool | None = None
+        self.slot_table: SlotTable | None = None
         self.spec: RunSpec | None = None
         self.children: dict[str, Child] = {}
         self._stop_requested = False
@@ -72,6 +75,11 @@ class Supervisor:
         pool_name = self.rundir.shm_name("pool")
         self.rundir.record_shm(pool_name)
         self.pool = HostPool.create(pool_name, self.cfg.pool.num_slots, self.cfg.pool.block_bytes)
+        slot_table_name = ""
+        if self.cfg.pool.slot_headers:
+            slot_table_name = self.rundir.shm_name("slots")
+            self.rundir.record_shm(slot_table_name)
+            self.slot_table = SlotTable.create(slot_table_name, self.cfg.pool.num_slots)
         client_endpoint = self.cfg.service.client_endpoint or self.rundir.endpoint("client")
         self.spec = RunSpec(
             run_id=self.rundir.run_id,
@@ -79,6 +87,7 @@ class Supervisor:
             client_endpoint=client_endpoint,
             pool_name=pool_name,
             config=self.cfg.to_toml_dict(redact_secrets=False),
+            slot_table_name=slot_table_name,
         )
         spec_path = self.rundir.file_path("runspec.json")
         write_runspec(spec_path, self.spec)
@@ -162,6 +171,8 @@ class Supervisor:
                 continue
             if child.restart_at is None:
                 self._log_exit(child, code)
+                if child.name == "manager":
+                    self._fence_workers()
                 if not child.restart or code == EXIT_REFUSED:
                     child.proc = None
                     continue
@@ -170,6 +181,19 @@ class Supervisor:
             elif now >= child.restart_at:
                 child.restarts += 1
                 self._spawn(child)
+
+    def _fence_workers(self) -> None:
+        """The manager died: kill every tier worker before a new manager hands out slots. A copy
+        the old manager started could otherwise still land in a slot the new one has given to
+        another key. The workers are restarted with their usual backoff; the pool is kept."""
+        fenced = []
+        for child in self.children.values():
+            if child.name in WORKER_MODULES and child.proc is not None and child.proc.poll() is None:
+                child.proc.kill()
+                child.proc.wait()
+                fenced.append(child.name)
+        if fenced:
+            log.warning("workers_fenced_after_manager_exit", workers=fenced)
 
     def _log_exit(self, child: Child, code: int) -> None:
         fields = {"child": child.name, "child_pid": child.proc.pid, "exit_code": code}
@@ -205,6 +229,10 @@ class Supervisor:
             self.pool.close()
             self.pool.unlink()
             self.pool = None
+        if self.slot_table is not None:
+            self.slot_table.close()
+            self.slot_table.unlink()
+            self.slot_table = None
         if self.rundir is not None:
             self.rundir.remove()
         log.info("service_stopped")

@@ -11,6 +11,11 @@ framework calls ``release`` on the main thread and publishes the job's ``JobDone
 returned; if it raises, the job stays tracked and ``release`` is called again later, so it must
 be safe to call again after a failure. ``cleanup`` is secondary best-effort work run once after
 a successful release; its failures are only logged and never hold back the result.
+
+Slot headers: a backend that writes pool slots may define ``use_slot_headers(headers)``; the
+framework calls it before ``start`` with the run's ``workers.slotheaders.SlotHeaders`` when slot
+headers are on, and the backend then stamps each slot it completely wrote before reporting the
+key as succeeded.
 """
 
 from __future__ import annotations
@@ -28,13 +33,15 @@ DEVICE_LOAD = "device_load"
 PROMOTE = "promote"
 CASCADE = "cascade"
 PROBE = "probe"
+VERIFY = "verify"
+"""Check stamped slots against their bytes (cpu worker, for a restarted manager)."""
 
-JOB_KINDS = frozenset({DEVICE_STORE, DEVICE_LOAD, PROMOTE, CASCADE, PROBE})
-SLOT_KINDS = frozenset({DEVICE_STORE, DEVICE_LOAD, PROMOTE, CASCADE})
+JOB_KINDS = frozenset({DEVICE_STORE, DEVICE_LOAD, PROMOTE, CASCADE, PROBE, VERIFY})
+SLOT_KINDS = frozenset({DEVICE_STORE, DEVICE_LOAD, PROMOTE, CASCADE, VERIFY})
 """Kinds whose ``Job.slots`` are co-indexed with ``Job.keys``."""
 DEVICE_KINDS = frozenset({DEVICE_STORE, DEVICE_LOAD})
 """Kinds whose ``Job.device_blocks`` are co-indexed with ``Job.keys`` and need ``handle_id``."""
-URGENT_KINDS = frozenset({DEVICE_LOAD, PROMOTE, PROBE})
+URGENT_KINDS = frozenset({DEVICE_LOAD, PROMOTE, PROBE, VERIFY})
 """Kinds on the engine's critical path: run before stores and cascades when both are queued."""
 
 

@@ -14,6 +14,11 @@ KV caches arrive with ``AttachKV``:
 Each job holds a reference on its KV cache; the job's release drops it. ``DetachKV`` unmaps a
 cache once no job holds it.
 
+Slot headers (when on): a ``device_store`` stamps each slot it copied (xxh3 of the slot,
+generation = job id) after the copies are complete and before the result. A ``verify`` job
+(keys + slots, from a restarted manager) recomputes each slot's xxh3 and compares it with the
+slot's header; its ok keys are the slots that match.
+
 Run: ``python -m workers.cpu --spec RUNSPEC_JSON``.
 """
 
@@ -33,9 +38,10 @@ from kvoffload.kvcache import CUDA_IPC_KIND, SHM_KIND, SharedKVCache, rebuild_cu
 from kvoffload.logs import get_logger
 from kvoffload.pool import HostPool
 from kvoffload.protocol import Job, KVHandle
-from workers.backend import DEVICE_LOAD, DEVICE_STORE, AttachRefused, JobOutcome, NoIndexBackend
+from workers.backend import DEVICE_LOAD, DEVICE_STORE, VERIFY, AttachRefused, JobOutcome, NoIndexBackend
 from workers.faults import FaultInjector
 from workers.framework import worker_main
+from workers.slotheaders import SlotHeaders
 
 log = get_logger()
 
@@ -168,22 +174,28 @@ class CpuBackend(NoIndexBackend):
     medium = "device"
 
     def __init__(self, cfg: Config | None = None) -> None:
-        self.capabilities = [DEVICE_STORE, DEVICE_LOAD, SHM_KIND]
+        self.capabilities = [DEVICE_STORE, DEVICE_LOAD, VERIFY, SHM_KIND]
         if importlib.util.find_spec("torch") is not None:
             self.capabilities.append(CUDA_IPC_KIND)
         self.degraded = False
         self._pool: HostPool | None = None
+        self._headers: SlotHeaders | None = None
         self._faults = FaultInjector()
         self._lock = threading.Lock()
         self._handles: dict[str, _AttachedKV] = {}
         self._streams = threading.local()
-        self._counters = {"bytes_stored": 0, "bytes_loaded": 0, "keys_failed": 0}
+        self._counters = {"bytes_stored": 0, "bytes_loaded": 0, "keys_failed": 0,
+                          "slots_verified": 0, "slots_verify_failed": 0}
         self._parallelism = max(1, (cfg.cpu.threads if cfg is not None else 1))
         self._copy_pool = (
             ThreadPoolExecutor(self._parallelism - 1, thread_name_prefix="copy")
             if self._parallelism > 1
             else None
         )
+
+    def use_slot_headers(self, headers: SlotHeaders) -> None:
+        """Stamp the slots of device stores and answer verify jobs with ``headers``."""
+        self._headers = headers
 
     def start(self, pool: HostPool, faults: FaultInjector) -> None:
         self._pool = pool
@@ -249,6 +261,8 @@ class CpuBackend(NoIndexBackend):
             kv.close()
 
     def run_job(self, job: Job) -> JobOutcome:
+        if job.kind == VERIFY:
+            return self._verify(job)
         if job.kind not in (DEVICE_STORE, DEVICE_LOAD):
             return JobOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
         kv = self._hold(job.handle_id)
@@ -269,6 +283,37 @@ class CpuBackend(NoIndexBackend):
             release()
             raise
         return JobOutcome(ok_keys=ok, nbytes=nbytes, error=error, release=release)
+
+    def _verify(self, job: Job) -> JobOutcome:
+        """Ok keys: the slots whose header names the key and matches the slot's bytes."""
+        headers = self._headers
+        if headers is None:
+            return JobOutcome(ok_keys=[], error="slot headers are off")
+        ok: list[bytes] = []
+        for key, slot in zip(job.keys, job.slots):
+            reason = headers.check(slot, key)
+            if reason:
+                log.warning("slot_verify_failed", job_id=job.job_id, key=key.hex(), slot=slot, reason=reason)
+            else:
+                ok.append(key)
+        failed = len(job.keys) - len(ok)
+        with self._lock:
+            self._counters["slots_verified"] += len(ok)
+            self._counters["slots_verify_failed"] += failed
+        error = f"{failed} of {len(job.keys)} slots failed verification" if failed else ""
+        return JobOutcome(ok_keys=ok, error=error)
+
+    def _stamp(self, job: Job, keys: list[bytes], slots: list[int]) -> None:
+        """Stamp the slots a device store completely wrote; a failed stamp only costs the
+        block its warm restart (logged)."""
+        headers = self._headers
+        if headers is None:
+            return
+        for key, slot in zip(keys, slots):
+            try:
+                headers.stamp(slot, key, job.job_id)
+            except Exception as exc:
+                log.error("slot_header_write_failed", job_id=job.job_id, key=key.hex(), slot=slot, error=repr(exc))
 
     def _copy(self, job: Job, kv: _AttachedKV) -> tuple[list[bytes], int, str]:
         """Copy every key of the job; a large job is split into contiguous ranges copied by
@@ -301,6 +346,7 @@ class CpuBackend(NoIndexBackend):
         num_slots = self._require_pool().num_slots
         faults = self._faults
         ok: list[bytes] = []
+        ok_slots: list[int] = []
         failures: list[str] = []
         for i in indices:
             key, slot, block = job.keys[i], job.slots[i], job.device_blocks[i]
@@ -328,11 +374,14 @@ class CpuBackend(NoIndexBackend):
                 )
                 continue
             ok.append(key)
+            ok_slots.append(slot)
         try:
             kv.finish()
         except Exception as exc:
             log.error("device_copy_sync_failed", job_id=job.job_id, kind=job.kind, error=repr(exc))
             return [], [f"copy_failed: {exc!r}"] * len(indices)
+        if store:
+            self._stamp(job, ok, ok_slots)
         return ok, failures
 
     def stats(self) -> dict[str, Any]:

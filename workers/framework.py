@@ -2,7 +2,8 @@
 
 Every worker ``main`` calls ``worker_main`` (or ``run_worker``) with its ``Backend``. The loop:
 
-1. configure logging, pin CPUs, attach the host pool, ``backend.start``;
+1. configure logging, pin CPUs, attach the host pool (and the slot header table for a backend
+   with ``use_slot_headers``), ``backend.start``;
 2. send ``WorkerHello`` every second until a ``HelloAck`` arrives (refused: exit code 2, no ack
    within the timeout: exit code 1);
 3. announce the backend's index in ``IndexUpdate`` batches (the last one ``complete``);
@@ -72,6 +73,7 @@ from workers.backend import (
     JobOutcome,
 )
 from workers.faults import FaultInjector, InjectedFault, spec_from_config
+from workers.slotheaders import SlotHeaders
 
 log = get_logger()
 
@@ -681,10 +683,18 @@ def run_worker(
     faults = FaultInjector(spec_from_config(cfg.faults))
     if faults.active:
         log.warning("faults_enabled", **msgspec.structs.asdict(faults.spec))
+    headers: SlotHeaders | None = None
     try:
+        use_slot_headers = getattr(backend, "use_slot_headers", None)
+        if use_slot_headers is not None:
+            headers = SlotHeaders.open(spec.slot_table_name, cfg, pool)
+            if headers is not None:
+                use_slot_headers(headers)
         backend.start(pool, faults)
     except Exception:
         log.exception("backend_start_failed", worker=backend.name)
+        if headers is not None:
+            headers.close()
         pool.close()
         return EXIT_FAILED
     worker = _Worker(
@@ -701,6 +711,8 @@ def run_worker(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if not worker.abandoned:
+            if headers is not None:
+                headers.close()
             pool.close()
     log.info("worker_exit", code=code)
     return code

@@ -50,6 +50,11 @@ class PagedKVCache:
         shape = (num_blocks, cfg.block_tokens, cfg.kv_heads, cfg.head_dim)
         return cls(cfg, [torch.zeros(shape) for _ in range(2 * cfg.layers)])
 
+    @property
+    def segment(self) -> SharedKVCache | None:
+        """The shm segment holding the tensors (None for a local cache)."""
+        return self._shared
+
     def handle(self, handle_id: str) -> KVHandle:
         """The shm handle to register with the service (ValueError for a local cache)."""
         if self._shared is None:

@@ -62,6 +62,26 @@ class Generation:
     store_failures: int = 0
     block_table: list[int] = field(default_factory=list)
 
+    def to_dict(self, with_logits: bool = False) -> dict:
+        """JSON-ready summary (keys and digests in hex; logits as exact float lists)."""
+        out = {
+            "req_id": self.req_id,
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": self.tokens,
+            "ttft_s": self.ttft_s,
+            "total_s": self.total_s,
+            "reused_blocks": self.reused_blocks,
+            "computed_tokens": self.computed_tokens,
+            "served_by": dict(self.served_by),
+            "lookup_rounds": self.lookup_rounds,
+            "loaded": {k.hex(): d.hex() for k, d in self.loaded.items()},
+            "stored": {k.hex(): d.hex() for k, d in self.stored.items()},
+            "store_failures": self.store_failures,
+        }
+        if with_logits:
+            out["logits"] = self.logits.tolist()
+        return out
+
 
 class Engine:
     """One model, one paged KV cache and optionally one kvoffload client (not thread-safe)."""
@@ -145,34 +165,31 @@ class Engine:
             if self.client is not None:
                 request_level = self.client.new_request(req_id)
                 prompt_keys = self.keys(prompt)
-                reused = self._reuse_prefix(req_id, prompt_keys[: (len(prompt) - 1) // bt], table, result)
+                reused, from_pool, promoted_before = self._reuse_prefix(
+                    req_id, prompt_keys[: (len(prompt) - 1) // bt], table, result
+                )
             else:
                 request_level, prompt_keys, reused = False, [], 0
             first = reused * bt
-            logits = self._prefill(prompt, first, table)
-            token = int(logits.argmax())
+            logits = self.prefill(prompt, first, table)
+            result.tokens.append(int(logits.argmax()))
             result.ttft_s = time.perf_counter() - started
             result.computed_tokens = len(prompt) - first
-            result.tokens.append(token)
-            steps = [logits]
+            result.loaded = {k: self.cache.block_digest(b) for k, b in zip(prompt_keys[:reused], table)}
             if self.client is not None:
+                result.served_by = self._attribute(min(from_pool, reused), reused, promoted_before)
                 self._offload(req_id, prompt_keys, 0 if request_level else reused, table, result, jobs)
-            sequence = list(prompt)
-            while len(result.tokens) < max_new_tokens:
-                sequence.append(token)
-                logits = self.model(torch.tensor([token]), len(sequence) - 1, self.cache, table)
-                token = int(logits.argmax())
-                result.tokens.append(token)
-                steps.append(logits)
-            result.logits = torch.stack(steps)
+            tokens, steps = self.decode(prompt, result.tokens[0], table, max_new_tokens - 1)
+            result.tokens.extend(tokens)
+            result.logits = torch.stack([logits, *steps])
             if self.client is not None:
-                decoded_keys = self.keys(sequence)
+                decoded_keys = self.keys(prompt + result.tokens[:-1])
                 self._offload(req_id, decoded_keys, len(prompt_keys), table, result, jobs)
                 self._wait_stores(jobs, result)
                 self.client.finish_request(req_id)
         except BaseException:
-            if jobs:
-                self._wait_stores(jobs, result)
+            if self.client is not None:
+                self._abandon(req_id, jobs, result)
             raise
         finally:
             if not keep_kv:
@@ -189,7 +206,9 @@ class Engine:
     def free(self, block_table: list[int]) -> None:
         self.cache.free(block_table)
 
-    def _prefill(self, prompt: list[int], start: int, table: list[int]) -> torch.Tensor:
+    def prefill(self, prompt: list[int], start: int, table: list[int]) -> torch.Tensor:
+        """Compute ``prompt[start:]`` (non-empty) in chunks of ``prefill_chunk`` on top of the
+        K/V of positions ``< start`` in ``table``; returns the last position's logits."""
         tokens = torch.tensor(prompt, dtype=torch.int64)
         logits = None
         for begin in range(start, len(prompt), self.prefill_chunk):
@@ -197,12 +216,32 @@ class Engine:
             logits = self.model(tokens[begin:end], begin, self.cache, table)
         return logits
 
+    def decode(
+        self, sequence: list[int], token: int, table: list[int], steps: int
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Greedy decoding after ``sequence`` (whose K/V is in ``table``) and its next ``token``:
+        ``steps`` more tokens and the logits that chose each."""
+        tokens: list[int] = []
+        logits_per_step: list[torch.Tensor] = []
+        position = len(sequence)
+        for _ in range(steps):
+            logits = self.model(torch.tensor([token]), position, self.cache, table)
+            token = int(logits.argmax())
+            tokens.append(token)
+            logits_per_step.append(logits)
+            position += 1
+        return tokens, logits_per_step
+
     # ---- kvoffload ------------------------------------------------------------------------
 
-    def _reuse_prefix(self, req_id: str, keys: list[bytes], table: list[int], result: Generation) -> int:
-        """Look up, wait for promotions, load the ready prefix; returns the blocks reused."""
+    def _reuse_prefix(
+        self, req_id: str, keys: list[bytes], table: list[int], result: Generation
+    ) -> tuple[int, int, Counter | None]:
+        """Look up, wait for promotions, load the ready prefix. Returns the blocks reused, the
+        blocks ready at the first lookup (host pool) and, when the lookup had to wait, the
+        per-tier promotion counters from before the wait (for ``_attribute``)."""
         if not keys:
-            return 0
+            return 0, 0, None
         outcome = self.client.lookup(req_id, keys)
         from_pool = outcome.ready_prefix
         promoted_before = self._promoted_per_tier() if outcome.must_wait else None
@@ -210,7 +249,7 @@ class Engine:
         result.lookup_rounds = rounds
         ready = min(outcome.ready_prefix, len(keys))
         if not ready:
-            return 0
+            return 0, 0, None
         job = self.client.load(req_id, keys[:ready], table[:ready], self.handle_id)
         done = self.client.wait([job.job_id], timeout_s=60.0)[job.job_id]
         if done.success:
@@ -220,9 +259,7 @@ class Engine:
             reused = next((i for i, k in enumerate(keys[:ready]) if k not in ok), ready)
             log.warning("load_partly_failed", req_id=req_id, asked=ready, reused=reused, error=done.error)
         result.reused_blocks = reused
-        result.loaded = {keys[i]: self.cache.block_digest(table[i]) for i in range(reused)}
-        result.served_by = self._attribute(min(from_pool, reused), reused, promoted_before)
-        return reused
+        return reused, from_pool, promoted_before
 
     def _wait_lookup(self, req_id: str, keys: list[bytes], outcome: LookupOutcome) -> tuple[LookupOutcome, int]:
         rounds = 1
@@ -267,6 +304,16 @@ class Engine:
         if accepted.job_id is not None:
             jobs[accepted.job_id] = list(accepted.keys)
             result.stored.update((k, digests[k]) for k in accepted.keys)
+
+    def _abandon(self, req_id: str, jobs: dict[int, list[bytes]], result: Generation) -> None:
+        """After a failure mid-request: let submitted stores finish reading the blocks (they are
+        freed next), then finish the request. Best effort; errors are logged."""
+        try:
+            if jobs:
+                self._wait_stores(jobs, result)
+            self.client.finish_request(req_id)
+        except Exception as exc:
+            log.error("request_abandon_failed", req_id=req_id, error=repr(exc))
 
     def _wait_stores(self, jobs: dict[int, list[bytes]], result: Generation) -> None:
         done = self.client.wait(list(jobs), timeout_s=60.0)

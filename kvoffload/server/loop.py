@@ -9,6 +9,7 @@ its client exactly once (long-poll). It never maps the pool's bytes.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from ..tiering.types import TieringError
 from .metrics import MetricsEndpoint
 from .sessions import ClientSession, PendingPoll
 from .sockets import bind_client_socket, bind_job_socket
+from .warmstart import WarmRestart
 from .workers import WorkerRegistry
 
 log = structlog.get_logger()
@@ -74,8 +76,10 @@ class ManagerServer:
             hit_pending_deadline_s=svc.hit_pending_deadline_s,
             unread_promotion_cap=int(cfg.pool.unread_promotion_cap * cfg.pool.num_slots),
             probe_timeout_s=cfg.object.verdict_timeout_s,
+            track_slot_invalidations=bool(spec.slot_table_name),
+            first_job_id=time.time_ns() // 1000,
         )
-        self.tiering._next_job_id = time.time_ns() // 1000  # never reuse a crashed manager's job ids
+        self.warm = WarmRestart.open(spec, cfg, self.tiering)
         self.worker_names = {CPU_WORKER, *(t.name for t in self.tiering.tiers)}
         self.registry = WorkerRegistry(svc.heartbeat_timeout_s)
         self.sessions: dict[bytes, ClientSession] = {}
@@ -126,6 +130,7 @@ class ManagerServer:
             if self.client_sock in events:
                 self._drain_socket(self.client_sock, self._on_client_frames)
             self._end_step()
+            self._clear_invalidated_slots()
             now = time.monotonic()
             if now - last_housekeeping >= 0.02:
                 last_housekeeping = now
@@ -178,6 +183,8 @@ class ManagerServer:
         self.client_sock.close(linger=0)
         self.job_sock.close(linger=200)
         self.zctx.term()
+        if self.warm is not None:
+            self.warm.close()
 
     # ---- tier jobs ------------------------------------------------------------------------
 
@@ -205,9 +212,16 @@ class ManagerServer:
             if touched and self.registry.live(tier.name) is not None:
                 self._send_worker(tier.name, p.TouchKeys(touched))
 
+    def _clear_invalidated_slots(self) -> None:
+        """Clear the slot headers of slots freed or reassigned; runs before any slot number
+        leaves the manager, so no header describes a slot that is being rewritten."""
+        if self.warm is not None:
+            self.warm.clear_invalidated()
+
     def _send_worker(self, name: str, msg) -> bool:
         """False when the message could not be handed to the worker's connection (gone, or its
         queue full): the caller fails the job at once instead of waiting for a timeout."""
+        self._clear_invalidated_slots()
         try:
             self.job_sock.send_multipart([name.encode(), p.encode(msg)], zmq.NOBLOCK)
             return True
@@ -222,6 +236,8 @@ class ManagerServer:
         if name == CPU_WORKER:
             for job_id in list(self.device_jobs):
                 self._finish_device_job(job_id, False, None, reason)
+            if self.warm is not None:
+                self.warm.verify_lost()
         else:
             failed_tier_jobs = self.tiering.fail_worker_jobs(name)
         log.error("worker_jobs_failed", worker=name, reason=reason, tier_jobs=len(failed_tier_jobs))
@@ -287,12 +303,27 @@ class ManagerServer:
         if name == CPU_WORKER:
             for _, handle in self.kv_handles.values():
                 self._send_worker(name, p.AttachKV(handle))
+            self._send_verify_jobs()
         log.info("worker_connected", worker=name, worker_pid=hello.pid, medium=hello.medium)
+
+    def _send_verify_jobs(self) -> None:
+        """Ask the cpu worker to verify the blocks adopted from the slot headers (warm restart)."""
+        if self.warm is None:
+            return
+        worker = self.registry.live(CPU_WORKER)
+        for job in self.warm.verify_jobs():
+            if worker is None or not self._send_worker(CPU_WORKER, job):
+                self.warm.verify_lost()
+                return
+            worker.jobs.add(job.job_id)
 
     def _on_job_done(self, worker, done: p.JobDone) -> None:
         worker.jobs.discard(done.job_id)
         if done.job_id in self.device_jobs and worker.name == CPU_WORKER:
             self._finish_device_job(done.job_id, done.success, done.successful_keys, done.error)
+            return
+        if self.warm is not None and worker.name == CPU_WORKER and self.warm.owns(done.job_id):
+            self.warm.verify_done(done.job_id, done.success, done.successful_keys)
             return
         try:
             self.tiering.apply_result(
@@ -360,6 +391,7 @@ class ManagerServer:
             self._reply(identity, reply)
 
     def _reply(self, identity: bytes, msg) -> None:
+        self._clear_invalidated_slots()
         try:
             self.client_sock.send_multipart([identity, p.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -422,6 +454,8 @@ class ManagerServer:
         owner = self.kv_handles.get(handle.handle_id)
         if owner is not None and owner[0] != identity:
             raise RequestError("handle_taken", f"KV handle {handle.handle_id!r} belongs to another client")
+        if handle.kind == "shm" and handle.shm_name.lstrip("/") == self.spec.pool_name.lstrip("/"):
+            raise RequestError("bad_handle", "a KV handle cannot name the host pool")
         if handle.kind not in ("shm", "cuda_ipc"):
             raise RequestError("bad_request", f"unknown KV handle kind {handle.kind!r}")
         row_total = sum(t.row_bytes for t in handle.tensors)
@@ -610,6 +644,7 @@ class ManagerServer:
 
     def status(self, now: float) -> dict:
         return {
+            "pid": os.getpid(),
             "uptime_s": round(now - self.started_at, 3),
             "draining": self.draining,
             "pool": {"name": self.spec.pool_name, "block_bytes": self.cfg.pool.block_bytes},
@@ -618,6 +653,7 @@ class ManagerServer:
             "workers": self.registry.snapshot(now),
             "worker_restarts_seen": self.registry.restarts_seen,
             "clients": len(self.sessions),
+            "warm_restart": self.warm.snapshot() if self.warm is not None else None,
         }
 
     # ---- leases ---------------------------------------------------------------------------

@@ -8,6 +8,11 @@ from its tier or from ``fail_worker_jobs`` / ``expire_probes``.
 Pinning rules: ``prepare_load`` pins (caller releases with ``complete_load``); a cascade pins its
 slots until its result is applied; a landed promotion is pinned for its request until the request
 loads it or finishes (within ``unread_promotion_cap`` slots).
+
+Warm restart: ``adopt`` enters blocks found in the pool as in-flight writes (HIT_PENDING) and
+``complete_adoption`` makes the verified ones ready and frees the rest. With
+``track_slot_invalidations``, ``take_invalidated_slots`` lists every slot freed or handed to a
+new key, so the caller can clear what described the slot's old contents.
 """
 
 from __future__ import annotations
@@ -80,11 +85,16 @@ class TieringManager:
         unread_promotion_cap: int | None = None,
         probe_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        track_slot_invalidations: bool = False,
+        first_job_id: int = 1,
     ) -> None:
+        """``first_job_id``: where the job id counter starts (a restarted manager starts past
+        every id its predecessor could have used, so a late result never matches a new job)."""
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate tier names: {names}")
-        self.primary = PrimaryIndex(num_slots, policy)
+        self.primary = PrimaryIndex(num_slots, policy, track_slot_invalidations)
+        self._adopting: dict[Key, int] = {}
         self.tiers = [SecondaryTier(spec) for spec in tiers]
         self._tier_by_name = {t.name: i for i, t in enumerate(self.tiers)}
         self.hit_pending_deadline_s = hit_pending_deadline_s
@@ -93,7 +103,7 @@ class TieringManager:
         )
         self.probe_timeout_s = probe_timeout_s
         self._clock = clock
-        self._next_job_id = 1
+        self._next_job_id = first_job_id
         self._jobs: dict[int, TransferJob] = {}
         self._requests: dict[str, RequestState] = {}
         self._pending_promotions: list[dict[str, PendingPromotion]] = [{} for _ in self.tiers]
@@ -542,6 +552,40 @@ class TieringManager:
             self.stats.tier(0).evictions += len(evicted)
             self._events.append(("evicted", evicted))
 
+    # ---- warm restart ---------------------------------------------------------------------
+
+    def adopt(self, entries: Sequence[tuple[Key, int]]) -> None:
+        """Enter blocks found in the pool, oldest first, each at its exact slot, as in-flight
+        writes awaiting verification (HIT_PENDING, not evictable). Only before any other use of
+        the primary tier (ValueError otherwise, see ``PrimaryIndex.adopt``)."""
+        self.primary.adopt(entries)
+        self._adopting = dict(entries)
+
+    def adopting(self) -> list[tuple[Key, int]]:
+        """(key, slot) of the adopted blocks still awaiting verification."""
+        return list(self._adopting.items())
+
+    def complete_adoption(
+        self, keys: Iterable[Key], ok_keys: Collection[Key]
+    ) -> tuple[list[Key], list[Key]]:
+        """Finish the verification of adopted ``keys``: those in ``ok_keys`` become ready (HIT),
+        the others are freed (MISS). Keys no longer awaiting verification (``reset_cache``
+        since) are ignored. Returns (ready, dropped)."""
+        ok = set(ok_keys)
+        ready: list[Key] = []
+        dropped: list[Key] = []
+        for key in keys:
+            if self._adopting.pop(key, None) is not None:
+                (ready if key in ok else dropped).append(key)
+        self.primary.complete_write(ready, True)
+        self.primary.complete_write(dropped, False)
+        return ready, dropped
+
+    def take_invalidated_slots(self) -> list[int]:
+        """Slots freed or handed to a new key since the last call (empty unless
+        ``track_slot_invalidations``)."""
+        return self.primary.take_invalidated_slots()
+
     # ---- whole-cache operations -----------------------------------------------------------
 
     def has_pending_work(self) -> bool:
@@ -574,6 +618,7 @@ class TieringManager:
             state.pending_deadlines.clear()
             self._maybe_finalize(req_id)
         self._landed.clear()
+        self._adopting.clear()
         self.primary.reset()
 
     def snapshot(self) -> dict:
@@ -583,6 +628,7 @@ class TieringManager:
             "used_slots": len(self.primary),
             "pinned_slots": self.primary.pinned_count(),
             "writing_slots": self.primary.writing_count(),
+            "unverified_slots": len(self._adopting),
             "unread_promotion_pins": self._unread_total,
             "jobs_in_flight": len(self._jobs),
             "requests": len(self._requests),

@@ -3,6 +3,8 @@
 ref_cnt states: -1 a write into the slot is in flight (not readable, not evictable);
 0 ready and evictable; n > 0 ready and pinned by n readers.
 Slots are handed out never-used first (increasing), then freed ones (last freed first).
+With ``track_invalidations`` every slot freed or handed to a new key is recorded until
+``take_invalidated_slots``, so the caller can forget what the slot held (its slot header).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ WRITING = -1
 class PrimaryIndex:
     """Pure bookkeeping: who owns which slot. Never touches bytes."""
 
-    def __init__(self, num_slots: int, policy: str = "lru") -> None:
+    def __init__(self, num_slots: int, policy: str = "lru", track_invalidations: bool = False) -> None:
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
         self.num_slots = num_slots
+        self._track_invalidations = track_invalidations
+        self._invalidated: list[int] = []
         self._slot: dict[Key, int] = {}
         self._refs: dict[Key, int] = {}
         self._free: list[int] = []
@@ -149,8 +153,41 @@ class PrimaryIndex:
     def touch(self, keys: Iterable[Key]) -> None:
         self.policy.touch(keys)
 
+    def adopt(self, entries: Sequence[tuple[Key, int]]) -> None:
+        """Rebuild an unused index from blocks found in the pool: each (key, slot) enters at that
+        exact slot as an in-flight write (ref_cnt -1, HIT_PENDING) that ``complete_write``
+        finishes; the other slots are free. Entries are inserted oldest first (policy order).
+        ValueError, changing nothing, if the index was used since its creation or reset, or a
+        key or slot repeats, or a slot is out of range."""
+        if self._refs or self._next_unused or self._free:
+            raise ValueError("only an unused primary index can adopt blocks")
+        keys = [key for key, _ in entries]
+        slots = [slot for _, slot in entries]
+        if len(set(keys)) != len(keys) or len(set(slots)) != len(slots):
+            raise ValueError("adopted keys and slots must be unique")
+        bad = [slot for slot in slots if not 0 <= slot < self.num_slots]
+        if bad:
+            raise ValueError(f"slots {bad[:4]} not in [0, {self.num_slots})")
+        if not entries:
+            return
+        for key, slot in entries:
+            self._slot[key] = slot
+            self._refs[key] = WRITING
+            self.policy.insert(key)
+        taken = set(slots)
+        self._next_unused = self.num_slots
+        self._free = [slot for slot in range(self.num_slots - 1, -1, -1) if slot not in taken]
+
+    def take_invalidated_slots(self) -> list[int]:
+        """Slots freed or handed to a new key since the last call (always empty without
+        ``track_invalidations``); a slot may appear more than once."""
+        out, self._invalidated = self._invalidated, []
+        return out
+
     def reset(self) -> None:
         """Forget everything (callers guarantee no job still targets a slot)."""
+        if self._track_invalidations:
+            self._invalidated.extend(self._slot.values())
         self._slot.clear()
         self._refs.clear()
         self._free.clear()
@@ -173,13 +210,19 @@ class PrimaryIndex:
         if self._next_unused < self.num_slots:
             slot = self._next_unused
             self._next_unused += 1
-            return slot
-        return self._free.pop()
+        else:
+            slot = self._free.pop()
+        if self._track_invalidations:
+            self._invalidated.append(slot)
+        return slot
 
     def _drop(self, key: Key) -> None:
         if self._refs.pop(key) == 0:
             self._evictable -= 1
-        self._free.append(self._slot.pop(key))
+        slot = self._slot.pop(key)
+        self._free.append(slot)
+        if self._track_invalidations:
+            self._invalidated.append(slot)
 
     def _remember_evicted(self, key: Key) -> None:
         self.recently_evicted[key] = None

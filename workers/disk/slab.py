@@ -266,8 +266,9 @@ class DiskStore:
             self._clear_and_release(to_clear, key)
         return reservation.evicted
 
-    def get(self, key: bytes, dst) -> None:
-        """Copy ``key``'s payload into ``dst`` (a writable buffer of exactly ``block_bytes``).
+    def get(self, key: bytes, dst) -> BlockHeader:
+        """Copy ``key``'s payload into ``dst`` (a writable buffer of exactly ``block_bytes``) and
+        return its verified header (whose checksum is that of the bytes now in ``dst``).
         KeyError if absent; CorruptBlock if the stored copy is bad (it is dropped);
         TransientIOError if the read failed but the block is kept. After a failure ``dst`` may
         hold garbage."""
@@ -277,7 +278,7 @@ class DiskStore:
             record, generation = self._index.pin(key)
         corrupt = False
         try:
-            self._read_record(key, record, generation, view)
+            return self._read_record(key, record, generation, view)
         except CorruptBlock as exc:
             corrupt = True
             self._log.warning("disk_block_corrupt", key=key.hex(), record=record, reason=str(exc))
@@ -310,7 +311,7 @@ class DiskStore:
         """A lazy structlog logger bound to this store's directory (resolved at log time)."""
         return structlog.get_logger(directory=str(self._layout.directory))
 
-    def _read_record(self, key: bytes, record: int, generation: int, view: memoryview) -> None:
+    def _read_record(self, key: bytes, record: int, generation: int, view: memoryview) -> BlockHeader:
         slab, offset = self._layout.locate(record)
         slab_file = self._files[slab]
         page = self._read_page()
@@ -335,6 +336,7 @@ class DiskStore:
         verify_payload(header, key, view)
         with self._lock:
             self._index.note_read_ok(record)
+        return header
 
     def _clear_header(self, record: int, key: bytes) -> bool:
         """Zero ``record``'s header page; False (logged) if that failed."""

@@ -4,7 +4,8 @@ Jobs (``slots[i]`` co-indexed with ``keys[i]``):
 
 - ``promote``: ``store.get(key, slot)``. Bytes land only in the job's own slots (reserved by
   the manager, not readable until the result arrives); a failed key may leave garbage there,
-  which the manager never serves since it frees that slot.
+  which the manager never serves since it frees that slot. A key that landed has its slot
+  header stamped (when slot headers are on) with the checksum the store just verified.
 - ``cascade``: ``store.put(key, slot)``; the slot is only read.
 
 Per-key outcomes: a corrupt or absent copy fails the key and reports it removed; a transient
@@ -42,6 +43,7 @@ from workers.backend import CASCADE, PROMOTE, JobOutcome
 from workers.disk.errors import StoreFull, TransientIOError
 from workers.disk.slab import DiskStore
 from workers.faults import FaultInjector
+from workers.slotheaders import SlotHeaders
 
 log = get_logger(tier="disk")
 
@@ -66,6 +68,7 @@ class DiskBackend:
         self.capabilities = [PROMOTE, CASCADE]
         self._cfg = cfg
         self._pool: HostPool | None = None
+        self._headers: SlotHeaders | None = None
         self._store: DiskStore | None = None
         self._faults = FaultInjector()
         self._lock = threading.Lock()
@@ -74,6 +77,10 @@ class DiskBackend:
         self._local = threading.local()
 
     # ---- lifecycle -------------------------------------------------------------------------
+
+    def use_slot_headers(self, headers: SlotHeaders) -> None:
+        """Stamp the slot of every key a promotion lands."""
+        self._headers = headers
 
     def start(self, pool: HostPool, faults: FaultInjector) -> None:
         """Open the store (scanning its header pages). LayoutError if the directory belongs to
@@ -101,12 +108,9 @@ class DiskBackend:
     # ---- jobs ------------------------------------------------------------------------------
 
     def run_job(self, job: Job) -> JobOutcome:
-        if job.kind == PROMOTE:
-            move = self._promote_one
-        elif job.kind == CASCADE:
-            move = self._cascade_one
-        else:
+        if job.kind not in (PROMOTE, CASCADE):
             return JobOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
+        promote = job.kind == PROMOTE
         pool = self._require_pool()
         ok: list[bytes] = []
         changed: list[bytes] = []
@@ -114,7 +118,10 @@ class DiskBackend:
         first_error = ""
         try:
             for key, slot in zip(job.keys, job.slots):
-                failure = move(key, pool.slot(slot), changed)
+                if promote:
+                    failure = self._promote_one(key, slot, job.job_id, changed)
+                else:
+                    failure = self._cascade_one(key, pool.slot(slot), changed)
                 if failure:
                     failures[failure.split(":", 1)[0]] += 1
                     first_error = first_error or failure
@@ -133,11 +140,12 @@ class DiskBackend:
                         failures=dict(failures), error=first_error)
         return JobOutcome(ok_keys=ok, nbytes=nbytes, error=error, cleanup=lambda: self._note_changed(changed))
 
-    def _promote_one(self, key: bytes, dst: memoryview, changed: list[bytes]) -> str:
-        """Read ``key`` into ``dst``; "" on success, else "<reason>: <detail>"."""
+    def _promote_one(self, key: bytes, slot: int, generation: int, changed: list[bytes]) -> str:
+        """Read ``key`` into pool slot ``slot`` and stamp its header; "" on success, else
+        "<reason>: <detail>"."""
         store = self._require_store()
         try:
-            store.get(key, dst)
+            header = store.get(key, self._require_pool().slot(slot))
         except CorruptBlock as exc:
             self._count("corrupt_blocks")
             changed.append(key)
@@ -149,6 +157,8 @@ class DiskBackend:
         except TransientIOError as exc:
             self._count("transient_errors")
             return f"transient: {exc}"
+        if self._headers is not None:
+            self._headers.stamp(slot, key, generation, header.checksum)
         return ""
 
     def _cascade_one(self, key: bytes, src: memoryview, changed: list[bytes]) -> str:

@@ -32,7 +32,7 @@ import structlog
 from obstore.exceptions import BaseError as ObstoreError
 from obstore.store import S3Store
 
-from kvoffload.blockformat import HEADER_SIZE, CorruptBlock, decode_header, make_header, verify_payload
+from kvoffload.blockformat import HEADER_SIZE, BlockHeader, CorruptBlock, decode_header, make_header, verify_payload
 from workers.object.breaker import CircuitBreaker
 from workers.object.classify import UNREACHABLE, ErrorKind, Failure, classify
 from workers.object.errors import ObjectStoreConfigError, ObjectStoreError, ReleaseFailed, TransientObjectError
@@ -192,8 +192,9 @@ class S3BlockStore:
             body = b"".join((header.encode(), view))
             self._request("put", path, lambda: obstore.put(self._store, path, body, use_multipart=False))
 
-    def get(self, key: bytes, dst: memoryview) -> None:
-        """Read the block stored under key into dst (block_bytes long, writable).
+    def get(self, key: bytes, dst: memoryview) -> BlockHeader:
+        """Read the block stored under key into dst (block_bytes long, writable); returns its
+        verified header (whose checksum is that of the bytes now in dst).
 
         Raises KeyError if absent. A block that fails validation is read a second time; if that
         read fails too the object is deleted and CorruptBlock raised. dst holds verified data on
@@ -204,11 +205,11 @@ class S3BlockStore:
         with _releasing(SlotTransfer(self._release_hook)) as transfer:
             view = transfer.hold(_slot_view(dst, self.block_bytes, writable=True))
             try:
-                self._read_into(key, path, view)
+                return self._read_into(key, path, view)
             except CorruptBlock as first:
                 log.warning("object_block_corrupt_read", path=path, reason=str(first))
                 try:
-                    self._read_into(key, path, view)
+                    return self._read_into(key, path, view)
                 except CorruptBlock as second:
                     self._discard_corrupt(path, second)
                     raise
@@ -216,7 +217,7 @@ class S3BlockStore:
     def _fetch(self, path: str) -> obstore.Bytes:
         return self._request("get", path, lambda: obstore.get(self._store, path).bytes())
 
-    def _read_into(self, key: bytes, path: str, view: memoryview) -> None:
+    def _read_into(self, key: bytes, path: str, view: memoryview) -> BlockHeader:
         data = self._fetch(path)
         if len(data) != HEADER_SIZE + self.block_bytes:
             raise CorruptBlock(f"object is {len(data)} bytes, expected {HEADER_SIZE + self.block_bytes}")
@@ -224,6 +225,7 @@ class S3BlockStore:
         payload = data[HEADER_SIZE:]
         verify_payload(header, key, payload)
         view[:] = payload
+        return header
 
     def _discard_corrupt(self, path: str, reason: CorruptBlock) -> None:
         try:

@@ -6,7 +6,9 @@ Jobs:
   whole probe with no key found, so the manager resolves those verdicts to MISS.
 - ``promote``: GET of ``keys[i]`` into pool slot ``slots[i]``; ``cascade``: PUT of slot
   ``slots[i]`` under ``keys[i]``. Keys run concurrently on ``io_threads`` threads and fail one
-  by one (absent, corrupt, transient, breaker open); the others still succeed.
+  by one (absent, corrupt, transient, breaker open); the others still succeed. A GET that
+  landed and released its slot stamps the slot's header (when slot headers are on) with the
+  checksum the store just verified.
 
 Slot release (seed 002): a PUT/GET whose slot views could not be released raises
 ``ReleaseFailed``; its data outcome still counts, and its transfer joins the job's pending list.
@@ -37,6 +39,7 @@ from workers.object.breaker import CLOSED, BreakerOpen, CircuitBreaker
 from workers.object.errors import ObjectStoreError, ReleaseFailed
 from workers.object.release import SlotTransfer
 from workers.object.s3store import S3BlockStore
+from workers.slotheaders import SlotHeaders
 
 log = get_logger()
 
@@ -93,6 +96,7 @@ class ObjectBackend(NoIndexBackend):
         self._store = store_from_config(cfg, breaker=breaker, release_hook=self._release_hook)
         self._io = ThreadPoolExecutor(max_workers=cfg.object.io_threads, thread_name_prefix="object-io")
         self._pool: HostPool | None = None
+        self._headers: SlotHeaders | None = None
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._pending_releases = 0
@@ -120,6 +124,10 @@ class ObjectBackend(NoIndexBackend):
                 self._counters[name] += delta
 
     # ---- Backend ------------------------------------------------------------------------------
+
+    def use_slot_headers(self, headers: SlotHeaders) -> None:
+        """Stamp the slot of every key a promotion lands."""
+        self._headers = headers
 
     def start(self, pool: HostPool, faults: FaultInjector) -> None:
         if pool.block_bytes != self._store.block_bytes:
@@ -181,9 +189,11 @@ class ObjectBackend(NoIndexBackend):
             self._faults.on_op(op, key)
             with self._require_pool().slot(slot) as view:
                 if promote:
-                    self._store.get(key, view)
+                    header = self._store.get(key, view)
                 else:
                     self._store.put(key, view)
+            if promote and self._headers is not None:
+                self._headers.stamp(slot, key, job.job_id, header.checksum)
         except ReleaseFailed as exc:
             held, outcome = exc.transfer, exc.transfer_error
             self._count(slot_release_failures=1)

@@ -1,0 +1,234 @@
+"""One targeted test per production fault, each against a real service (DESIGN.md §6)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvoffload.client import KVOffloadError
+from kvoffload.soak.probe import ProbeEngine, log_events, probe_keys, services, wait_for
+
+NO_DISK = {"enabled": False}
+
+
+@pytest.fixture
+def start_service(tmp_path):
+    with services(tmp_path) as start:
+        yield start
+
+
+def kill_manager(harness) -> int:
+    """SIGKILL the manager and wait until the supervisor has started a new one; its old pid."""
+    old = harness.manager_pid()
+    assert harness.signal_child(old, signal.SIGKILL)
+    assert wait_for(lambda: harness.manager_pid() not in (old, None), 15)
+    return old
+
+
+def test_stopped_worker_is_killed_by_the_manager_its_job_fails_and_it_is_restarted(start_service):
+    harness = start_service(disk=NO_DISK)
+    timeout_s = harness.cfg.service.heartbeat_timeout_s
+    keys = probe_keys("stopped", 4)
+    with ProbeEngine(harness) as engine:
+        pid = harness.worker_pid("cpu")
+        assert harness.signal_child(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            done = engine.store(engine.new_request(), keys, wait_s=timeout_s + 10)
+            assert not done.success, "a job sent to a stopped worker cannot succeed"
+            assert time.monotonic() - started < timeout_s + 5
+            assert wait_for(lambda: not harness.is_own_child(pid), 10), "the manager did not kill the silent worker"
+        finally:
+            harness.signal_child(pid, signal.SIGCONT)
+        harness.wait_workers(["cpu"], exclude_pids={pid})
+        timeouts = [e for e in log_events(harness) if e.get("event") == "worker_heartbeat_timeout"]
+        assert [e["worker_pid"] for e in timeouts] == [pid]
+        req = engine.new_request()
+        assert engine.store(req, keys).success
+        assert engine.lookup_ready(req, keys).ready_prefix == len(keys)
+        done, wrong = engine.load(req, keys)
+        assert done.success and wrong == []
+
+
+def test_killed_manager_is_restarted_with_fenced_workers_and_serves_correct_bytes(start_service):
+    """The old workers are killed before the new manager hands out slots; whatever the new
+    manager still serves from the pool (a warm restart) loads bit-exact, and the old client's
+    session is gone."""
+    harness = start_service(disk=NO_DISK)
+    keys = probe_keys("before-crash", 4)
+    old_engine = ProbeEngine(harness, "old")
+    req = old_engine.new_request()
+    assert old_engine.store(req, keys).success
+    cpu_pid = harness.worker_pid("cpu")
+    kill_manager(harness)
+    status = harness.wait_workers(["cpu"], exclude_pids={cpu_pid})
+    assert status["workers"]["cpu"]["pid"] != cpu_pid, "the old worker must be fenced (killed)"
+    with pytest.raises(KVOffloadError) as err:
+        old_engine.client.lookup(req, keys)
+    assert err.value.code == "not_connected"
+    old_engine.close()
+    with ProbeEngine(harness, "new") as engine:
+        req = engine.new_request()
+        outcome = engine.lookup_ready(req, keys)
+        if outcome.ready_prefix:
+            done, wrong = engine.load(req, keys[: outcome.ready_prefix])
+            assert done.success and wrong == []
+        fresh = probe_keys("after-crash", 4)
+        assert engine.store(req, fresh).success
+        req = engine.new_request()
+        assert engine.lookup_ready(req, fresh).ready_prefix == len(fresh)
+        done, wrong = engine.load(req, fresh)
+        assert done.success and wrong == []
+
+
+def test_after_a_manager_restart_the_disk_tier_serves_its_keys_verified(start_service):
+    harness = start_service()
+    keys = probe_keys("durable", 6)
+    with ProbeEngine(harness, "before") as engine:
+        assert engine.store(engine.new_request(), keys).success
+        assert harness.wait_status(lambda s: s["tiering"]["jobs_in_flight"] == 0, 10)
+    disk_pid = harness.worker_pid("disk")
+    kill_manager(harness)
+    status = harness.wait_workers(["cpu", "disk"], exclude_pids={disk_pid})
+    assert status["workers"]["disk"]["pid"] != disk_pid
+    with ProbeEngine(harness, "after") as engine:
+        req = engine.new_request()
+        assert engine.lookup_ready(req, keys).ready_prefix == len(keys)
+        done, wrong = engine.load(req, keys)
+        assert done.success and wrong == []
+
+
+def test_job_ids_are_not_reused_after_a_manager_restart(start_service):
+    """A job still running on a worker when the manager dies must not be mistaken for a new
+    manager's job of the same id (that served the old job's bytes under the new key)."""
+    harness = start_service(disk=NO_DISK, faults={"delay_s": 2.0, "delay_fraction": 1.0})
+    old_engine = ProbeEngine(harness, "old")
+    old_keys = probe_keys("old", 1)
+    old_engine.kv.tensors[0][0] = 0xAA
+    old_job = old_engine.client.store(old_engine.new_request(), old_keys, [0], old_engine.handle_id)
+    kill_manager(harness)
+    harness.wait_workers(["cpu"])
+    try:
+        with ProbeEngine(harness, "new") as engine:
+            keys = probe_keys("new", 1)
+            done = engine.store(engine.new_request(), keys)
+            assert done.success and done.job_id != old_job.job_id
+            req = engine.new_request()
+            assert engine.lookup_ready(req, keys).ready_prefix == 1
+            done, wrong = engine.load(req, keys)
+            assert done.success and wrong == []
+    finally:
+        old_engine.close()
+
+
+def test_a_copy_running_when_the_manager_dies_cannot_overwrite_a_reused_slot(start_service):
+    # seed 13 delays the first copy (the old manager's store) and none of the next two.
+    harness = start_service(
+        disk=NO_DISK, pool={"num_slots": 1}, faults={"delay_s": 3.0, "delay_fraction": 0.5, "seed": 13}
+    )
+    old_engine = ProbeEngine(harness, "old")
+    old_engine.kv.tensors[0][0] = 0xAA
+    old_engine.client.store(old_engine.new_request(), probe_keys("old", 1), [0], old_engine.handle_id)
+    started = time.monotonic()
+    kill_manager(harness)
+    harness.wait_workers(["cpu"])
+    try:
+        with ProbeEngine(harness, "new") as engine:
+            keys = probe_keys("new", 1)
+            assert engine.store(engine.new_request(), keys).success
+            time.sleep(max(0.0, 3.5 - (time.monotonic() - started)))
+            req = engine.new_request()
+            assert engine.lookup_ready(req, keys).ready_prefix == 1
+            done, wrong = engine.load(req, keys)
+            assert done.success and wrong == []
+    finally:
+        old_engine.close()
+
+
+DOOMED_CLIENT = textwrap.dedent(
+    """
+    import sys, time
+    from kvoffload.client import KVOffloadClient
+    from kvoffload.pool import HostPool
+    from kvoffload.soak.blocks import expected_block
+    from kvoffload.soak.probe import probe_keys
+
+    client = KVOffloadClient(sys.argv[1], name="doomed")
+    info = client.info
+    pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
+    keys = probe_keys("doomed", 4)
+    client.new_request("r")
+    out = client.prepare_store("r", keys)
+    for key, slot in zip(out.keys, out.slots):
+        pool.slot_array(slot)[:] = expected_block(key, info.block_bytes)
+    client.complete_store("r", out.keys)
+    client.prepare_load("r", keys)
+    client.prepare_store("r", probe_keys("never-completed", 1))
+    print("pinned", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_killed_client_pins_and_open_stores_are_released_after_its_lease(start_service):
+    harness = start_service(disk=NO_DISK, service={"request_lease_s": 2.0})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DOOMED_CLIENT, harness.endpoint], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "pinned"
+        tiering = harness.status()["tiering"]
+        assert (tiering["pinned_slots"], tiering["writing_slots"]) == (4, 1)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    killed_at = time.monotonic()
+    tiering = harness.status()["tiering"]
+    assert tiering["pinned_slots"] == 4, "pins must outlive the client until its lease expires"
+    released = harness.wait_status(
+        lambda s: s["tiering"]["pinned_slots"] == 0 and s["tiering"]["writing_slots"] == 0, 10
+    )
+    assert released is not None and released["clients"] <= 1
+    assert time.monotonic() - killed_at < harness.cfg.service.request_lease_s + 3
+    dropped = [e for e in log_events(harness) if e.get("event") == "client_dropped"]
+    assert any(e["reason"] == "lease_expired" and e["pins"] == 4 for e in dropped)
+    keys = probe_keys("doomed", 4)
+    with ProbeEngine(harness, "survivor") as engine:
+        req = engine.new_request()
+        assert engine.lookup_ready(req, keys).ready_prefix == 4
+        done, wrong = engine.load(req, keys)
+        assert done.success and wrong == []
+
+
+def test_disk_io_faults_fail_keys_partially_and_never_serve_wrong_bytes(start_service):
+    harness = start_service(faults={"fail_fraction": 0.1, "corrupt_fraction": 0.3, "seed": 5})
+    keys = probe_keys("flaky", 32)
+    results = []
+    with ProbeEngine(harness) as engine:
+        for start in range(0, len(keys), 8):
+            results.append(engine.store(engine.new_request(), keys[start : start + 8]))
+        assert harness.wait_status(lambda s: s["tiering"]["jobs_in_flight"] == 0, 20)
+        engine.client.reset_cache()
+        wrong, loaded = [], 0
+        for key in keys:
+            req = engine.new_request()
+            if engine.lookup_ready(req, [key]).ready_prefix:
+                done, bad = engine.load(req, [key])
+                results.append(done)
+                wrong += bad
+                loaded += done.success
+            engine.client.finish_request(req)
+    assert wrong == []
+    assert loaded > 0
+    assert any(not r.success and r.successful_keys for r in results), "expected a partial result"
+    status = harness.status()
+    disk = status["workers"]["disk"]["stats"]
+    assert disk["injected_corruptions"] > 0 and disk["corrupt_blocks"] > 0
+    assert status["tiering"]["per_tier"]["disk"]["promotion_jobs_failed"] > 0
+    assert harness.status()["tiering"]["pinned_slots"] == 0
