@@ -175,6 +175,8 @@ def data_plane(block_sizes: list[int], total_bytes: int) -> dict:
 class Service:
     """A service with only the host pool and the cpu worker, in a temp runtime dir."""
 
+    slot_headers = True
+
     def __init__(self, block_bytes: int, num_slots: int) -> None:
         self.tmp = tempfile.mkdtemp(prefix="kvb-")
         env = {
@@ -183,6 +185,7 @@ class Service:
             "KVOFFLOAD_POOL__NUM_SLOTS": str(num_slots),
             "KVOFFLOAD_DISK__ENABLED": "false",
             "KVOFFLOAD_SERVICE__LOG_LEVEL": "warning",
+            "KVOFFLOAD_POOL__SLOT_HEADERS": str(self.slot_headers).lower(),
         }
         self.supervisor = Supervisor(load_config(None, env), log_path=Path(self.tmp) / "service.log")
 
@@ -211,7 +214,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=500)
     parser.add_argument("--total-mib", type=int, default=256)
     parser.add_argument("--out", default="results/bench_service.json")
+    parser.add_argument(
+        "--no-slot-headers", action="store_true", help="measure with pool.slot_headers = false"
+    )
     args = parser.parse_args()
+    Service.slot_headers = not args.no_slot_headers
     configure_logging("bench", "warning")
     with Service(65536, 2048) as service:
         client = service.client()
@@ -222,7 +229,7 @@ def main() -> None:
         kv.close()
         kv.unlink()
     data = data_plane([65536, 262144, 1 << 20, 4 << 20], args.total_mib << 20)
-    result = {"control_plane": control, "data_plane": data}
+    result = {"slot_headers": Service.slot_headers, "control_plane": control, "data_plane": data}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
