@@ -24,9 +24,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import posix_ipc
 
 from kvoffload.logs import get_logger
+from kvoffload.shmseg import attach_segment, close_mapping, create_segment, unlink_segment
 from kvoffload.protocol import KVHandle, TensorSpec
 
 if TYPE_CHECKING:
@@ -64,6 +64,15 @@ def layout(num_blocks: int, row_bytes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
+def _reserve_pages(fd: int, mapping: mmap.mmap) -> None:
+    """Reserve the segment's pages now, so a full /dev/shm fails here with ENOSPC."""
+    try:
+        os.posix_fallocate(fd, 0, len(mapping))
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise
+
+
 class SharedKVCache:
     """A KV cache in one shm segment. ``tensors[j]`` is a writable zero-copy uint8 array of
     shape ``(num_blocks, row_bytes[j])``. Build it with ``create`` or ``attach``."""
@@ -99,23 +108,7 @@ class SharedKVCache:
         FileExistsError if it exists). Its pages are reserved up front (ENOSPC raises here)."""
         offsets, size = layout(num_blocks, row_bytes)
         name = name if name is not None else unique_kv_name()
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
-        except posix_ipc.ExistentialError as exc:
-            raise FileExistsError(f"KV cache segment {name} already exists") from exc
-        try:
-            os.fchmod(shm.fd, 0o600)
-            try:
-                os.posix_fallocate(shm.fd, 0, size)
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
-                    raise
-            mapping = mmap.mmap(shm.fd, size)
-        except BaseException:
-            shm.close_fd()
-            shm.unlink()
-            raise
-        shm.close_fd()
+        mapping = create_segment(name, size, "KV cache segment", _reserve_pages)
         log.debug("kv_cache_created", segment=name, blocks=num_blocks, bytes=size)
         return cls(name, num_blocks, row_bytes, offsets, mapping, creator=True)
 
@@ -127,14 +120,8 @@ class SharedKVCache:
             raise ValueError(f"handle {handle.handle_id} is {handle.kind!r}, not {SHM_KIND!r}")
         if handle.num_blocks < 1 or not handle.tensors:
             raise ValueError(f"handle {handle.handle_id} has no blocks or no tensors")
-        try:
-            shm = posix_ipc.SharedMemory(handle.shm_name)
-        except posix_ipc.ExistentialError as exc:
-            raise FileNotFoundError(f"KV cache segment {handle.shm_name} does not exist") from exc
-        except ValueError as exc:
-            raise ValueError(f"bad KV cache segment name {handle.shm_name!r}: {exc}") from None
-        try:
-            size = os.fstat(shm.fd).st_size
+
+        def check_size(size: int) -> None:
             for j, t in enumerate(handle.tensors):
                 end = t.offset + handle.num_blocks * t.row_bytes
                 if t.row_bytes <= 0 or t.offset < 0 or end > size:
@@ -143,9 +130,8 @@ class SharedKVCache:
                         f"{handle.num_blocks} x {t.row_bytes} bytes) lies outside the "
                         f"{size}-byte segment"
                     )
-            mapping = mmap.mmap(shm.fd, size)
-        finally:
-            shm.close_fd()
+
+        mapping = attach_segment(handle.shm_name, "KV cache segment", check_size, populate=True)
         return cls(
             handle.shm_name,
             handle.num_blocks,
@@ -216,15 +202,12 @@ class SharedKVCache:
 
     def close(self) -> None:
         """Unmap. Idempotent. If views handed out are still alive the unmap is left to the
-        garbage collector (logged as ``kv_cache_close_deferred``)."""
+        garbage collector (logged as ``shm_close_deferred``)."""
         mapping, self._mmap = self._mmap, None
         if mapping is None:
             return
         self.tensors = []
-        try:
-            mapping.close()
-        except BufferError:
-            log.warning("kv_cache_close_deferred", segment=self._name)
+        close_mapping(mapping, "KV cache segment", self._name)
 
     def unlink(self) -> None:
         """Remove the segment's name (creator only; mappings stay valid). Idempotent."""
@@ -232,10 +215,7 @@ class SharedKVCache:
             raise PermissionError(f"KV cache {self._name} was attached, only its creator unlinks")
         if self._unlinked:
             return
-        try:
-            posix_ipc.unlink_shared_memory(self._name)
-        except posix_ipc.ExistentialError:
-            pass
+        unlink_segment(self._name)
         self._unlinked = True
 
     def __enter__(self) -> SharedKVCache:

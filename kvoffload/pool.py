@@ -16,10 +16,10 @@ import os
 from types import TracebackType
 
 import numpy as np
-import posix_ipc
 
 from kvoffload.cuda_host import register_host_memory, unregister_host_memory
 from kvoffload.logs import get_logger
+from kvoffload.shmseg import attach_segment, close_mapping, create_segment, unlink_segment
 
 log = get_logger()
 
@@ -64,11 +64,6 @@ def _reserve_and_prefault(fd: int, mapping: mmap.mmap, size: int) -> None:
         del pages
 
 
-# Fill the page tables at attach time: the first touch of a shared page in a new process costs a
-# minor fault, which would otherwise land on the first transfers of every worker.
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
-
 class HostPool:
     """A mapped host pool. Build it with ``create`` (creator) or ``attach`` (everyone else)."""
 
@@ -96,24 +91,8 @@ class HostPool:
         OSError."""
         _validate_geometry(name, num_slots, block_bytes)
         size = num_slots * block_bytes
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
-        except posix_ipc.ExistentialError as exc:
-            raise FileExistsError(f"host pool {name} already exists") from exc
-        try:
-            os.fchmod(shm.fd, 0o600)
-            mapping = mmap.mmap(shm.fd, size)
-            try:
-                if prefault:
-                    _reserve_and_prefault(shm.fd, mapping, size)
-            except BaseException:
-                mapping.close()
-                raise
-        except BaseException:
-            shm.close_fd()
-            shm.unlink()
-            raise
-        shm.close_fd()
+        prepare = (lambda fd, mapping: _reserve_and_prefault(fd, mapping, size)) if prefault else None
+        mapping = create_segment(name, size, "host pool", prepare)
         log.debug("pool_created", pool=name, slots=num_slots, bytes=size, prefault=prefault)
         return cls(name, num_slots, block_bytes, mapping, creator=True)
 
@@ -123,20 +102,15 @@ class HostPool:
         size is not ``num_slots * block_bytes``."""
         _validate_geometry(name, num_slots, block_bytes)
         size = num_slots * block_bytes
-        try:
-            shm = posix_ipc.SharedMemory(name)
-        except posix_ipc.ExistentialError as exc:
-            raise FileNotFoundError(f"host pool {name} does not exist") from exc
-        try:
-            actual = os.fstat(shm.fd).st_size
+
+        def check_size(actual: int) -> None:
             if actual != size:
                 raise PoolMismatch(
                     f"host pool {name} is {actual} bytes, expected {num_slots} slots x "
                     f"{block_bytes} bytes = {size}"
                 )
-            mapping = mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
-        finally:
-            shm.close_fd()
+
+        mapping = attach_segment(name, "host pool", check_size, populate=True)
         return cls(name, num_slots, block_bytes, mapping, creator=False)
 
     @property
@@ -198,7 +172,7 @@ class HostPool:
 
     def close(self) -> None:
         """Unregister from CUDA, then unmap. Idempotent. If views handed out are still alive the
-        unmap is deferred to the garbage collector (logged as ``pool_close_deferred``)."""
+        unmap is deferred to the garbage collector (logged as ``shm_close_deferred``)."""
         if self._array is None:
             return
         if self._cuda_registered:
@@ -207,10 +181,7 @@ class HostPool:
         self._array = None
         mapping, self._mmap = self._mmap, None
         assert mapping is not None
-        try:
-            mapping.close()
-        except BufferError:
-            log.warning("pool_close_deferred", pool=self._name)
+        close_mapping(mapping, "host pool", self._name)
 
     def unlink(self) -> None:
         """Remove the segment's name (creator only; mappings stay valid until closed).
@@ -219,10 +190,7 @@ class HostPool:
             raise PermissionError(f"host pool {self._name} was attached, only its creator unlinks")
         if self._unlinked:
             return
-        try:
-            posix_ipc.unlink_shared_memory(self._name)
-        except posix_ipc.ExistentialError:
-            pass
+        unlink_segment(self._name)
         self._unlinked = True
 
     def __enter__(self) -> HostPool:

@@ -15,13 +15,12 @@ processes: a reader that sees a half-written or half-cleared header fails its cr
 from __future__ import annotations
 
 import mmap
-import os
 from collections.abc import Iterator
 
 import numpy as np
-import posix_ipc
 
 from kvoffload.blockformat import HEADER_SIZE, BlockHeader, CorruptBlock, decode_header
+from kvoffload.shmseg import attach_segment, close_mapping, create_segment, unlink_segment
 
 _ZERO_HEADER = bytes(HEADER_SIZE)
 
@@ -40,19 +39,7 @@ class SlotTable:
         """Create and map a new, all-zero table (FileExistsError if ``name`` exists)."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        size = num_slots * HEADER_SIZE
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
-        except posix_ipc.ExistentialError as exc:
-            raise FileExistsError(f"slot table {name} already exists") from exc
-        try:
-            os.fchmod(shm.fd, 0o600)
-            mapping = mmap.mmap(shm.fd, size)
-        except BaseException:
-            shm.close_fd()
-            shm.unlink()
-            raise
-        shm.close_fd()
+        mapping = create_segment(name, num_slots * HEADER_SIZE, "slot table")
         return cls(name, num_slots, mapping, creator=True)
 
     @classmethod
@@ -60,17 +47,12 @@ class SlotTable:
         """Map an existing table. FileNotFoundError if absent; ValueError if its size is not
         ``num_slots`` headers."""
         size = num_slots * HEADER_SIZE
-        try:
-            shm = posix_ipc.SharedMemory(name)
-        except posix_ipc.ExistentialError as exc:
-            raise FileNotFoundError(f"slot table {name} does not exist") from exc
-        try:
-            actual = os.fstat(shm.fd).st_size
+
+        def check_size(actual: int) -> None:
             if actual != size:
                 raise ValueError(f"slot table {name} is {actual} bytes, expected {size}")
-            mapping = mmap.mmap(shm.fd, size)
-        finally:
-            shm.close_fd()
+
+        mapping = attach_segment(name, "slot table", check_size)
         return cls(name, num_slots, mapping, creator=False)
 
     @property
@@ -131,13 +113,10 @@ class SlotTable:
         """Unmap (idempotent)."""
         mapping, self._mmap = self._mmap, None
         if mapping is not None:
-            mapping.close()
+            close_mapping(mapping, "slot table", self._name)
 
     def unlink(self) -> None:
         """Remove the segment's name (creator only; idempotent)."""
         if not self._creator:
             raise PermissionError(f"slot table {self._name} was attached, only its creator unlinks")
-        try:
-            posix_ipc.unlink_shared_memory(self._name)
-        except posix_ipc.ExistentialError:
-            pass
+        unlink_segment(self._name)

@@ -1,0 +1,87 @@
+"""Create, attach, close and unlink the POSIX shared-memory segments kvoffload maps (the host
+pool, the slot header table, engines' KV caches).
+
+Contract: the creator makes the segment with mode 0600 and is the only one that unlinks it;
+every process closes its own mapping. A mapping with live exported views (numpy arrays over it)
+cannot be unmapped yet: ``close_mapping`` then leaves it to the garbage collector and logs it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Callable
+
+import posix_ipc
+
+from kvoffload.logs import get_logger
+
+log = get_logger()
+
+# Fills the page tables at attach time: the first touch of a shared page in a new process costs
+# a minor fault, which would otherwise land on the first transfers.
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def create_segment(
+    name: str, size: int, what: str, prepare: Callable[[int, mmap.mmap], None] | None = None
+) -> mmap.mmap:
+    """Create (O_CREX, mode 0600) and map a new segment; FileExistsError if ``name`` exists.
+    ``prepare(fd, mapping)`` runs before the fd is closed (e.g. reserving pages); if anything
+    fails the segment is unmapped and unlinked again."""
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+    except posix_ipc.ExistentialError as exc:
+        raise FileExistsError(f"{what} {name} already exists") from exc
+    try:
+        os.fchmod(shm.fd, 0o600)
+        mapping = mmap.mmap(shm.fd, size)
+        try:
+            if prepare is not None:
+                prepare(shm.fd, mapping)
+        except BaseException:
+            mapping.close()
+            raise
+    except BaseException:
+        shm.close_fd()
+        shm.unlink()
+        raise
+    shm.close_fd()
+    return mapping
+
+
+def attach_segment(
+    name: str, what: str, check_size: Callable[[int], None] | None = None, populate: bool = False
+) -> mmap.mmap:
+    """Map an existing segment whole. FileNotFoundError if it does not exist, ValueError if
+    ``name`` is not a valid segment name; ``check_size`` sees the segment's size first and raises
+    to refuse it."""
+    try:
+        shm = posix_ipc.SharedMemory(name)
+    except posix_ipc.ExistentialError as exc:
+        raise FileNotFoundError(f"{what} {name} does not exist") from exc
+    except ValueError as exc:
+        raise ValueError(f"bad {what} name {name!r}: {exc}") from None
+    try:
+        size = os.fstat(shm.fd).st_size
+        if check_size is not None:
+            check_size(size)
+        return mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED | (MAP_POPULATE if populate else 0))
+    finally:
+        shm.close_fd()
+
+
+def close_mapping(mapping: mmap.mmap, what: str, name: str) -> None:
+    """Unmap; with views still alive the unmap is deferred to the garbage collector."""
+    try:
+        mapping.close()
+    except BufferError:
+        log.warning("shm_close_deferred", what=what, segment=name)
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment's name; a name already gone is ignored."""
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
