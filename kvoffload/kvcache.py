@@ -20,13 +20,12 @@ import mmap
 import os
 import secrets
 from collections.abc import Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvoffload.logs import get_logger
-from kvoffload.shmseg import attach_segment, close_mapping, create_segment, unlink_segment
+from kvoffload.shmseg import OwnedSegment, attach_segment, close_mapping, create_segment
 from kvoffload.protocol import KVHandle, TensorSpec
 
 if TYPE_CHECKING:
@@ -73,9 +72,11 @@ def _reserve_pages(fd: int, mapping: mmap.mmap) -> None:
             raise
 
 
-class SharedKVCache:
+class SharedKVCache(OwnedSegment):
     """A KV cache in one shm segment. ``tensors[j]`` is a writable zero-copy uint8 array of
     shape ``(num_blocks, row_bytes[j])``. Build it with ``create`` or ``attach``."""
+
+    what = "KV cache segment"
 
     def __init__(
         self,
@@ -208,29 +209,6 @@ class SharedKVCache:
             return
         self.tensors = []
         close_mapping(mapping, "KV cache segment", self._name)
-
-    def unlink(self) -> None:
-        """Remove the segment's name (creator only; mappings stay valid). Idempotent."""
-        if not self._creator:
-            raise PermissionError(f"KV cache {self._name} was attached, only its creator unlinks")
-        if self._unlinked:
-            return
-        unlink_segment(self._name)
-        self._unlinked = True
-
-    def __enter__(self) -> SharedKVCache:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close the mapping; the creator also unlinks the segment."""
-        self.close()
-        if self._creator:
-            self.unlink()
 
 
 # ---- CUDA IPC --------------------------------------------------------------------------------

@@ -13,13 +13,12 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-from types import TracebackType
 
 import numpy as np
 
 from kvoffload.cuda_host import register_host_memory, unregister_host_memory
 from kvoffload.logs import get_logger
-from kvoffload.shmseg import attach_segment, close_mapping, create_segment, unlink_segment
+from kvoffload.shmseg import OwnedSegment, attach_segment, close_mapping, create_segment
 
 log = get_logger()
 
@@ -64,8 +63,10 @@ def _reserve_and_prefault(fd: int, mapping: mmap.mmap, size: int) -> None:
         del pages
 
 
-class HostPool:
+class HostPool(OwnedSegment):
     """A mapped host pool. Build it with ``create`` (creator) or ``attach`` (everyone else)."""
+
+    what = "host pool"
 
     def __init__(
         self, name: str, num_slots: int, block_bytes: int, mapping: mmap.mmap, creator: bool
@@ -182,30 +183,6 @@ class HostPool:
         mapping, self._mmap = self._mmap, None
         assert mapping is not None
         close_mapping(mapping, "host pool", self._name)
-
-    def unlink(self) -> None:
-        """Remove the segment's name (creator only; mappings stay valid until closed).
-        Idempotent; a name that is already gone is ignored."""
-        if not self._creator:
-            raise PermissionError(f"host pool {self._name} was attached, only its creator unlinks")
-        if self._unlinked:
-            return
-        unlink_segment(self._name)
-        self._unlinked = True
-
-    def __enter__(self) -> HostPool:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close the mapping; the creator also unlinks the segment."""
-        self.close()
-        if self._creator:
-            self.unlink()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"

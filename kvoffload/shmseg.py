@@ -85,3 +85,35 @@ def unlink_segment(name: str) -> None:
         posix_ipc.unlink_shared_memory(name)
     except posix_ipc.ExistentialError:
         pass
+
+
+class OwnedSegment:
+    """Base of a mapped segment object: the creator-only, idempotent ``unlink`` and the context
+    manager (exit closes; the creator also unlinks). Subclasses set ``_name``, ``_creator`` and
+    ``_unlinked`` and implement ``close``; ``what`` names the segment in errors."""
+
+    what = "segment"
+    _name: str
+    _creator: bool
+    _unlinked: bool
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def unlink(self) -> None:
+        """Remove the segment's name (creator only; mappings stay valid until closed).
+        Idempotent; a name that is already gone is ignored."""
+        if not self._creator:
+            raise PermissionError(f"{self.what} {self._name} was attached, only its creator unlinks")
+        if self._unlinked:
+            return
+        unlink_segment(self._name)
+        self._unlinked = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+        if self._creator:
+            self.unlink()

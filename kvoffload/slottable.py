@@ -20,19 +20,22 @@ from collections.abc import Iterator
 import numpy as np
 
 from kvoffload.blockformat import HEADER_SIZE, BlockHeader, CorruptBlock, decode_header
-from kvoffload.shmseg import attach_segment, close_mapping, create_segment, unlink_segment
+from kvoffload.shmseg import OwnedSegment, attach_segment, close_mapping, create_segment
 
 _ZERO_HEADER = bytes(HEADER_SIZE)
 
 
-class SlotTable:
+class SlotTable(OwnedSegment):
     """A mapped slot header table of ``num_slots`` entries. Build it with ``create`` or ``attach``."""
+
+    what = "slot table"
 
     def __init__(self, name: str, num_slots: int, mapping: mmap.mmap, creator: bool) -> None:
         self._name = name
         self._num_slots = num_slots
         self._mmap: mmap.mmap | None = mapping
         self._creator = creator
+        self._unlinked = False
 
     @classmethod
     def create(cls, name: str, num_slots: int) -> SlotTable:
@@ -115,8 +118,3 @@ class SlotTable:
         if mapping is not None:
             close_mapping(mapping, "slot table", self._name)
 
-    def unlink(self) -> None:
-        """Remove the segment's name (creator only; idempotent)."""
-        if not self._creator:
-            raise PermissionError(f"slot table {self._name} was attached, only its creator unlinks")
-        unlink_segment(self._name)

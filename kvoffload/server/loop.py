@@ -487,13 +487,18 @@ class ManagerServer:
             msg.rid, bytes(reply.results), bytes(reply.reasons), reply.hit_prefix, reply.ready_prefix
         )
 
-    def _on_store(self, identity, session: ClientSession, msg: p.Store):
+    def _device_request(self, session: ClientSession, msg: p.Store | p.Load) -> str:
+        """Checks shared by Store and Load; returns the scoped request id."""
         self._check_writable()
         self._check_keys(msg.keys)
         scoped = self._scoped(session, msg.req_id)
         self._device_blocks(session, msg.handle_id, msg.keys, msg.device_blocks)
         if self.registry.live(CPU_WORKER) is None:
             raise RequestError("worker_unavailable", "the cpu worker is not connected")
+        return scoped
+
+    def _on_store(self, identity, session: ClientSession, msg: p.Store):
+        scoped = self._device_request(session, msg)
         out = self.tiering.prepare_store(scoped, msg.keys)
         if out is None:
             raise RequestError("no_space", "no primary slots can be freed for this store")
@@ -511,12 +516,7 @@ class ManagerServer:
         return p.JobAccepted(msg.rid, job_id, out.keys_to_store, out.evicted)
 
     def _on_load(self, identity, session: ClientSession, msg: p.Load):
-        self._check_writable()
-        self._check_keys(msg.keys)
-        scoped = self._scoped(session, msg.req_id)
-        self._device_blocks(session, msg.handle_id, msg.keys, msg.device_blocks)
-        if self.registry.live(CPU_WORKER) is None:
-            raise RequestError("worker_unavailable", "the cpu worker is not connected")
+        scoped = self._device_request(session, msg)
         slots = self.tiering.prepare_load(scoped, msg.keys)
         job_id = self._submit_device_job(
             session,
