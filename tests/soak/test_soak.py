@@ -1,7 +1,7 @@
 """Soak runs: the service under load and every fault kind, with the invariants asserted.
 
-The short run belongs to the default suite (about 20 s); the 60-second run with the object tier
-and object-store outages is marked ``soak``.
+Both run in the default suite: a short run (about 15 s) with every process fault, and the
+60-second run with the object tier and object-store outages. Longer runs: ``kvoffload soak``.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def test_no_client_kv_cache_stays_mapped_after_a_manager_restart(short_soak):
     assert [v for v in summary["violations"] if v["kind"] == CLIENT_KV_LEAK] == []
 
 
-@pytest.mark.soak
 def test_soak_60s_with_object_tier_and_outages(s3_server):
+    """The CI soak: 60 s with every fault kind, object-store outages included."""
     summary = run_soak(SoakOptions(duration_s=60, seed=11, clients=3, s3_server=s3_server, keep=False))
     assert_invariants(summary, FAULT_KINDS)
     assert "object" in summary["tiers"]
