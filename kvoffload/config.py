@@ -141,6 +141,7 @@ class FaultsConfig(_Section):
     corrupt_fraction: float = 0.0
     release_failures: int = 0
     seed: int = 0
+    enospc_fraction: float = 0.0
 
 
 class Config(_Section):
@@ -409,7 +410,7 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
             fail(f"engines[{i}].command", "must name a program")
 
     faults = cfg.faults
-    fraction("faults", faults, "fail_fraction", "delay_fraction", "corrupt_fraction")
+    fraction("faults", faults, "fail_fraction", "delay_fraction", "corrupt_fraction", "enospc_fraction")
     for name in ("delay_s", "release_failures"):
         if getattr(faults, name) < 0:
             fail(f"faults.{name}", f"must be >= 0, got {getattr(faults, name)}")

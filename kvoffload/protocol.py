@@ -342,8 +342,9 @@ class DetachKV(_Msg, tag="detach_kv"):
 
 
 class FaultSpec(msgspec.Struct, forbid_unknown_fields=True):
-    """Fault injection for soak tests: fractions of operations that fail / are delayed /
-    are corrupted, release failures to inject, or a crash after ``crash_after_ops``."""
+    """Fault injection for soak tests: fractions of operations that fail (EIO) / are delayed /
+    are corrupted, of medium writes that find the medium full (ENOSPC), release failures to
+    inject, or a crash after ``crash_after_ops``."""
 
     fail_fraction: float = 0.0
     delay_s: float = 0.0
@@ -352,6 +353,7 @@ class FaultSpec(msgspec.Struct, forbid_unknown_fields=True):
     release_failures: int = 0
     crash_after_ops: int = -1
     seed: int = 0
+    enospc_fraction: float = 0.0
 
 
 class Control(_Msg, tag="control"):

@@ -41,6 +41,7 @@ def spec_from_config(faults: FaultsConfig) -> FaultSpec:
         corrupt_fraction=faults.corrupt_fraction,
         release_failures=faults.release_failures,
         seed=faults.seed,
+        enospc_fraction=faults.enospc_fraction,
     )
 
 
@@ -61,6 +62,7 @@ class FaultInjector:
         s = self._spec
         return bool(
             s.fail_fraction
+            or s.enospc_fraction
             or (s.delay_fraction and s.delay_s)
             or s.corrupt_fraction
             or self._release_failures_left
@@ -86,6 +88,7 @@ class FaultInjector:
             release_failures=spec.release_failures,
             crash_after_ops=spec.crash_after_ops,
             seed=spec.seed,
+            enospc_fraction=spec.enospc_fraction,
         )
 
     def _draw(self, fraction: float) -> bool:
@@ -98,6 +101,11 @@ class FaultInjector:
         """Raise ``InjectedFault`` (EIO) for a ``fail_fraction`` of calls."""
         if self._draw(self._spec.fail_fraction):
             raise InjectedFault(errno.EIO, f"injected {op} failure for key {key.hex()[:16]}")
+
+    def maybe_full(self, op: str, key: bytes = b"") -> None:
+        """Raise ``InjectedFault`` (ENOSPC) for an ``enospc_fraction`` of medium writes."""
+        if self._draw(self._spec.enospc_fraction):
+            raise InjectedFault(errno.ENOSPC, f"injected full medium on {op} for key {key.hex()[:16]}")
 
     def maybe_delay(self) -> float:
         """Sleep ``delay_s`` for a ``delay_fraction`` of calls; returns the seconds slept."""

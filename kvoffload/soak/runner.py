@@ -45,7 +45,13 @@ from .invariants import (
 )
 from .service import ServiceHarness
 
-DEFAULT_FAULTS = {"fail_fraction": 0.02, "delay_s": 0.05, "delay_fraction": 0.05, "corrupt_fraction": 0.05}
+DEFAULT_FAULTS = {
+    "fail_fraction": 0.02,
+    "delay_s": 0.05,
+    "delay_fraction": 0.05,
+    "corrupt_fraction": 0.05,
+    "enospc_fraction": 0.02,
+}
 DISK_IO_COUNTERS = (
     "injected_corruptions", "corrupt_blocks", "write_errors", "transient_errors", "enospc_errors",
     "store_full", "absent_keys",

@@ -245,8 +245,12 @@ def test_configured_corruption_and_failures(start_backend, pool: HostPool) -> No
     faults.replace(FaultSpec(fail_fraction=1.0))
     done = run(backend, CASCADE, [key], [0])
     assert done.ok_keys == [] and "write_error" in done.error and not backend.degraded
+    faults.replace(FaultSpec(enospc_fraction=1.0))
+    done = run(backend, CASCADE, [key], [0])
+    assert done.ok_keys == [] and "no_space" in done.error and backend.degraded
+    assert backend.stats()["enospc_errors"] == 1
     faults.replace(FaultSpec())
-    assert run(backend, CASCADE, [key], [0]).ok_keys == [key]
+    assert run(backend, CASCADE, [key], [0]).ok_keys == [key] and not backend.degraded
     assert run(backend, PROMOTE, [key], [1]).ok_keys == [key] and pool.slot(1).tobytes() == original
 
 

@@ -33,6 +33,7 @@ def assert_invariants(summary: dict, kinds: tuple[str, ...]) -> None:
     assert summary["jobs"]["finished"] > 0
     disk_io = summary["faults"]["disk_io"]
     assert disk_io["injected_corruptions"] > 0 and disk_io["write_errors"] > 0, disk_io
+    assert disk_io["enospc_errors"] > 0, disk_io
     assert summary["faults"]["disk_fill_peak"] > 0.9, "the small disk tier should fill up and evict"
     quiet = summary["quiescence"]
     assert (quiet["pinned_slots"], quiet["writing_slots"], quiet["jobs_in_flight"], quiet["device_jobs_in_flight"]) == (0, 0, 0, 0)

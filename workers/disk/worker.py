@@ -51,6 +51,8 @@ INDEX_BATCH_KEYS = 4096
 FAILING_OPS = frozenset({"allocate", "invalidate", "write_payload", "write_header", "fsync", "read"})
 """Store operations that injected failures may hit (``clear`` and ``scan`` are left alone:
 failing them would only strand records until the next start)."""
+SPACE_OPS = frozenset({"allocate", "write_payload"})
+"""Store operations where an injected full disk (``enospc_fraction``) fires, as ENOSPC would."""
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _COUNTERS = ("bytes_read", "bytes_written", "keys_promoted", "keys_cascaded", "corrupt_blocks",
              "absent_keys", "transient_errors", "enospc_errors", "store_full", "write_errors",
@@ -201,6 +203,8 @@ class DiskBackend:
         faults.maybe_delay()
         if op in FAILING_OPS:
             faults.maybe_fail(op, key)
+        if op in SPACE_OPS:
+            faults.maybe_full(op, key)
         buf = getattr(self._local, "corrupt", None)
         if op == "write_payload" and buf is not None:
             self._local.corrupt = None
