@@ -359,6 +359,8 @@ class TieringManager:
             raise ProtocolViolation("successful_keys is not a subset of the stored keys")
 
     def _cascade_existing(self, state: RequestState, keys: list[Key]) -> None:
+        """Cascade the ready keys to the request-level tiers now; park the ones still being
+        written (they are retried at each step end); drop the absent ones."""
         ready = []
         for key in keys:
             result = self.primary.lookup(key)
@@ -376,18 +378,8 @@ class TieringManager:
             state = self._requests[req_id]
             parked = list(state.parked_cascade_keys)
             state.parked_cascade_keys.clear()
-            ready = []
-            for key in parked:
-                result = self.primary.lookup(key)
-                if result is HIT:
-                    ready.append(key)
-                elif result is HIT_PENDING:
-                    state.parked_cascade_keys[key] = None
-            if ready:
-                for i in sorted(state.request_level_tiers):
-                    self._submit_cascade(i, ready, req_id)
-            if not state.parked_cascade_keys:
-                self._parked_requests.discard(req_id)
+            self._parked_requests.discard(req_id)
+            self._cascade_existing(state, parked)
             self._maybe_finalize(req_id)
 
     def _submit_cascade(self, tier_idx: int, keys: list[Key], req_id: str | None) -> None:
