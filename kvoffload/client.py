@@ -1,8 +1,10 @@
 """Engine-side client of the manager (one DEALER socket; not thread-safe: one per thread).
 
 Every call sends one request and waits for its reply (matched by call id) up to ``timeout_s``.
-Failures raise ``KVOffloadError`` carrying the manager's typed error code; a missing reply raises
-``TimeoutError``. Finished device jobs are delivered once each, by ``poll``/``wait``.
+Failures raise ``KVOffloadError`` carrying the manager's typed error code; a call that would
+exceed ``protocol.MAX_MESSAGE_BYTES`` raises ``KVOffloadError("message_too_large")`` before
+anything is sent; a missing reply raises ``TimeoutError``. Finished device jobs are delivered
+once each, by ``poll``/``wait``.
 """
 
 from __future__ import annotations
@@ -81,7 +83,14 @@ class KVOffloadClient:
 
     def _call(self, kind: type, timeout_s: float | None = None, **fields: Any):
         rid = next(self._rids)
-        self._sock.send(p.encode(kind(rid=rid, **fields)))
+        frame = p.encode(kind(rid=rid, **fields))
+        if len(frame) > p.MAX_MESSAGE_BYTES:
+            raise KVOffloadError(
+                "message_too_large",
+                f"{kind.__name__} encodes to {len(frame)} bytes, over the "
+                f"{p.MAX_MESSAGE_BYTES}-byte message limit; it was not sent",
+            )
+        self._sock.send(frame)
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)

@@ -381,12 +381,18 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes):
+    """Any failure to decode, whatever its kind (nesting too deep for the decoder included),
+    is a ProtocolError, so every bad frame can be answered."""
     if len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         return decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(str(exc)) from None
+    except RecursionError:
+        raise ProtocolError("message nested too deeply to decode") from None
+    except Exception as exc:
+        raise ProtocolError(f"undecodable message: {type(exc).__name__}: {exc}") from None
 
 
 def decode_client_request(frame: bytes) -> ClientRequest:
@@ -406,10 +412,83 @@ def decode_manager_message(frame: bytes) -> ManagerMessage:
 
 
 def request_id_of(frame: bytes) -> int:
-    """Best-effort ``rid`` of an undecodable client frame (-1 if none can be read)."""
+    """Best-effort ``rid`` of an undecodable client frame (-1 if none can be read).
+
+    Only the top-level map is read: values are skipped without recursion and at most
+    ``_RID_SCAN_ITEMS`` msgpack items are looked at, so a frame nested arbitrarily deep, or a
+    huge one, costs little and still yields the rid that precedes the bad value."""
     try:
-        raw = msgspec.msgpack.decode(frame[:MAX_MESSAGE_BYTES])
+        return _scan_rid(frame[:MAX_MESSAGE_BYTES])
     except Exception:
         return -1
-    rid = raw.get("rid") if isinstance(raw, dict) else None
-    return rid if isinstance(rid, int) and not isinstance(rid, bool) else -1
+
+
+_RID_SCAN_ITEMS = 4096
+_RID_KEY = b"\xa3rid"
+# msgpack headers with a fixed-size body: first byte -> body bytes
+_FIXED_BODY = {
+    0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8,
+    0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17,
+}
+# msgpack headers followed by a big-endian length: first byte -> (length bytes, extra bytes)
+_SIZED_BODY = {
+    0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1),
+    0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0),
+}
+# container headers followed by a big-endian count: first byte -> (count bytes, items per count)
+_CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
+
+
+def _item_header(frame: bytes, pos: int) -> tuple[int, int]:
+    """(position after the msgpack item header at ``pos`` and its inline body, number of
+    nested items that follow it). IndexError past the end, ValueError on an invalid byte."""
+    b = frame[pos]
+    if b <= 0x7F or b >= 0xE0:
+        return pos + 1, 0
+    if 0x80 <= b <= 0x8F:
+        return pos + 1, 2 * (b & 0x0F)
+    if 0x90 <= b <= 0x9F:
+        return pos + 1, b & 0x0F
+    if 0xA0 <= b <= 0xBF:
+        return pos + 1 + (b & 0x1F), 0
+    if b in _FIXED_BODY:
+        return pos + 1 + _FIXED_BODY[b], 0
+    if b in _SIZED_BODY:
+        width, extra = _SIZED_BODY[b]
+        return pos + 1 + width + extra + int.from_bytes(frame[pos + 1 : pos + 1 + width], "big"), 0
+    if b in _CONTAINERS:
+        width, per = _CONTAINERS[b]
+        if pos + 1 + width > len(frame):
+            raise IndexError("truncated header")
+        return pos + 1 + width, per * int.from_bytes(frame[pos + 1 : pos + 1 + width], "big")
+    raise ValueError(f"invalid msgpack byte {b:#x}")
+
+
+def _skip_item(frame: bytes, pos: int, budget: list[int]) -> int:
+    """Position after the item at ``pos`` (its nested items included), without recursion."""
+    pending = 1
+    while pending:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ValueError("rid scan budget exhausted")
+        pos, nested = _item_header(frame, pos)
+        pending += nested - 1
+    if pos > len(frame):
+        raise IndexError("truncated item")
+    return pos
+
+
+def _scan_rid(frame: bytes) -> int:
+    if not frame or not (0x80 <= frame[0] <= 0x8F or frame[0] in (0xDE, 0xDF)):
+        return -1
+    pos, nested = _item_header(frame, 0)
+    budget = [_RID_SCAN_ITEMS]
+    for _ in range(nested // 2):
+        key_end = _skip_item(frame, pos, budget)
+        is_rid = frame[pos:key_end] == _RID_KEY
+        value_end = _skip_item(frame, key_end, budget)
+        if is_rid:
+            rid = msgspec.msgpack.decode(frame[key_end:value_end])
+            return rid if isinstance(rid, int) and not isinstance(rid, bool) else -1
+        pos = value_end
+    return -1

@@ -10,12 +10,14 @@ growing.
 from __future__ import annotations
 
 import random
+import time
 
 import msgspec
 import pytest
 import zmq
 
 from kvoffload import protocol as p
+from kvoffload.client import KVOffloadError
 from kvoffload.soak.probe import ProbeEngine, log_events, probe_keys, services
 
 SEED = 20261129
@@ -195,3 +197,36 @@ def test_random_frames_on_both_channels_are_answered_or_ignored(harness):
     assert harness.worker_pid("cpu") == cpu
     assert not [e for e in log_events(harness) if e.get("event") in CRASH_EVENTS]
     assert rss[2] - rss[1] < 8 << 20, f"manager RSS still growing: {[r >> 20 for r in rss]} MiB"
+
+
+def test_a_frame_nested_too_deep_to_decode_gets_one_typed_reply_with_its_rid(harness):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(harness.endpoint)
+    deep = b"\x91" * 100_000 + b"\xc0"
+    try:
+        for frame, rid in [
+            (b"\x83\xa1t\xabnew_request\xa3rid\x05\xa6params\x81\xa1x" + deep, 5),
+            (b"\x82\xa1t\xa6status\xa1x" + deep, -1),
+        ]:
+            sock.send(frame)
+            assert sock.poll(REPLY_TIMEOUT_MS), "a deeply nested frame got no reply"
+            reply = p.decode_client_reply(sock.recv())
+            assert isinstance(reply, p.Error) and reply.code == "bad_message" and reply.rid == rid
+            assert not sock.poll(200), "a second reply"
+    finally:
+        sock.close()
+    assert not [e for e in log_events(harness) if e.get("event") in CRASH_EVENTS]
+
+
+def test_the_client_refuses_a_call_over_the_size_limit_before_sending_it(harness):
+    with ProbeEngine(harness, "big") as engine:
+        req = engine.new_request()
+        started = time.monotonic()
+        with pytest.raises(KVOffloadError) as err:
+            engine.client.lookup(req, [b"k" * (20 << 20)])
+        assert err.value.code == "message_too_large" and str(p.MAX_MESSAGE_BYTES) in str(err.value)
+        assert time.monotonic() - started < 1.0
+        keys = probe_keys("after-big", 2)
+        assert engine.store(req, keys).success, "the session survives the refused call"
+        assert engine.lookup_ready(req, keys).ready_prefix == 2

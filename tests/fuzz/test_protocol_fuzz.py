@@ -49,6 +49,8 @@ SAMPLES = [
     p.Job(job_id=1, kind="cascade", keys=[b"k" * 16], slots=[3]),
     p.Control(action="faults", faults=p.FaultSpec(fail_fraction=0.5)),
 ]
+DEEP_IN_MAP = b"\x83\xa1t\xabnew_request\xa3rid\x05\xa6params\x81\xa1x" + b"\x91" * 100_000 + b"\xc0"
+"""A NewRequest with rid 5 whose params hold a value nested 100k levels deep."""
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -93,13 +95,14 @@ def test_mutated_valid_messages(name, sample, data):
     "frame",
     [
         b"\x91" * 100_000 + b"\xc0",  # nested 100k deep
+        DEEP_IN_MAP,
         b"\xdd\xff\xff\xff\xff",  # an array claiming 4G entries
         b"\xc6\xff\xff\xff\xff",  # bin claiming 4 GiB
         b"\xd6\xff\x00\x00\x00\x01",  # timestamp ext
         b"",
         b"\x00" * (p.MAX_MESSAGE_BYTES + 1),
     ],
-    ids=["deep", "huge-array", "huge-bin", "ext", "empty", "oversized"],
+    ids=["deep", "deep-in-map", "huge-array", "huge-bin", "ext", "empty", "oversized"],
 )
 def test_hostile_frames(name, frame):
     decode_or_protocol_error(name, frame)
@@ -128,3 +131,11 @@ def test_a_boolean_rid_is_not_echoed():
     frame = msgspec.msgpack.encode({"t": "lookup", "rid": True})
     reply = p.Error(p.request_id_of(frame), "bad_message", "x")
     assert p.decode_client_reply(p.encode(reply)) == reply
+
+
+def test_the_rid_of_a_frame_nested_too_deep_to_decode_is_still_read():
+    assert p.request_id_of(DEEP_IN_MAP) == 5
+    rid_after = b"\x82\xa1x" + b"\x91" * 100_000 + b"\xc0" + b"\xa3rid\x07"
+    assert p.request_id_of(rid_after) == -1, "the scan is bounded: a rid after a huge value is not looked for"
+    assert p.request_id_of(msgspec.msgpack.encode({"params": {"a": [1, 2]}, "rid": 9})) == 9
+    assert p.request_id_of(b"\x82\xa1t\xa1x\xa3rid") == -1  # truncated
