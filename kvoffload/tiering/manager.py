@@ -174,8 +174,11 @@ class TieringManager:
     def lookup(self, req_id: str, keys: Sequence[Key]) -> LookupReply:
         """Evaluate keys in order, stopping at the first MISS. A key found only in a secondary
         tier starts a promotion (HIT_PENDING) unless an earlier key is still uncertain (RETRY),
-        in which case it answers RETRY and nothing is promoted past that point."""
+        in which case it answers RETRY and nothing is promoted past that point.
+        A finished request is refused (RequestFinishedError): it may start nothing."""
         state = self.request(req_id)
+        if state.is_finished:
+            raise RequestFinishedError(f"request {req_id!r} is finished")
         leading_hits = self.primary.ready_run(keys)
         results = [HIT] * leading_hits
         reasons = [MissReason.NONE] * leading_hits

@@ -554,6 +554,24 @@ def test_on_request_finished_delays_secondary_until_store_completes(h):
     assert not h.m.has_request(r)
 
 
+def test_finished_request_lookup_is_refused_and_submits_nothing(h):
+    """A request still finishing its stores may not start a promotion: its tiers would see a
+    submit after their on_request_finished."""
+    put_in_tier(h, "disk", [k(2)])
+    r = h.new()
+    out = h.m.prepare_store(r, [k(1)])
+    h.m.on_request_finished(r)
+    with pytest.raises(RequestFinishedError):
+        h.m.lookup(r, [k(2)])
+    assert k(2) not in h.m.primary
+    h.m.end_step()
+    assert h.jobs() == []
+    h.m.complete_store(r, out.keys_to_store)
+    h.m.end_step()
+    assert [job.kind for job in h.jobs()] == [JobKind.CASCADE, JobKind.CASCADE]
+    assert not h.m.has_request(r)
+
+
 def test_finish_hooks_follow_cascade_submission(h):
     order = []
     r = h.new()
