@@ -110,6 +110,7 @@ class TieringManager:
         self._parked_requests: set[str] = set()
         self._outbox: list[TransferJob] = []
         self._landed: set[Key] = set()
+        self._waiters: dict[Key, set[str]] = {}
         self._unread_total = 0
         self._events: list[tuple[str, list[Key]]] = []
         self.stats = TieringStats(["primary", *names])
@@ -156,6 +157,7 @@ class TieringManager:
             return
         self._flush_promotions(only_req=req_id)
         self._release_unread(state)
+        self._disarm_all(state)
         state.is_finished = True
         self._maybe_finalize(req_id)
 
@@ -216,7 +218,7 @@ class TieringManager:
         if key in state.expired:
             return MISS, MissReason.DEADLINE
         now = self._clock()
-        deadline = state.pending_deadlines.setdefault(key, now + self.hit_pending_deadline_s)
+        deadline = self._arm_deadline(state, key, now)
         if now < deadline:
             return HIT_PENDING, MissReason.NONE
         state.expired.add(key)
@@ -279,8 +281,38 @@ class TieringManager:
         )
         pending.keys.append(key)
         pending.slots.append(slots[0])
-        state.pending_deadlines.setdefault(key, self._clock() + self.hit_pending_deadline_s)
+        self._arm_deadline(state, key, self._clock())
         return True
+
+    def _arm_deadline(self, state: RequestState, key: Key, now: float) -> float:
+        """The HIT_PENDING deadline of (request, key): armed at the first wait, kept through
+        failed rounds, disarmed when a write of the key lands (``_writes_landed``)."""
+        deadline = state.pending_deadlines.get(key)
+        if deadline is None:
+            deadline = state.pending_deadlines[key] = now + self.hit_pending_deadline_s
+            self._waiters.setdefault(key, set()).add(state.ctx.req_id)
+        return deadline
+
+    def _writes_landed(self, keys: Iterable[Key]) -> None:
+        """These keys became ready: every wait on them is over, so a later wait (after an
+        eviction) starts a new deadline window."""
+        for key in keys:
+            for req_id in self._waiters.pop(key, ()):
+                state = self._requests.get(req_id)
+                if state is not None:
+                    state.pending_deadlines.pop(key, None)
+                    state.expired.discard(key)
+
+    def _disarm_all(self, state: RequestState) -> None:
+        req_id = state.ctx.req_id
+        for key in state.pending_deadlines:
+            waiters = self._waiters.get(key)
+            if waiters is not None:
+                waiters.discard(req_id)
+                if not waiters:
+                    del self._waiters[key]
+        state.pending_deadlines.clear()
+        state.expired.clear()
 
     # ---- loads (primary -> device) --------------------------------------------------------
 
@@ -353,6 +385,7 @@ class TieringManager:
             ok, failed = [], list(keys)
         self.primary.complete_write(failed, False)
         landed = self.primary.complete_write(ok, True)
+        self._writes_landed(landed)
         state.pending_primary_stores -= 1
         if landed:
             for i in range(len(self.tiers)):
@@ -521,6 +554,7 @@ class TieringManager:
     ) -> None:
         self.primary.complete_write(failed, False)
         landed = self.primary.complete_write(ok, True)
+        self._writes_landed(landed)
         if failed:
             tier.mark_miss(failed, job.req_id)
         self._landed.update(landed)
@@ -573,6 +607,7 @@ class TieringManager:
             if self._adopting.pop(key, None) is not None:
                 (ready if key in ok else dropped).append(key)
         self.primary.complete_write(ready, True)
+        self._writes_landed(ready)
         self.primary.complete_write(dropped, False)
         return ready, dropped
 
@@ -611,7 +646,9 @@ class TieringManager:
             state.unread.clear()
             self._parked_requests.discard(req_id)
             state.pending_deadlines.clear()
+            state.expired.clear()
             self._maybe_finalize(req_id)
+        self._waiters.clear()
         self._landed.clear()
         self._adopting.clear()
         self.primary.reset()

@@ -402,6 +402,46 @@ def test_hit_pending_deadline_per_request_key_not_reset_by_failed_rounds():
     assert h.m.stats.hit_pending_expired == 1
 
 
+def test_landed_promotion_disarms_the_deadline_and_a_new_wait_gets_a_new_window():
+    h = Harness(num_slots=3, hit_pending_deadline_s=5.0)
+    put_in_tier(h, "disk", [k(1)])
+    r = h.new()
+    assert h.m.lookup(r, [k(1)]).results == [HIT_PENDING]
+    h.m.end_step()
+    h.answer(h.jobs())
+    assert h.m.lookup(r, [k(1)]).results == [HIT]
+    h.m.prepare_load(r, [k(1)])
+    h.m.complete_load([k(1)])
+    h.clock.now += 60  # long after the first window
+    w = h.new("w")
+    h.store(w, [k(7), k(8), k(9)])  # evicts k1 (preemption would do the same)
+    h.answer(h.jobs())
+    assert k(1) not in h.m.primary
+    assert h.m.lookup(r, [k(1)]).results == [HIT_PENDING], "a new wait starts a new window"
+    h.clock.now += 4
+    assert h.m.lookup(r, [k(1)]).results == [HIT_PENDING]
+    h.clock.now += 2
+    reply = h.m.lookup(r, [k(1)])
+    assert reply.results == [MISS] and reply.reasons == [MissReason.DEADLINE]
+    assert h.m.stats.hit_pending_expired == 1
+
+
+def test_a_landed_write_ends_an_expired_wait_too():
+    h = Harness(num_slots=3, hit_pending_deadline_s=1.0)
+    w, r = h.new("w"), h.new("r")
+    out = h.m.prepare_store(w, [k(1)])
+    assert h.m.lookup(r, [k(1)]).results == [HIT_PENDING]
+    h.clock.now += 2
+    assert h.m.lookup(r, [k(1)]).reasons == [MissReason.DEADLINE]
+    h.m.complete_store(w, out.keys_to_store)
+    h.answer(h.jobs())
+    assert h.m.lookup(r, [k(1)]).results == [HIT]
+    h.store(w, [k(7), k(8), k(9)])  # evicts k1
+    h.answer(h.jobs())
+    put_in_tier(h, "disk", [k(1)])
+    assert h.m.lookup(r, [k(1)]).results == [HIT_PENDING]
+
+
 def test_deadline_applies_when_the_request_itself_would_promote_again():
     h = Harness(hit_pending_deadline_s=5.0)
     w, r = h.new("w"), h.new("r")
