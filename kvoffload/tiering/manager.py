@@ -555,12 +555,13 @@ class TieringManager:
         self.primary.complete_write(failed, False)
         landed = self.primary.complete_write(ok, True)
         self._writes_landed(landed)
+        state = self._requests.get(job.req_id) if job.req_id is not None else None
+        active = state is not None and not state.is_finished
         if failed:
-            tier.mark_miss(failed, job.req_id)
+            tier.mark_miss(failed, job.req_id if active else None)
         self._landed.update(landed)
         self.stats.promoted_keys += len(landed)
-        state = self._requests.get(job.req_id) if job.req_id is not None else None
-        if state is None or state.is_finished:
+        if not active:
             return
         room = self.unread_promotion_cap - self._unread_total
         protect = [k for k in landed if k not in state.unread][: max(room, 0)]
@@ -664,7 +665,14 @@ class TieringManager:
             "unread_promotion_pins": self._unread_total,
             "jobs_in_flight": len(self._jobs),
             "requests": len(self._requests),
-            "tiers": {t.name: {"indexed_keys": len(t.index), "verdicts": len(t.verdicts)} for t in self.tiers},
+            "tiers": {
+                t.name: {
+                    "indexed_keys": len(t.index),
+                    "verdicts": len(t.verdicts),
+                    "tracked_requests": t.tracked_requests(),
+                }
+                for t in self.tiers
+            },
             **self.stats.as_dict(),
         }
 

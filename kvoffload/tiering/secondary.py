@@ -65,7 +65,8 @@ class SecondaryTier:
         return self.verdicts.cached(key) is True
 
     def mark_miss(self, keys: Iterable[Key], req_id: str | None) -> None:
-        """A load of these keys failed: this request must not promote them again."""
+        """A load of these keys failed: this request (None: no active request) must not
+        promote them again."""
         keys = list(keys)
         self.verdicts.mark_miss(keys)
         if req_id is not None:
@@ -90,6 +91,10 @@ class SecondaryTier:
     def on_request_finished(self, req_id: str) -> None:
         self._failed.pop(req_id, None)
         self.verdicts.release(req_id)
+
+    def tracked_requests(self) -> int:
+        """Requests this tier keeps state for (failed loads, verdict references)."""
+        return len(self._failed.keys() | self.verdicts.requests())
 
     def touch(self, keys: Iterable[Key]) -> None:
         for key in keys:

@@ -88,6 +88,10 @@ class VerdictCache:
             if not entry.requests and entry.phase is not Phase.IN_FLIGHT:
                 del self._entries[key]
 
+    def requests(self) -> set[str]:
+        """Requests that still reference an entry."""
+        return set(self._by_request)
+
     def has_queued(self) -> bool:
         return bool(self._queued)
 

@@ -666,6 +666,32 @@ def test_on_request_finished_flushes_only_its_pending_promotions(h):
     assert [(j.req_id, j.keys) for j in h.jobs()] == [("b", [k(2)])]
 
 
+@pytest.mark.parametrize("probed", [False, True], ids=["indexed", "probed"])
+def test_result_after_finish_creates_no_request_state_and_a_reused_id_starts_fresh(probed):
+    h = Harness(probed=probed)
+    tier = "object" if probed else "disk"
+    if probed:
+        other = h.new("keeps-the-verdict")
+        h.m.lookup(other, [k(1)])
+        h.m.end_step()
+        h.answer(h.jobs(), found={k(1)})
+    else:
+        put_in_tier(h, "disk", [k(1)])
+    r = h.new("r")
+    assert h.m.lookup(r, [k(1)]).results == [HIT_PENDING]
+    h.m.on_request_finished(r)  # submits its promotion, then finalizes
+    assert not h.m.has_request(r)
+    assert [j.kind for j in h.jobs()] == [JobKind.PROMOTION]
+    h.m.fail_worker_jobs(tier)  # the worker dies with the promotion in flight
+    tracked = h.m.snapshot()["tiers"][tier]["tracked_requests"]
+    assert tracked == (1 if probed else 0), "no state may be created for a finished request"
+    h.new("r")
+    reply = h.m.lookup("r", [k(1)])
+    assert reply.reasons[0] is not MissReason.FAILED_LOAD, "a reused id must start fresh"
+    if not probed:
+        assert reply.results == [HIT_PENDING]
+
+
 def test_on_new_request_policy():
     h = Harness(request_level=("mem2",))
     assert h.m.on_new_request(ReqContext("x")) is OffloadPolicy.REQUEST_LEVEL
