@@ -36,6 +36,16 @@ log = get_logger()
 PAGE_BYTES = 4096
 SHM_KIND = "shm"
 CUDA_IPC_KIND = "cuda_ipc"
+MAX_KV_BLOCKS = 1 << 24
+"""The most device blocks one handle may have."""
+MAX_HANDLE_ID_CHARS = 256
+_DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2,
+    "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+}
+"""Element sizes of the torch dtypes a cuda_ipc tensor may have, by name (without torch)."""
 
 
 def _align_up(value: int, to: int = PAGE_BYTES) -> int:
@@ -45,6 +55,109 @@ def _align_up(value: int, to: int = PAGE_BYTES) -> int:
 def unique_kv_name() -> str:
     """A fresh segment name ``/kvoffload-kv-<random>``."""
     return f"/kvoffload-kv-{secrets.token_hex(8)}"
+
+
+def handle_problem(handle: KVHandle, block_bytes: int) -> str:
+    """What is wrong with ``handle``'s own fields for a pool of ``block_bytes`` blocks, in
+    words ("" when nothing is): its id, kind, block count, tensors' rows and offsets, and for
+    ``cuda_ipc`` the IPC fields of each tensor. Reads no memory; ``segment_problem`` checks an
+    ``shm`` handle against its segment's size."""
+    if not handle.handle_id or len(handle.handle_id) > MAX_HANDLE_ID_CHARS:
+        return f"handle_id must be 1 to {MAX_HANDLE_ID_CHARS} characters, got {len(handle.handle_id)}"
+    if handle.kind not in (SHM_KIND, CUDA_IPC_KIND):
+        return f"unknown handle kind {handle.kind!r}; expected {SHM_KIND!r} or {CUDA_IPC_KIND!r}"
+    if handle.num_blocks <= 0:
+        return f"num_blocks must be > 0, got {handle.num_blocks}"
+    if handle.num_blocks > MAX_KV_BLOCKS:
+        return f"num_blocks must be <= {MAX_KV_BLOCKS}, got {handle.num_blocks}"
+    if not handle.tensors:
+        return "a handle needs at least one tensor"
+    for j, tensor in enumerate(handle.tensors):
+        if tensor.row_bytes <= 0:
+            return f"tensor {j}: row_bytes must be > 0, got {tensor.row_bytes}"
+        if tensor.offset < 0:
+            return f"tensor {j}: offset must be >= 0, got {tensor.offset}"
+    rows = sum(t.row_bytes for t in handle.tensors)
+    if rows != block_bytes:
+        return (
+            f"the tensors' row_bytes sum to {rows}; they must sum to the pool's block_bytes "
+            f"{block_bytes}"
+        )
+    if handle.kind == SHM_KIND:
+        if not handle.shm_name:
+            return "an shm handle needs shm_name"
+        if any(t.ipc is not None for t in handle.tensors):
+            return "an shm handle's tensors carry no ipc fields"
+        return ""
+    for j, tensor in enumerate(handle.tensors):
+        problem = _ipc_problem(tensor.ipc, handle.num_blocks, tensor.row_bytes)
+        if problem:
+            return f"tensor {j}: {problem}"
+    return ""
+
+
+def segment_problem(handle: KVHandle, segment_bytes: int) -> str:
+    """"" when every tensor of the shm ``handle`` lies inside its ``segment_bytes``-byte
+    segment, else which one does not."""
+    for j, t in enumerate(handle.tensors):
+        end = t.offset + handle.num_blocks * t.row_bytes
+        if end > segment_bytes:
+            return (
+                f"tensor {j} (offset {t.offset} + {handle.num_blocks} blocks x {t.row_bytes} "
+                f"bytes) ends at byte {end}, outside the {segment_bytes}-byte segment "
+                f"{handle.shm_name}"
+            )
+    return ""
+
+
+def _ipc_problem(ipc: dict[str, Any] | None, num_blocks: int, row_bytes: int) -> str:
+    """What is wrong with one tensor's CUDA IPC fields ("" when they describe a contiguous
+    tensor of ``num_blocks`` rows of ``row_bytes`` inside its shared storage)."""
+    if not ipc:
+        return "a cuda_ipc tensor needs its ipc fields"
+    missing = [f for f in _IPC_FIELDS if f not in ipc]
+    if missing:
+        return f"ipc fields missing: {missing}"
+    size, stride = ipc["size"], ipc["stride"]
+    if not _int_list(size) or not _int_list(stride) or len(size) != len(stride) or any(d < 0 for d in size):
+        return "ipc size and stride must be lists of integers of the same length"
+    itemsize = _DTYPE_BYTES.get(str(ipc["dtype"]).removeprefix("torch."))
+    if itemsize is None:
+        return f"unknown dtype {ipc['dtype']!r}"
+    ints = ("tensor_offset", "device", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset")
+    if not all(_is_int(ipc[f]) and ipc[f] >= 0 for f in ints):
+        return f"ipc fields {list(ints)} must be integers >= 0"
+    blobs = ("handle", "ref_counter_handle")
+    if not all(isinstance(ipc[f], bytes) and ipc[f] for f in blobs) or not (
+        ipc["event_handle"] is None or isinstance(ipc["event_handle"], bytes)
+    ):
+        return "ipc handles must be bytes"
+    if not isinstance(ipc["event_sync_required"], bool):
+        return "event_sync_required must be a boolean"
+    if not size or size[0] != num_blocks:
+        return f"its size {size} does not have {num_blocks} blocks first"
+    elements = 1
+    for dim in size[1:]:
+        elements *= dim
+    if elements * itemsize != row_bytes:
+        return f"its rows are {elements * itemsize} bytes, the handle says {row_bytes}"
+    step = 1
+    for dim, dim_stride in zip(reversed(size), reversed(stride)):
+        if dim != 1 and dim_stride != step:
+            return f"it is not contiguous (stride {stride} for size {size})"
+        step *= dim
+    end = (ipc["tensor_offset"] + num_blocks * elements) * itemsize
+    if end > ipc["storage_size_bytes"]:
+        return f"it ends at byte {end}, past its {ipc['storage_size_bytes']}-byte storage"
+    return ""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(v) for v in value)
 
 
 def layout(num_blocks: int, row_bytes: Sequence[int]) -> tuple[list[int], int]:
@@ -119,18 +232,14 @@ class SharedKVCache(OwnedSegment):
         the handle is not ``shm`` or a tensor lies outside the segment."""
         if handle.kind != SHM_KIND:
             raise ValueError(f"handle {handle.handle_id} is {handle.kind!r}, not {SHM_KIND!r}")
-        if handle.num_blocks < 1 or not handle.tensors:
-            raise ValueError(f"handle {handle.handle_id} has no blocks or no tensors")
+        problem = handle_problem(handle, sum(t.row_bytes for t in handle.tensors))
+        if problem:
+            raise ValueError(f"handle {handle.handle_id}: {problem}")
 
         def check_size(size: int) -> None:
-            for j, t in enumerate(handle.tensors):
-                end = t.offset + handle.num_blocks * t.row_bytes
-                if t.row_bytes <= 0 or t.offset < 0 or end > size:
-                    raise ValueError(
-                        f"tensor {j} of handle {handle.handle_id} (offset {t.offset}, "
-                        f"{handle.num_blocks} x {t.row_bytes} bytes) lies outside the "
-                        f"{size}-byte segment"
-                    )
+            problem = segment_problem(handle, size)
+            if problem:
+                raise ValueError(f"handle {handle.handle_id}: {problem}")
 
         mapping = attach_segment(handle.shm_name, "KV cache segment", check_size, populate=True)
         return cls(

@@ -10,6 +10,7 @@ listing its pid and the shared-memory segments it created; its sockets are
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import stat
 import time
@@ -25,6 +26,15 @@ log = get_logger()
 
 MAX_IPC_PATH_BYTES = 100  # sun_path holds 108 bytes including the NUL; keep a margin
 _CREATE_TIME_TOLERANCE_S = 1.0  # /proc boot time may drift by a second between readers
+
+
+_RUN_SEGMENT = re.compile(r"/*kvoffload-[0-9a-f]{8}-")
+
+
+def is_run_segment(name: str) -> bool:
+    """True when ``name`` has the form ``RunDir.shm_name`` gives a run's own segments (host
+    pool, slot header table) of this run or of any other."""
+    return _RUN_SEGMENT.match(name) is not None
 
 
 class RunDirError(Exception):

@@ -71,6 +71,24 @@ def attach_segment(
         shm.close_fd()
 
 
+def stat_segment(name: str, what: str) -> os.stat_result:
+    """``fstat`` of an existing segment, opened read-only and never mapped (its size and
+    identity, cheaply). FileNotFoundError if it does not exist, PermissionError if it cannot
+    be opened, ValueError for a bad name."""
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=True)
+    except posix_ipc.ExistentialError as exc:
+        raise FileNotFoundError(f"{what} {name} does not exist") from exc
+    except posix_ipc.PermissionsError as exc:
+        raise PermissionError(f"{what} {name} cannot be opened: {exc}") from None
+    except (ValueError, posix_ipc.Error) as exc:
+        raise ValueError(f"bad {what} name {name!r}: {exc}") from None
+    try:
+        return os.fstat(shm.fd)
+    finally:
+        shm.close_fd()
+
+
 def close_mapping(mapping: mmap.mmap, what: str, name: str) -> None:
     """Unmap; with views still alive the unmap is deferred to the garbage collector."""
     try:

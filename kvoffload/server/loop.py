@@ -19,7 +19,10 @@ import zmq
 
 from .. import protocol as p
 from ..config import Config
+from ..kvcache import CUDA_IPC_KIND, SHM_KIND, handle_problem, segment_problem
+from ..rundir import is_run_segment
 from ..runspec import RunSpec
+from ..shmseg import stat_segment
 from ..tiering import JobKind, JobResult, Locality, Medium, ReqContext, TieringManager, TierSpec
 from ..tiering.types import TieringError
 from .metrics import MetricsEndpoint
@@ -80,6 +83,7 @@ class ManagerServer:
             first_job_id=time.time_ns() // 1000,
         )
         self.warm = WarmRestart.open(spec, cfg, self.tiering)
+        self.service_segments = _segment_ids([spec.pool_name, spec.slot_table_name])
         self.worker_names = {CPU_WORKER, *(t.name for t in self.tiering.tiers)}
         self.registry = WorkerRegistry(svc.heartbeat_timeout_s)
         self.sessions: dict[bytes, ClientSession] = {}
@@ -454,21 +458,33 @@ class ManagerServer:
         owner = self.kv_handles.get(handle.handle_id)
         if owner is not None and owner[0] != identity:
             raise RequestError("handle_taken", f"KV handle {handle.handle_id!r} belongs to another client")
-        if handle.kind == "shm" and handle.shm_name.lstrip("/") == self.spec.pool_name.lstrip("/"):
-            raise RequestError("bad_handle", "a KV handle cannot name the host pool")
-        if handle.kind not in ("shm", "cuda_ipc"):
+        if handle.kind not in (SHM_KIND, CUDA_IPC_KIND):
             raise RequestError("bad_request", f"unknown KV handle kind {handle.kind!r}")
-        row_total = sum(t.row_bytes for t in handle.tensors)
-        if row_total != self.cfg.pool.block_bytes or handle.num_blocks < 1:
-            raise RequestError(
-                "bad_handle",
-                f"tensor rows sum to {row_total} bytes, pool blocks are {self.cfg.pool.block_bytes}",
-            )
+        problem = handle_problem(handle, self.cfg.pool.block_bytes)
+        if not problem and handle.kind == SHM_KIND:
+            problem = self._shm_handle_problem(handle)
+        if problem:
+            raise RequestError("bad_handle", f"KV handle {handle.handle_id!r}: {problem}")
         self.kv_handles[handle.handle_id] = (identity, handle)
         session.handles.add(handle.handle_id)
         if self.registry.live(CPU_WORKER) is not None:
             self._send_worker(CPU_WORKER, p.AttachKV(handle))
         return p.Ok(msg.rid)
+
+    def _shm_handle_problem(self, handle: p.KVHandle) -> str:
+        """Why the segment of an shm handle cannot be a KV cache: a segment of the service (by
+        name, or by identity under another name), missing, or too small for its tensors. The
+        segment is opened read-only and stat'ed, never mapped."""
+        name = handle.shm_name
+        if is_run_segment(name):
+            return f"{name} is a segment of the service (host pool, slot header table), not a KV cache"
+        try:
+            st = stat_segment(name, "shm segment")
+        except (OSError, ValueError) as exc:
+            return str(exc)
+        if (st.st_dev, st.st_ino) in self.service_segments:
+            return f"{name} is another name of a segment of the service, not a KV cache"
+        return segment_problem(handle, st.st_size)
 
     def _on_new_request(self, identity, session: ClientSession, msg: p.NewRequest):
         scoped = session.scoped(msg.req_id)
@@ -689,6 +705,19 @@ class ManagerServer:
             requests=len(session.requests),
             pins=sum(session.pinned.values()),
         )
+
+
+def _segment_ids(names: list[str]) -> set[tuple[int, int]]:
+    """(device, inode) of each named segment that exists."""
+    ids = set()
+    for name in filter(None, names):
+        try:
+            st = stat_segment(name, "service segment")
+        except (OSError, ValueError) as exc:
+            log.warning("service_segment_stat_failed", segment=name, error=str(exc))
+            continue
+        ids.add((st.st_dev, st.st_ino))
+    return ids
 
 
 def serve(spec: RunSpec) -> None:

@@ -215,3 +215,45 @@ def test_run_files_disappear_at_shutdown(tmp_path):
         run_id, runtime_dir = harness.run_id, harness.runtime_dir
     assert not [n for n in os.listdir("/dev/shm") if run_id in n]
     assert not Path(runtime_dir).exists() or not [n for n in os.listdir(runtime_dir) if run_id in n]
+
+
+def test_register_kv_refuses_bad_handles_and_says_why(start_service):
+    harness = start_service(disk=NO_DISK)
+    slot_table = harness.supervisor.spec.slot_table_name
+    assert slot_table == f"/kvoffload-{harness.run_id}-slots"
+    alias = f"/kvoffload-kv-alias-{harness.run_id}"
+    os.link(f"/dev/shm{slot_table}", f"/dev/shm{alias}")
+    try:
+        with ProbeEngine(harness, "owner", blocks=8) as engine, harness.client("attacker") as attacker:
+            info, kv = attacker.info, engine.kv
+
+            def shm(name=kv.name, blocks=8, rows=None, **fields) -> p.KVHandle:
+                tensors = rows or [p.TensorSpec(row_bytes=info.block_bytes, **fields)]
+                return p.KVHandle("h", "shm", blocks, tensors, name)
+
+            half = info.block_bytes // 2
+            cases = {
+                "host pool": (shm(info.pool_name, info.num_slots), "segment of the service"),
+                "slot header table": (shm(slot_table, 1), "segment of the service"),
+                "slot table under another name": (shm(alias, 1), "another name of a segment of the service"),
+                "missing segment": (shm("/kvoffload-kv-no-such-segment"), "does not exist"),
+                "negative offset": (shm(offset=-4096), "offset must be >= 0, got -4096"),
+                "no blocks": (shm(blocks=0), "num_blocks must be > 0, got 0"),
+                "2^40 blocks": (shm(blocks=2**40), "num_blocks must be <="),
+                "past the segment": (shm(blocks=9), "outside the"),
+                "rows too short": (shm(rows=[p.TensorSpec(row_bytes=half)]), f"sum to {half}"),
+                "no tensors": (p.KVHandle("h", "shm", 8, [], kv.name), "at least one tensor"),
+                "junk cuda fields": (
+                    p.KVHandle("h", "cuda_ipc", 8, [p.TensorSpec(row_bytes=info.block_bytes, ipc={"junk": 1})]),
+                    "ipc fields missing",
+                ),
+                "no handle id": (p.KVHandle("", "shm", 8, [p.TensorSpec(row_bytes=info.block_bytes)], kv.name), "handle_id"),
+            }
+            for case, (handle, reason) in cases.items():
+                with pytest.raises(KVOffloadError) as err:
+                    attacker.register_kv(handle)
+                assert err.value.code == "bad_handle" and reason in err.value.message, (case, err.value)
+            attacker.register_kv(kv.handle("same-cache"))
+            assert harness.wait_status(lambda s: s["workers"]["cpu"]["stats"]["kv_handles"] == 2, 5)
+    finally:
+        os.unlink(f"/dev/shm{alias}")

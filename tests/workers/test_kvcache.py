@@ -10,7 +10,7 @@ import posix_ipc
 import pytest
 import torch
 
-from kvoffload.kvcache import SHM_KIND, SharedKVCache, layout, unique_kv_name
+from kvoffload.kvcache import SHM_KIND, SharedKVCache, handle_problem, layout, segment_problem, unique_kv_name
 from kvoffload.protocol import AttachKV, KVHandle, TensorSpec, decode_manager_message, encode
 
 
@@ -124,3 +124,37 @@ def test_close_with_live_views_is_deferred_and_unlink_removes_the_name():
             first.unlink()
     with pytest.raises(posix_ipc.ExistentialError):
         posix_ipc.SharedMemory(name)
+
+
+def cuda_fields(size, stride, dtype="torch.float16", **over):
+    fields = {
+        "size": size, "stride": stride, "tensor_offset": 0, "dtype": dtype, "device": 0,
+        "handle": b"h" * 64, "storage_size_bytes": 16 * 8 * 4096 * 2, "storage_offset_bytes": 0,
+        "ref_counter_handle": b"r" * 16, "ref_counter_offset": 0, "event_handle": b"e" * 64,
+        "event_sync_required": True,
+    }
+    return {**fields, **over}
+
+
+def test_handle_problem_names_what_is_wrong(kv):
+    good = kv.handle("h")
+    assert handle_problem(good, 6000) == ""
+    assert segment_problem(good, 8 * 4096 + 8 * 5000) == ""
+    assert "outside the 40000-byte segment" in segment_problem(good, 40000)
+    row = 8 * 4096 * 2
+
+    def cuda(fields, row_bytes=row, blocks=16):
+        return handle_problem(KVHandle("g", "cuda_ipc", blocks, [TensorSpec(row_bytes=row_bytes, ipc=fields)]), row_bytes)
+
+    assert cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1])) == ""
+    assert cuda(cuda_fields([16, 1, 4096], [4096, 1, 1]), row_bytes=8192) == "", "size-1 dims may have any stride"
+    assert "not contiguous" in cuda(cuda_fields([16, 8, 4096], [4096, 65536, 1]))
+    assert "does not have 16 blocks first" in cuda(cuda_fields([8, 8, 4096], [32768, 4096, 1]))
+    assert "rows are 131072 bytes, the handle says 65536" in cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1], "torch.float32"))
+    assert "unknown dtype" in cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1], "torch.nope"))
+    assert "past its" in cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1], tensor_offset=1))
+    assert "ipc fields missing" in cuda({"size": [16]})
+    assert "must be bytes" in cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1], handle=""))
+    assert "needs its ipc fields" in cuda(None)
+    assert handle_problem(KVHandle("h", "shm", 8, good.tensors, ""), 6000) == "an shm handle needs shm_name"
+    assert handle_problem(KVHandle("h", "rdma", 8, good.tensors, kv.name), 6000).startswith("unknown handle kind")
