@@ -1,4 +1,5 @@
-"""Page-lock (pin) an existing host mapping for CUDA DMA with ``cudaHostRegister``.
+"""Page-lock (pin) an existing host mapping for CUDA DMA with ``cudaHostRegister``, and count
+the CUDA devices without torch.
 
 torch is imported inside the functions, never at module import, so processes that never copy
 to a GPU (the manager, the storage workers) never load it. Without torch or without a CUDA
@@ -7,6 +8,7 @@ device, ``register_host_memory`` returns False and callers fall back to pageable
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 from types import ModuleType
 from typing import Any
@@ -16,6 +18,19 @@ from kvoffload.logs import get_logger
 log = get_logger()
 
 _REGISTER_DEFAULT = 0  # cudaHostRegisterDefault: mapped and portable under unified addressing
+
+
+def cuda_device_count() -> int:
+    """CUDA devices the driver shows this process, asked through libcuda with ctypes (cheap:
+    no torch import); 0 without a driver, without a device, or on any driver error."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        count = ctypes.c_int(0)
+        if libcuda.cuInit(0) != 0 or libcuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+            return 0
+    except (OSError, AttributeError):
+        return 0
+    return count.value
 
 
 def _cuda_torch() -> ModuleType | None:

@@ -8,8 +8,11 @@ KV caches arrive with ``AttachKV``:
 - ``shm``: the engine's ``SharedKVCache`` segment is mapped; rows are copied with ``np.copyto``
   straight between the engine's row and the slot (no staging buffer; the GIL is released).
 - ``cuda_ipc``: the CUDA tensors are opened through CUDA IPC and copied with ``non_blocking``
-  on a stream per job thread, synchronized before the job's outcome is returned. torch is
-  imported, and the pool registered with ``cudaHostRegister``, at the first such attach only.
+  on a stream per job thread, synchronized before the job's outcome is returned. Only a worker
+  that sees a CUDA device (asked through libcuda at start, without torch) advertises
+  ``cuda_ipc`` in its hello; any other refuses such a handle at once. The opening (importing
+  torch, opening the IPC memory, registering the pool with ``cudaHostRegister``) runs on a
+  thread of its own, never on the main loop that heartbeats; jobs for the handle wait for it.
 
 Each job holds a reference on its KV cache; the job's release drops it. ``DetachKV`` unmaps a
 cache once no job holds it.
@@ -27,13 +30,14 @@ from __future__ import annotations
 import importlib.util
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kvoffload.config import Config
+from kvoffload.cuda_host import cuda_device_count
 from kvoffload.kvcache import CUDA_IPC_KIND, SHM_KIND, SharedKVCache, rebuild_cuda_ipc_tensor
 from kvoffload.logs import get_logger
 from kvoffload.pool import HostPool
@@ -46,6 +50,8 @@ from workers.slotheaders import SlotHeaders
 log = get_logger()
 
 UNKNOWN_HANDLE = "unknown_handle"
+CUDA_OPEN_TIMEOUT_S = 120.0
+"""How long a job waits for its cuda_ipc handle to be opened (the first one imports torch)."""
 PARALLEL_MIN_BLOCK_BYTES = 256 * 1024
 """Jobs with blocks at least this large are split across copy threads; smaller blocks copy
 faster on one thread (the per-copy GIL hand-offs cost more than the copy)."""
@@ -69,6 +75,9 @@ class _AttachedKV:
     def load(self, slot: int, block: int) -> None:
         """Copy pool slot -> device block (may complete only at ``finish``)."""
         raise NotImplementedError
+
+    def wait_ready(self) -> None:
+        """Return once copies can start; raise AttachRefused when they never can."""
 
     def finish(self) -> None:
         """Wait until every copy this thread issued is complete."""
@@ -103,10 +112,42 @@ class _ShmKV(_AttachedKV):
 
 
 class _CudaKV(_AttachedKV):
-    """CUDA tensors opened from IPC handles; copies go through ``streams`` (one per thread)."""
+    """CUDA tensors opened from IPC handles on a daemon thread of their own (``wait_ready``
+    joins it); copies go through ``streams`` (one per thread)."""
 
     def __init__(self, handle: KVHandle, pool: HostPool, streams: threading.local) -> None:
         super().__init__(handle)
+        self._streams = streams
+        self._lock = threading.Lock()
+        self._closed = False
+        self._torch: Any = None
+        self._device: Any = None
+        self._pool: Any = None
+        self._rows: list[Any] = []
+        self._opened: Future = Future()
+        self._opened.set_running_or_notify_cancel()
+        threading.Thread(
+            target=self._open, args=(handle, pool), name=f"kv-open-{handle.handle_id}", daemon=True
+        ).start()
+
+    def _open(self, handle: KVHandle, pool: HostPool) -> None:
+        try:
+            torch, rows = self._open_tensors(handle, pool)
+        except Exception as exc:
+            if not isinstance(exc, AttachRefused):
+                exc = AttachRefused(f"handle {handle.handle_id}: {exc!r}")
+            log.error("kv_attach_refused", handle_id=handle.handle_id, kind=handle.kind, error=str(exc))
+            self._opened.set_exception(exc)
+            return
+        with self._lock:
+            if not self._closed:  # a cache detached while opening keeps nothing open
+                self._torch, self._device, self._rows = torch, rows[0].device, rows
+                self._pool = torch.from_numpy(pool.as_numpy())
+        log.info("kv_cuda_opened", handle_id=handle.handle_id, device=str(rows[0].device))
+        self._opened.set_result(None)
+
+    def _open_tensors(self, handle: KVHandle, pool: HostPool) -> tuple[Any, list[Any]]:
+        """(torch, each tensor's rows as a uint8 CUDA tensor of shape (num_blocks, row_bytes))."""
         import torch
 
         if not torch.cuda.is_available():
@@ -126,13 +167,17 @@ class _CudaKV(_AttachedKV):
                     f"tensor {j} rows are {row.shape[1]} bytes, handle says {spec.row_bytes}"
                 )
             rows.append(row)
-        self._device = rows[0].device
-        self._rows = rows
         if not pool.register_cuda():
             log.warning("pool_not_cuda_registered", pool=pool.name)
-        self._pool = torch.from_numpy(pool.as_numpy())
-        self._streams = streams
-        self._torch = torch
+        return torch, rows
+
+    def wait_ready(self) -> None:
+        try:
+            self._opened.result(timeout=CUDA_OPEN_TIMEOUT_S)
+        except TimeoutError:
+            raise AttachRefused(
+                f"handle {self.handle_id} was not opened within {CUDA_OPEN_TIMEOUT_S} s"
+            ) from None
 
     def _stream(self) -> Any:
         streams = getattr(self._streams, "by_device", None)
@@ -163,8 +208,10 @@ class _CudaKV(_AttachedKV):
         self._stream().synchronize()
 
     def close(self) -> None:
-        self._rows = []
-        self._pool = None
+        with self._lock:
+            self._closed = True
+            self._rows = []
+            self._pool = None
 
 
 class CpuBackend(NoIndexBackend):
@@ -175,7 +222,7 @@ class CpuBackend(NoIndexBackend):
 
     def __init__(self, cfg: Config | None = None) -> None:
         self.capabilities = [DEVICE_STORE, DEVICE_LOAD, VERIFY, SHM_KIND]
-        if importlib.util.find_spec("torch") is not None:
+        if importlib.util.find_spec("torch") is not None and cuda_device_count() > 0:
             self.capabilities.append(CUDA_IPC_KIND)
         self.degraded = False
         self._pool: HostPool | None = None
@@ -208,7 +255,9 @@ class CpuBackend(NoIndexBackend):
 
     def attach_kv(self, handle: KVHandle) -> None:
         """Map ``handle`` (replacing a cache of the same id). AttachRefused when its block
-        bytes differ from the pool's or its memory cannot be reached."""
+        bytes differ from the pool's, its memory cannot be reached, or it is ``cuda_ipc`` and
+        this worker has no CUDA device. A ``cuda_ipc`` handle is opened in the background: a
+        failure there is logged (``kv_attach_refused``) and fails the jobs that use it."""
         pool = self._require_pool()
         block_bytes = sum(t.row_bytes for t in handle.tensors)
         if block_bytes != pool.block_bytes or handle.num_blocks < 1:
@@ -216,6 +265,8 @@ class CpuBackend(NoIndexBackend):
                 f"handle {handle.handle_id}: rows sum to {block_bytes} bytes over "
                 f"{handle.num_blocks} blocks; the pool's blocks are {pool.block_bytes} bytes"
             )
+        if handle.kind == CUDA_IPC_KIND and CUDA_IPC_KIND not in self.capabilities:
+            raise AttachRefused(f"handle {handle.handle_id}: this cpu worker has no CUDA device")
         try:
             if handle.kind == SHM_KIND:
                 kv: _AttachedKV = _ShmKV(handle, pool)
@@ -277,6 +328,11 @@ class CpuBackend(NoIndexBackend):
                 released = True
                 self._unhold(kv)
 
+        try:
+            kv.wait_ready()
+        except AttachRefused as exc:
+            release()
+            return JobOutcome(ok_keys=[], error=f"{UNKNOWN_HANDLE}: {exc}")
         try:
             ok, nbytes, error = self._copy(job, kv)
         except BaseException:

@@ -89,6 +89,8 @@ class ManagerServer:
         self.sessions: dict[bytes, ClientSession] = {}
         self.device_jobs: dict[int, DeviceJob] = {}
         self.kv_handles: dict[str, tuple[bytes, p.KVHandle]] = {}
+        # what the last cpu worker said it can do; None before its first hello
+        self.cpu_capabilities: frozenset[str] | None = None
         self.pending_resets: list[tuple[bytes, int, float]] = []
         self.draining = False
         self.stopping = False
@@ -305,8 +307,12 @@ class ManagerServer:
             self.tiering.reset_tier_index(name)
         self._send_worker(name, p.HelloAck(p.PROTOCOL_VERSION, True))
         if name == CPU_WORKER:
-            for _, handle in self.kv_handles.values():
-                self._send_worker(name, p.AttachKV(handle))
+            self.cpu_capabilities = frozenset(hello.capabilities)
+            for owner, handle in list(self.kv_handles.values()):
+                if self._cpu_serves(handle):
+                    self._send_worker(name, p.AttachKV(handle))
+                else:
+                    self._drop_handle(owner, handle.handle_id, "the cpu worker cannot serve it")
             self._send_verify_jobs()
         log.info("worker_connected", worker=name, worker_pid=hello.pid, medium=hello.medium)
 
@@ -465,11 +471,29 @@ class ManagerServer:
             problem = self._shm_handle_problem(handle)
         if problem:
             raise RequestError("bad_handle", f"KV handle {handle.handle_id!r}: {problem}")
+        if not self._cpu_serves(handle):
+            raise RequestError(
+                "handle_unsupported",
+                f"KV handle {handle.handle_id!r}: no worker can serve {handle.kind} handles "
+                "(the cpu worker has no CUDA device); register a shared-memory KV cache instead",
+            )
         self.kv_handles[handle.handle_id] = (identity, handle)
         session.handles.add(handle.handle_id)
         if self.registry.live(CPU_WORKER) is not None:
             self._send_worker(CPU_WORKER, p.AttachKV(handle))
         return p.Ok(msg.rid)
+
+    def _cpu_serves(self, handle: p.KVHandle) -> bool:
+        """False when the cpu worker said it cannot serve handles of this kind; True while no
+        cpu worker has said anything yet (its hello decides then)."""
+        return self.cpu_capabilities is None or handle.kind in self.cpu_capabilities
+
+    def _drop_handle(self, identity: bytes, handle_id: str, reason: str) -> None:
+        self.kv_handles.pop(handle_id, None)
+        session = self.sessions.get(identity)
+        if session is not None:
+            session.handles.discard(handle_id)
+        log.error("kv_handle_dropped", handle_id=handle_id, reason=reason)
 
     def _shm_handle_problem(self, handle: p.KVHandle) -> str:
         """Why the segment of an shm handle cannot be a KV cache: a segment of the service (by

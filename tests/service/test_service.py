@@ -13,6 +13,7 @@ import zmq
 
 from kvoffload import protocol as p
 from kvoffload.client import KVOffloadError
+from kvoffload.cuda_host import cuda_device_count
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.tiering import LookupResult
 
@@ -217,3 +218,27 @@ def test_status_cli_and_metrics_endpoint(start_service):
         time.sleep(0.1)
     assert 'kvoffload_worker_up{worker="cpu"} 1' in body
     assert "kvoffload_tier_lookups_hit" in body
+
+
+@pytest.mark.skipif(cuda_device_count() > 0, reason="needs a machine without a CUDA device")
+def test_a_cuda_handle_is_refused_at_registration_when_no_worker_has_cuda(start_service, kv):
+    service = start_service()
+    cpu_pid = service.status()["workers"]["cpu"]["pid"]
+    ipc = {
+        "size": [32, BLOCK // 2], "stride": [BLOCK // 2, 1], "tensor_offset": 0,
+        "dtype": "torch.float16", "device": 0, "handle": b"\x01" * 64,
+        "storage_size_bytes": 32 * BLOCK, "storage_offset_bytes": 0,
+        "ref_counter_handle": b"\x02" * 16, "ref_counter_offset": 0, "event_handle": None,
+        "event_sync_required": False,
+    }
+    handle = p.KVHandle("gpu", "cuda_ipc", 32, [p.TensorSpec(row_bytes=BLOCK, ipc=ipc)])
+    with service.client("engine") as c:
+        started = time.monotonic()
+        with pytest.raises(KVOffloadError) as err:
+            c.register_kv(handle)
+        assert err.value.code == "handle_unsupported" and "CUDA" in err.value.message
+        assert time.monotonic() - started < 1.0
+        c.register_kv(kv.handle("kv"))
+        c.new_request("r")
+        assert store_and_wait(c, "r", keys_for("after-cuda", 2), [0, 1]).success
+    assert service.status()["workers"]["cpu"]["pid"] == cpu_pid

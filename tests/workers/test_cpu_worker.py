@@ -7,12 +7,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from kvoffload.cuda_host import cuda_device_count
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.protocol import (
     AttachKV,
@@ -262,6 +264,51 @@ def test_kill_9_mid_batch_then_a_restarted_worker_uses_the_same_pool(
         assert manager.wait_job_dones([1000])[1000].success
         assert pool.slot_array(0).tobytes() == cache.block(40)
         assert pool.slot_array(31).tobytes() == cache.block(41)
+
+
+def fake_cuda_handle(handle_id: str, blocks: int = 16) -> KVHandle:
+    """A well-formed cuda_ipc handle whose IPC memory handles name nothing."""
+    ipc = {
+        "size": [blocks, ROW // 2], "stride": [ROW // 2, 1], "tensor_offset": 0,
+        "dtype": "torch.float16", "device": 0, "handle": b"\x01" * 64,
+        "storage_size_bytes": blocks * ROW, "storage_offset_bytes": 0,
+        "ref_counter_handle": b"\x02" * 16, "ref_counter_offset": 0, "event_handle": None,
+        "event_sync_required": False,
+    }
+    return KVHandle(handle_id, "cuda_ipc", blocks, [TensorSpec(row_bytes=ROW, ipc=ipc)] * 2)
+
+
+@pytest.mark.skipif(cuda_device_count() > 0, reason="needs a machine without a CUDA device")
+def test_a_cuda_handle_without_cuda_is_refused_at_once_and_heartbeats_never_stop(
+    manager, make_pool, spawn, short_dir
+):
+    pool = make_pool(8, BLOCK)
+    worker, hello = start_cpu_worker(manager, spawn, short_dir, pool)
+    assert "cuda_ipc" not in hello.capabilities, "a worker without a CUDA device offers cuda_ipc"
+    manager.wait_for(Heartbeat)
+    sent_at = time.monotonic()
+    for job_id in range(3):
+        manager.send(IDENTITY, AttachKV(handle=fake_cuda_handle("gpu")))
+        manager.send(IDENTITY, device_job(job_id, "device_store", [0], [0], "gpu"))
+    beats = heartbeat_arrivals(manager, 2.0)
+    dones = manager.wait_job_dones([0, 1, 2], timeout_s=5)
+    assert all(d.error == UNKNOWN_HANDLE for d in dones.values())
+    gaps = [b - a for a, b in zip([sent_at, *beats], beats)]
+    assert len(beats) >= 10 and max(gaps) < 0.5, f"heartbeat gaps {gaps}"
+    refused = [e for e in worker.log_events() if e.get("event") == "kv_attach_refused"]
+    assert len(refused) == 3 and "no CUDA device" in refused[0]["error"]
+    assert "libtorch" not in Path(f"/proc/{worker.pid}/maps").read_text()
+
+
+def heartbeat_arrivals(manager, seconds: float) -> list[float]:
+    """Arrival times of the heartbeats the fake manager receives during ``seconds``."""
+    arrivals: list[float] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        before = len(manager.messages(Heartbeat))
+        manager.pump(0.01)
+        arrivals += [time.monotonic()] * (len(manager.messages(Heartbeat)) - before)
+    return arrivals
 
 
 CUDA_PRODUCER = textwrap.dedent(
