@@ -290,7 +290,9 @@ class IndexUpdate(_Msg, tag="index_update"):
 
 class JobDone(_Msg, tag="job_done"):
     """Exactly one per job, sent only after every resource that could touch the pool for the
-    job is released. For probes, ``successful_keys`` are the keys found."""
+    job is released. For probes, ``successful_keys`` are the keys found. ``absent_keys``: failed
+    keys the tier confirmed it does not hold (for probes: not found; for promotions: never
+    stored, gone, or corrupt and removed); any other failed key failed transiently."""
 
     job_id: int
     success: bool
@@ -298,6 +300,7 @@ class JobDone(_Msg, tag="job_done"):
     transfer_s: float = 0.0
     nbytes: int = 0
     error: str = ""
+    absent_keys: list[bytes] = []
 
 
 class Heartbeat(_Msg, tag="heartbeat"):

@@ -21,7 +21,7 @@ key as succeeded.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from kvoffload.pool import HostPool
@@ -50,6 +50,8 @@ class JobOutcome:
     """What one job did.
 
     ``ok_keys``: the keys that succeeded, in job order (all of them means success).
+    ``absent_keys``: failed keys the medium confirmed it does not hold (probe: not found;
+    promote: not stored, or corrupt and removed); other failed keys failed transiently.
     ``nbytes``: bytes moved. ``error``: a short summary of the failures (details are logged by
     the backend). ``release``: None when nothing is held; else must succeed before the result is
     published (retried while it raises). ``cleanup``: None or best-effort work after release.
@@ -58,6 +60,7 @@ class JobOutcome:
     ok_keys: list[bytes]
     nbytes: int = 0
     error: str = ""
+    absent_keys: list[bytes] = field(default_factory=list)
     release: Callable[[], None] | None = None
     cleanup: Callable[[], None] | None = None
 

@@ -338,7 +338,9 @@ class ManagerServer:
         try:
             self.tiering.apply_result(
                 worker.name,
-                JobResult(done.job_id, done.success, done.successful_keys, done.transfer_s),
+                JobResult(
+                    done.job_id, done.success, done.successful_keys, done.transfer_s, done.absent_keys
+                ),
             )
         except TieringError as exc:
             log.warning("job_result_rejected", worker=worker.name, job_id=done.job_id, error=str(exc))

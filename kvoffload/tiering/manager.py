@@ -256,7 +256,7 @@ class TieringManager:
                 return MISS, MissReason.PRIMARY_FULL
             if result is RETRY:
                 saw_retry = True
-            elif tier_reason is MissReason.FAILED_LOAD:
+            elif tier_reason is MissReason.FAILED_LOAD or tier_reason is MissReason.PROBE_FAILED:
                 reason = tier_reason
         if saw_retry:
             return RETRY, MissReason.PROBING
@@ -540,29 +540,39 @@ class TieringManager:
         tier = self.tiers[job.tier]
         stats = self.stats.tier(job.tier + 1)
         stats.job_finished(job.kind, bool(ok) and not failed, len(ok), result.transfer_time_s)
+        absent = set(result.absent_keys).intersection(failed) if failed else set()
         if job.kind is JobKind.PROBE:
-            tier.verdicts.resolve(job.keys, ok)
+            unanswered = [k for k in failed if k not in absent]
+            waiting = tier.probe_done(ok, absent, unanswered)
+            for key, req_ids in waiting.items():
+                for req_id in req_ids:
+                    if self._is_active(req_id):
+                        tier.mark_request_miss(req_id, [key], MissReason.PROBE_FAILED)
         elif job.kind is JobKind.CASCADE:
             tier.inflight_cascade_keys -= len(job.keys)
             self.primary.unpin(job.keys)
             tier.stored(ok)
         else:
-            self._complete_promotion(job, tier, ok, failed)
+            self._complete_promotion(job, tier, ok, failed, absent)
+
+    def _is_active(self, req_id: str) -> bool:
+        state = self._requests.get(req_id)
+        return state is not None and not state.is_finished
 
     def _complete_promotion(
-        self, job: TransferJob, tier: SecondaryTier, ok: list[Key], failed: list[Key]
+        self, job: TransferJob, tier: SecondaryTier, ok: list[Key], failed: list[Key], absent: set[Key]
     ) -> None:
         self.primary.complete_write(failed, False)
         landed = self.primary.complete_write(ok, True)
         self._writes_landed(landed)
-        state = self._requests.get(job.req_id) if job.req_id is not None else None
-        active = state is not None and not state.is_finished
+        req_id = job.req_id if job.req_id is not None and self._is_active(job.req_id) else None
         if failed:
-            tier.mark_miss(failed, job.req_id if active else None)
+            tier.load_failed(failed, absent, req_id)
         self._landed.update(landed)
         self.stats.promoted_keys += len(landed)
-        if not active:
+        if req_id is None:
             return
+        state = self._requests[req_id]
         room = self.unread_promotion_cap - self._unread_total
         protect = [k for k in landed if k not in state.unread][: max(room, 0)]
         if protect:

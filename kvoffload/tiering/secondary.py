@@ -3,6 +3,8 @@
 An *indexed* tier (disk) answers lookups from the key index its worker reports (hello, stores,
 evictions). A *probed* tier (object store, shared by many machines) answers from a verdict
 cache and asks its worker when a key is unknown (RETRY until the answer arrives).
+A failed transfer or probe turns a key into a miss only for the requests that waited on it;
+only the tier's confirmation that it does not hold a key is shared with every request.
 No I/O here: the tiering manager turns what the proxy asks for into jobs.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Collection, Iterable
 
 from .types import Key, Locality, LookupResult, Medium, MissReason, OffloadPolicy
 from .verdicts import VerdictCache
@@ -37,7 +39,7 @@ class SecondaryTier:
         self.spec = spec
         self.index: set[Key] = set()
         self.verdicts = VerdictCache()
-        self._failed: dict[str, set[Key]] = {}
+        self._failed: dict[str, dict[Key, MissReason]] = {}
         self._touched: OrderedDict[Key, None] = OrderedDict()
         self.inflight_cascade_keys = 0
 
@@ -48,7 +50,7 @@ class SecondaryTier:
     def lookup(self, key: Key, req_id: str) -> tuple[LookupResult, MissReason]:
         failed = self._failed.get(req_id)
         if failed is not None and key in failed:
-            return LookupResult.MISS, MissReason.FAILED_LOAD
+            return LookupResult.MISS, failed[key]
         if self.spec.indexed:
             if key in self.index:
                 return LookupResult.HIT, MissReason.NONE
@@ -64,13 +66,32 @@ class SecondaryTier:
             return key in self.index
         return self.verdicts.cached(key) is True
 
-    def mark_miss(self, keys: Iterable[Key], req_id: str | None) -> None:
-        """A load of these keys failed: this request (None: no active request) must not
-        promote them again."""
+    def load_failed(self, keys: Iterable[Key], absent: Collection[Key], req_id: str | None) -> None:
+        """A load of these keys failed. The request (None: no active request) must not promote
+        them again; keys in ``absent`` are gone from the tier for everyone; for the others the
+        tier keeps its answer, except that a probed tier forgets its positive verdict so a
+        fresh request probes again."""
         keys = list(keys)
-        self.verdicts.mark_miss(keys)
         if req_id is not None:
-            self._failed.setdefault(req_id, set()).update(keys)
+            self.mark_request_miss(req_id, keys, MissReason.FAILED_LOAD)
+        gone = [k for k in keys if k in absent]
+        self.index.difference_update(gone)
+        self.verdicts.mark_miss(gone)
+        self.verdicts.forget(k for k in keys if k not in absent)
+
+    def probe_done(
+        self, found: Iterable[Key], absent: Iterable[Key], failed: Iterable[Key]
+    ) -> dict[Key, set[str]]:
+        """Record a probe's answer: ``found`` and ``absent`` are confirmed (shared); the probe
+        of ``failed`` keys did not answer. Returns, per failed key, the requests that waited on
+        it (the caller marks it a miss for them: ``mark_request_miss``)."""
+        found = list(found)
+        self.verdicts.resolve([*found, *absent], found)
+        return self.verdicts.fail(failed)
+
+    def mark_request_miss(self, req_id: str, keys: Iterable[Key], reason: MissReason) -> None:
+        """These keys are a miss on this tier for this request only, until it finishes."""
+        self._failed.setdefault(req_id, {}).update(dict.fromkeys(keys, reason))
 
     def stored(self, keys: Iterable[Key]) -> None:
         keys = list(keys)

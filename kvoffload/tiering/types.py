@@ -32,6 +32,7 @@ class MissReason(enum.IntEnum):
     FAILED_LOAD = 6  # an earlier load of it failed for this request
     PROBING = 7  # RETRY: an existence probe is unresolved
     AWAITING_PREFIX = 8  # RETRY: found, promotion deferred until earlier keys resolve
+    PROBE_FAILED = 9  # the existence probe this request waited on failed or timed out
 
 
 class JobKind(enum.IntEnum):
@@ -147,12 +148,16 @@ class JobResult:
     ``success=False`` with ``successful_keys`` None or empty: every key failed.
     ``success=False`` with a non-empty collection: exactly those keys succeeded; it must be a
     subset of the job's keys or the whole result is treated as a failure (protocol error).
-    For probes, ``successful_keys`` are the keys found."""
+    For probes, ``successful_keys`` are the keys found.
+    ``absent_keys``: failed keys the tier confirmed it does not hold (never stored, gone, or
+    corrupt and removed; for probes, not found). Any other failed key failed transiently: the
+    tier may still hold it. Keys that are not failed keys of the job are ignored."""
 
     job_id: int
     success: bool
     successful_keys: Collection[Key] | None = None
     transfer_time_s: float | None = None
+    absent_keys: Collection[Key] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,8 @@ A key is probed once however many requests ask for it. Each entry is referenced 
 that looked it up and is dropped when the last of them finishes; an entry whose probe is in
 flight survives until its answer arrives (so new requests can share it).
 ``lookup`` answers None (unknown yet: RETRY), True (present) or False (absent).
+Only a confirmed answer is shared: a probe that failed drops its entries (``fail``), and a
+transient load failure forgets a positive verdict (``forget``), so a later lookup probes again.
 """
 
 from __future__ import annotations
@@ -63,8 +65,29 @@ class VerdictCache:
             if not entry.requests:
                 del self._entries[key]
 
+    def fail(self, keys: Iterable[Key]) -> dict[Key, set[str]]:
+        """The probe of these keys failed: their in-flight entries are dropped (the next lookup
+        probes again). Returns, per dropped key, the requests that were waiting on it."""
+        waiting: dict[Key, set[str]] = {}
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or entry.phase is not Phase.IN_FLIGHT:
+                continue
+            del self._entries[key]
+            if entry.requests:
+                waiting[key] = entry.requests
+        return waiting
+
+    def forget(self, keys: Iterable[Key]) -> None:
+        """Drop positive verdicts (a load failed transiently): the next lookup probes again."""
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None and entry.phase is Phase.RESOLVED and entry.found:
+                del self._entries[key]
+
     def mark_miss(self, keys: Iterable[Key]) -> None:
-        """Force a cached verdict to absent (after a failed load); unknown keys are ignored."""
+        """Force a cached verdict to absent (the tier confirmed it does not hold the key);
+        unknown keys are ignored."""
         for key in keys:
             entry = self._entries.get(key)
             if entry is not None:

@@ -171,17 +171,18 @@ def test_corrupt_and_torn_copies_fail_and_are_removed_transient_keeps(start_back
 
     done = run(backend, PROMOTE, keys, [8, 9, 10])
     assert done.ok_keys == [keys[0]] and done.nbytes == BLOCK and "corrupt" in done.error
+    assert done.absent_keys == [keys[1], keys[2]]
     assert pool.slot(8).tobytes() == originals[0]
     assert backend.take_index_changes() == ([], [keys[1], keys[2]])
     assert backend.stats()["corrupt_blocks"] == 2
     done = run(backend, PROMOTE, [keys[1]], [9])
-    assert done.ok_keys == [] and "absent" in done.error
+    assert done.ok_keys == [] and "absent" in done.error and done.absent_keys == [keys[1]]
     assert backend.take_index_changes() == ([], [keys[1]])
 
     faults.once[("read", keys[0])] = errno.EIO
     fill(pool, [11], seed=5)
     done = run(backend, PROMOTE, [keys[0]], [11])
-    assert done.ok_keys == [] and "transient" in done.error
+    assert done.ok_keys == [] and "transient" in done.error and done.absent_keys == []
     assert backend.take_index_changes() == ([], [])
     assert backend.stats()["transient_errors"] == 1
     done = run(backend, PROMOTE, [keys[0]], [11])

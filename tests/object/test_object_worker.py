@@ -128,6 +128,7 @@ def test_cascade_probe_promote_and_cross_node_sharing(make_backend) -> None:
     asked = [key(0), key(100), key(3), key(101), key(5)]
     probed = node_a.run_job(job(2, PROBE, asked))
     assert probed.ok_keys == [key(0), key(3), key(5)]
+    assert probed.absent_keys == [key(100), key(101)], "a probe confirms what it did not find"
     assert node_a.run_job(job(3, PROBE, [key(102)])).ok_keys == []
 
     promoted = node_a.run_job(job(4, PROMOTE, keys, list(range(8, 14))))
@@ -166,6 +167,7 @@ def test_promote_partial_failure_absent_and_corrupt(make_backend, s3_server: S3S
 
     outcome = backend.run_job(job(2, PROMOTE, keys, [5, 6, 7]))
     assert outcome.ok_keys == [good]
+    assert outcome.absent_keys == [absent, corrupt], "absent and corrupt are confirmed, not transient"
     assert outcome.nbytes == BLOCK
     assert "2 of 3 keys failed" in outcome.error
     assert slot_bytes(pool, 5) == data[good]
@@ -210,9 +212,12 @@ def test_fault_fail_fraction_fails_each_operation(make_backend) -> None:
     backend, pool = make_backend(FaultInjector(FaultSpec(fail_fraction=1.0)))
     probed = backend.run_job(job(1, PROBE, [key(1)]))
     assert probed.ok_keys == [] and "injected probe failure" in probed.error
+    assert probed.absent_keys == [], "a failed probe confirms nothing"
     outcome = backend.run_job(job(2, CASCADE, [key(1), key(2)], [0, 1]))
     assert outcome.ok_keys == [] and "InjectedFault" in outcome.error
     assert backend.stats()["puts"] == 2 and backend.stats()["put_failures"] == 2
+    loaded = backend.run_job(job(3, PROMOTE, [key(1)], [0]))
+    assert loaded.ok_keys == [] and loaded.absent_keys == [], "a transient GET failure confirms nothing"
 
 
 def test_outage_opens_breaker_and_recovers(make_backend, s3_server: S3Server) -> None:

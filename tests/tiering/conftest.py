@@ -49,12 +49,14 @@ class Harness:
         return new
 
     def answer(self, jobs, success=True, successful_keys=None, found=None):
+        """Answer like a worker: probes confirm ``found`` present and every other key absent;
+        transfers report ``success``/``successful_keys`` (failed keys failed transiently)."""
         for job in jobs:
             tier = self.m.tiers[job.tier].name
             if job.kind is JobKind.PROBE:
                 present = [key for key in job.keys if key in (found or ())]
-                all_found = len(present) == len(job.keys)
-                self.m.apply_result(tier, JobResult(job.job_id, all_found, None if all_found else present))
+                absent = [key for key in job.keys if key not in present]
+                self.m.apply_result(tier, JobResult(job.job_id, not absent, present or None, absent_keys=absent))
             else:
                 self.m.apply_result(tier, JobResult(job.job_id, success, successful_keys))
 

@@ -368,6 +368,71 @@ def test_probe_timeout_resolves_to_miss():
         h.m.apply_result("object", JobResult(probe.job_id, True))
 
 
+def probed_and_promoting(h, *req_ids):
+    """k1 found by a probe, then promoted for the first of ``req_ids`` (all wait on it)."""
+    for req_id in req_ids:
+        assert h.m.lookup(req_id, [k(1)]).results == [RETRY]
+    h.m.end_step()
+    h.answer(h.jobs(), found={k(1)})
+    for req_id in req_ids:
+        assert h.m.lookup(req_id, [k(1)]).results == [HIT_PENDING]
+    h.m.end_step()
+    (promo,) = h.jobs()
+    assert promo.kind is JobKind.PROMOTION and promo.req_id == req_ids[0]
+    return promo
+
+
+def test_transient_object_load_failure_misses_only_for_its_request_and_a_fresh_one_reprobes():
+    h = Harness(probed=True)
+    a = h.new("a")
+    promo = probed_and_promoting(h, a)
+    h.m.apply_result("object", JobResult(promo.job_id, False))  # one GET timed out
+    reply = h.m.lookup(a, [k(1)])
+    assert reply.results == [MISS] and reply.reasons == [MissReason.FAILED_LOAD]
+    fresh = h.new("fresh")
+    reply = h.m.lookup(fresh, [k(1)])
+    assert reply.results == [RETRY] and reply.reasons == [MissReason.PROBING]
+    h.m.end_step()
+    (probe,) = h.jobs()
+    assert probe.kind is JobKind.PROBE and probe.keys == [k(1)]
+    h.answer([probe], found={k(1)})
+    assert h.m.lookup(fresh, [k(1)]).results == [HIT_PENDING]
+
+
+def test_confirmed_absent_or_corrupt_object_is_a_shared_miss():
+    h = Harness(probed=True)
+    a = h.new("a")
+    promo = probed_and_promoting(h, a)
+    h.m.apply_result("object", JobResult(promo.job_id, False, absent_keys=[k(1)]))
+    fresh = h.new("fresh")
+    reply = h.m.lookup(fresh, [k(1)])
+    assert reply.results == [MISS] and reply.reasons == [MissReason.ABSENT]
+    h.m.end_step()
+    assert h.jobs() == [], "a confirmed absence needs no new probe"
+
+
+def test_failed_probe_misses_only_for_the_requests_waiting_on_it():
+    h = Harness(probed=True)
+    a, b = h.new("a"), h.new("b")
+    h.m.lookup(a, [k(1)])
+    h.m.lookup(b, [k(1)])
+    h.m.end_step()
+    (probe,) = h.jobs()
+    h.m.apply_result("object", JobResult(probe.job_id, False))  # store unreachable
+    for req in (a, b):
+        reply = h.m.lookup(req, [k(1)])
+        assert reply.results == [MISS] and reply.reasons == [MissReason.PROBE_FAILED]
+    fresh = h.new("fresh")
+    assert h.m.lookup(fresh, [k(1)]).results == [RETRY]
+    h.m.end_step()
+    (again,) = h.jobs()
+    h.answer([again], found={k(1)})
+    assert h.m.lookup(fresh, [k(1)]).results == [HIT_PENDING]
+    h.m.on_request_finished(a)
+    h.m.on_request_finished(b)
+    assert h.m.snapshot()["tiers"]["object"]["tracked_requests"] == 1
+
+
 def test_successful_cascade_makes_probed_verdict_present():
     h = Harness(probed=True)
     r = h.new()
@@ -686,10 +751,7 @@ def test_result_after_finish_creates_no_request_state_and_a_reused_id_starts_fre
     tracked = h.m.snapshot()["tiers"][tier]["tracked_requests"]
     assert tracked == (1 if probed else 0), "no state may be created for a finished request"
     h.new("r")
-    reply = h.m.lookup("r", [k(1)])
-    assert reply.reasons[0] is not MissReason.FAILED_LOAD, "a reused id must start fresh"
-    if not probed:
-        assert reply.results == [HIT_PENDING]
+    assert h.m.lookup("r", [k(1)]).results == [RETRY if probed else HIT_PENDING], "a reused id starts fresh"
 
 
 def test_on_new_request_policy():

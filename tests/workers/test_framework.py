@@ -422,6 +422,9 @@ def test_job_done_success_partial_and_none():
     assert not partial.success and partial.successful_keys == [b"c", b"a"] and partial.error == "e"
     none = job_done_of(job, JobOutcome(ok_keys=[]), 0.0)
     assert not none.success and none.successful_keys is None and none.error == "failed"
+    assert none.absent_keys == []
+    gone = job_done_of(job, JobOutcome(ok_keys=[b"a"], absent_keys=[b"b", b"a", b"zz"]), 0.0)
+    assert gone.successful_keys == [b"a"] and gone.absent_keys == [b"b"], "only failed keys of the job"
 
 
 def test_validate_job_rules():

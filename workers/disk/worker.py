@@ -8,7 +8,8 @@ Jobs (``slots[i]`` co-indexed with ``keys[i]``):
   header stamped (when slot headers are on) with the checksum the store just verified.
 - ``cascade``: ``store.put(key, slot)``; the slot is only read.
 
-Per-key outcomes: a corrupt or absent copy fails the key and reports it removed; a transient
+Per-key outcomes: a corrupt or absent copy fails the key, reports it removed and, for a
+promotion, lists it in the outcome's ``absent_keys``; a transient
 read error fails the key and keeps it indexed; ENOSPC/EDQUOT or ``StoreFull`` fail the key
 (the store reports ``degraded`` until a put succeeds); keys evicted by a put are reported
 removed, keys stored are reported added.
@@ -54,6 +55,8 @@ failing them would only strand records until the next start)."""
 SPACE_OPS = frozenset({"allocate", "write_payload"})
 """Store operations where an injected full disk (``enospc_fraction``) fires, as ENOSPC would."""
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+GONE_REASONS = frozenset({"absent", "corrupt"})
+"""Promotion failures that confirm the store no longer holds the key (reported absent)."""
 _COUNTERS = ("bytes_read", "bytes_written", "keys_promoted", "keys_cascaded", "corrupt_blocks",
              "absent_keys", "transient_errors", "enospc_errors", "store_full", "write_errors",
              "injected_corruptions")
@@ -115,6 +118,7 @@ class DiskBackend:
         promote = job.kind == PROMOTE
         pool = self._require_pool()
         ok: list[bytes] = []
+        absent: list[bytes] = []
         changed: list[bytes] = []
         failures: Counter[str] = Counter()
         first_error = ""
@@ -125,8 +129,11 @@ class DiskBackend:
                 else:
                     failure = self._cascade_one(key, pool.slot(slot), changed)
                 if failure:
-                    failures[failure.split(":", 1)[0]] += 1
+                    reason = failure.split(":", 1)[0]
+                    failures[reason] += 1
                     first_error = first_error or failure
+                    if promote and reason in GONE_REASONS:
+                        absent.append(key)
                 else:
                     ok.append(key)
         except BaseException:
@@ -140,7 +147,8 @@ class DiskBackend:
             error = f"{sum(failures.values())} of {len(job.keys)} keys failed ({dict(failures)}), first: {first_error}"
             log.warning("disk_keys_failed", job_id=job.job_id, kind=job.kind, keys=len(job.keys),
                         failures=dict(failures), error=first_error)
-        return JobOutcome(ok_keys=ok, nbytes=nbytes, error=error, cleanup=lambda: self._note_changed(changed))
+        return JobOutcome(ok_keys=ok, nbytes=nbytes, error=error, absent_keys=absent,
+                          cleanup=lambda: self._note_changed(changed))
 
     def _promote_one(self, key: bytes, slot: int, generation: int, changed: list[bytes]) -> str:
         """Read ``key`` into pool slot ``slot`` and stamp its header; "" on success, else

@@ -2,11 +2,13 @@
 
 Jobs:
 - ``probe``: one existence check of every key (concurrent HEADs). The outcome's ``ok_keys`` are
-  the keys found. Any store error (server down, breaker open, credentials revoked) fails the
-  whole probe with no key found, so the manager resolves those verdicts to MISS.
+  the keys found, its ``absent_keys`` the others. Any store error (server down, breaker open,
+  credentials revoked) fails the whole probe with no key found and none confirmed absent, so
+  the manager resolves those verdicts to MISS only for the requests waiting on them.
 - ``promote``: GET of ``keys[i]`` into pool slot ``slots[i]``; ``cascade``: PUT of slot
   ``slots[i]`` under ``keys[i]``. Keys run concurrently on ``io_threads`` threads and fail one
-  by one (absent, corrupt, transient, breaker open); the others still succeed. A GET that
+  by one (absent, corrupt, transient, breaker open); the others still succeed. An absent or
+  corrupt (and deleted) key is reported in ``absent_keys``. A GET that
   landed and released its slot stamps the slot's header (when slot headers are on) with the
   checksum the store just verified.
 
@@ -70,6 +72,10 @@ def store_from_config(cfg: Config, *, breaker: CircuitBreaker | None = None,
         breaker=breaker,
         release_hook=release_hook,
     )
+
+
+_GONE_REASONS = frozenset({"absent", "corrupt"})
+"""Failure reasons of a GET that confirm the store does not hold a usable copy of the key."""
 
 
 def _failure_reason(exc: BaseException) -> str:
@@ -164,7 +170,7 @@ class ObjectBackend(NoIndexBackend):
             return JobOutcome(ok_keys=[], error=f"probe_failed: {exc}")
         ok = [key for key, present in zip(job.keys, found) if present]
         self._count(keys_found=len(ok))
-        return JobOutcome(ok_keys=ok)
+        return JobOutcome(ok_keys=ok, absent_keys=[key for key, present in zip(job.keys, found) if not present])
 
     def _transfer(self, job: Job) -> JobOutcome:
         promote = job.kind == PROMOTE
@@ -172,12 +178,16 @@ class ObjectBackend(NoIndexBackend):
         results = list(self._io.map(lambda pair: self._one(job, promote, *pair), pairs))
         ok = [key for (key, _), (moved, _, _) in zip(pairs, results) if moved]
         errors = [error for _, _, error in results if error]
+        absent = [
+            key for (key, _), (_, _, error) in zip(pairs, results)
+            if promote and error.split(":", 1)[0] in _GONE_REASONS
+        ]
         pending = [transfer for _, transfer, _ in results if transfer is not None]
         nbytes = len(ok) * self._store.block_bytes
         self._count(**{"bytes_read" if promote else "bytes_written": nbytes})
         error = f"{len(errors)} of {len(pairs)} keys failed, first: {errors[0]}" if errors else ""
         release = self._release_pending(job, pending) if pending else None
-        return JobOutcome(ok_keys=ok, nbytes=nbytes, error=error, release=release)
+        return JobOutcome(ok_keys=ok, nbytes=nbytes, error=error, release=release, absent_keys=absent)
 
     def _one(self, job: Job, promote: bool, key: bytes, slot: int) -> tuple[bool, SlotTransfer | None, str]:
         """(data moved, transfer still holding the slot or None, failure summary or "")."""
