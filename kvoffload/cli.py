@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from .config import Config, ConfigError, load_config, resolve_runtime_dir
+from .config import Config, ConfigError, load_config
+from .discovery import NoServiceFound, find_endpoint
 from .logs import configure_logging
-from .rundir import live_runs
 
 
 def _load(args) -> Config:
@@ -30,23 +29,14 @@ def cmd_serve(args) -> int:
     return supervisor.run_forever()
 
 
-def find_endpoint(cfg) -> str:
-    """The client endpoint of the live service described by ``cfg``."""
-    if cfg.service.client_endpoint:
-        return cfg.service.client_endpoint
-    base = resolve_runtime_dir(cfg)
-    runs = live_runs(base)
-    if not runs:
-        raise SystemExit(f"kvoffload: no running service found in {base}")
-    newest = max(runs, key=lambda r: r.started_at)
-    return f"ipc://{Path(base) / (newest.run_id + '-client.sock')}"
-
-
 def cmd_status(args) -> int:
     from .client import KVOffloadClient
 
     cfg = _load(args)
-    endpoint = args.endpoint or find_endpoint(cfg)
+    try:
+        endpoint = find_endpoint(args.endpoint, cfg)
+    except NoServiceFound as exc:
+        raise SystemExit(f"kvoffload: {exc}") from None
     with KVOffloadClient(endpoint, timeout_s=5.0, name="status") as client:
         status = client.status()
     if args.json:

@@ -74,9 +74,14 @@ class NewRequest(_Msg, tag="new_request"):
 
 
 class Lookup(_Msg, tag="lookup"):
+    """Evaluate a request's prefix. With ``pin``, every key answered HIT is pinned for this
+    client in the same call (as ``PrepareLoad`` would) and its slot returned, so a later load
+    of it cannot fail; the client releases each such pin with ``CompleteLoad``."""
+
     rid: int
     req_id: str
     keys: list[bytes]
+    pin: bool = False
 
 
 class Load(_Msg, tag="load"):
@@ -215,13 +220,16 @@ class NewRequestReply(_Msg, tag="new_request_reply"):
 
 class LookupReply(_Msg, tag="lookup_reply"):
     """``results``/``reasons``: one byte per evaluated key (tiering LookupResult / MissReason
-    values), up to and including the first MISS."""
+    values), up to and including the first MISS. ``slots``: empty unless the lookup asked to
+    ``pin``; then co-indexed with ``results``, the pinned slot of each HIT key and -1 for the
+    others."""
 
     rid: int
     results: bytes
     reasons: bytes
     hit_prefix: int
     ready_prefix: int
+    slots: list[int] = []
 
 
 class JobAccepted(_Msg, tag="job_accepted"):

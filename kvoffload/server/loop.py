@@ -23,7 +23,16 @@ from ..kvcache import CUDA_IPC_KIND, SHM_KIND, handle_problem, segment_problem
 from ..rundir import is_run_segment
 from ..runspec import RunSpec
 from ..shmseg import stat_segment
-from ..tiering import JobKind, JobResult, Locality, Medium, ReqContext, TieringManager, TierSpec
+from ..tiering import (
+    JobKind,
+    JobResult,
+    Locality,
+    LookupResult,
+    Medium,
+    ReqContext,
+    TieringManager,
+    TierSpec,
+)
 from ..tiering.types import TieringError
 from .metrics import MetricsEndpoint
 from .sessions import ClientSession, PendingPoll
@@ -524,9 +533,17 @@ class ManagerServer:
 
     def _on_lookup(self, identity, session, msg: p.Lookup):
         self._check_keys(msg.keys)
-        reply = self.tiering.lookup(self._scoped(session, msg.req_id), msg.keys)
+        scoped = self._scoped(session, msg.req_id)
+        reply = self.tiering.lookup(scoped, msg.keys)
+        results = bytes(reply.results)
+        slots: list[int] = []
+        if msg.pin:
+            hit_keys = [k for k, r in zip(msg.keys, reply.results) if r is LookupResult.HIT]
+            pinned = iter(self.tiering.prepare_load(scoped, hit_keys) if hit_keys else [])
+            session.add_pins(hit_keys)
+            slots = [next(pinned) if r is LookupResult.HIT else -1 for r in reply.results]
         return p.LookupReply(
-            msg.rid, bytes(reply.results), bytes(reply.reasons), reply.hit_prefix, reply.ready_prefix
+            msg.rid, results, bytes(reply.reasons), reply.hit_prefix, reply.ready_prefix, slots
         )
 
     def _device_request(self, session: ClientSession, msg: p.Store | p.Load) -> str:
@@ -593,8 +610,9 @@ class ManagerServer:
         return p.Slots(msg.rid, out.keys_to_store, out.slots, out.evicted)
 
     def _on_complete_store(self, identity, session: ClientSession, msg: p.CompleteStore):
+        """Allowed after the request finished: a store prepared before may complete later."""
         self._check_keys(msg.keys)
-        scoped = self._scoped(session, msg.req_id)
+        scoped = session.scoped(msg.req_id)
         if not session.close_open_store(scoped, msg.keys):
             raise RequestError("not_prepared", "no prepared store with these keys for this request")
         self.tiering.complete_store(scoped, msg.keys, msg.success, msg.successful_keys)

@@ -1,0 +1,26 @@
+"""The kvoffload side of a vLLM transfer: which pool slots hold which keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.v1.kv_offload.base import LoadStoreSpec
+
+NO_SLOT = -1
+
+
+@dataclass
+class PoolBlocks(LoadStoreSpec):
+    """Slots of the host pool ``pool_name`` co-indexed with ``keys`` (namespaced keys).
+
+    For a load, every slot is pinned for this engine until ``complete_load``; a slot of
+    ``NO_SLOT`` means the key could not be pinned and its load must be reported failed. For a
+    store, the slots were reserved by ``prepare_store`` and are written by the workers.
+    ``req_id`` is vLLM's request id, so a worker can say whose transfer failed."""
+
+    req_id: str
+    pool_name: str
+    num_slots: int
+    block_bytes: int
+    keys: list[bytes]
+    slots: list[int]

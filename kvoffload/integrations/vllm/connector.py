@@ -1,0 +1,149 @@
+"""``KVOffloadConnector``: vLLM's ``OffloadingConnector`` with kvoffload as the offload store.
+
+Use it with::
+
+    kv_transfer_config = {
+        "kv_connector": "KVOffloadConnector",
+        "kv_connector_module_path": "kvoffload.integrations.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
+
+It selects ``KVOffloadSpec`` by itself and adds what vLLM's own connector lacks: failed loads.
+A worker whose load fails reports the job done to vLLM, hands the destination blocks to
+``get_block_ids_with_load_errors`` (vLLM recomputes them under the ``recompute`` policy) and
+the failed keys, through the worker metadata, to the scheduler side, whose manager then answers
+MISS for them to that request: one recompute, never a load -> fail -> load loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput
+
+from .keys import hashing_is_seed_dependent
+from .manager import KVOffloadManager
+from .spec import spec_defaults
+from .worker import KVOffloadWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KVOffloadWorkerMetadata(OffloadingWorkerMetadata):
+    """vLLM's worker metadata plus the keys whose transfers failed (namespaced keys; loads per
+    vLLM request id). Summed over the workers of a step like the base class."""
+
+    failed_loads: dict[str, list[bytes]] = field(default_factory=dict)
+    failed_stores: list[bytes] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        base = super().aggregate(other)
+        assert isinstance(base, OffloadingWorkerMetadata)
+        loads = {req: list(keys) for req, keys in self.failed_loads.items()}
+        stores = list(self.failed_stores)
+        if isinstance(other, KVOffloadWorkerMetadata):
+            for req, keys in other.failed_loads.items():
+                loads.setdefault(req, []).extend(keys)
+            stores.extend(other.failed_stores)
+        return KVOffloadWorkerMetadata(
+            completed_jobs=base.completed_jobs,
+            transfer_stats=base.transfer_stats,
+            failed_loads=loads,
+            failed_stores=stores,
+        )
+
+
+def _select_spec(vllm_config: VllmConfig) -> None:
+    """Point vLLM's offloading factory at ``KVOffloadSpec`` unless the config already names a
+    spec, and record the model revision for the key fingerprint."""
+    transfer = vllm_config.kv_transfer_config
+    assert transfer is not None
+    extra = transfer.kv_connector_extra_config
+    extra.update(spec_defaults(extra))
+    revision = getattr(vllm_config.model_config, "revision", None) if vllm_config.model_config else None
+    if revision and "model_revision" not in extra:
+        extra["model_revision"] = revision
+
+
+class KVOffloadConnector(OffloadingConnector):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        _select_spec(vllm_config)
+        algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+        if role == KVConnectorRole.SCHEDULER and hashing_is_seed_dependent(algo):
+            log.warning(
+                "kvoffload: prefix_caching_hash_algo=%s with PYTHONHASHSEED unset gives block "
+                "hashes that differ in every vLLM process, so no other instance (and no restart) "
+                "will ever hit these blocks; use sha256 or set PYTHONHASHSEED to one shared value",
+                algo,
+            )
+        super().__init__(vllm_config, role, kv_cache_config)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        _select_spec(vllm_config)
+        return super().build_prom_metrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
+    # ---- worker side ----------------------------------------------------------------------
+
+    def _offload_worker(self) -> KVOffloadWorker | None:
+        worker = self.connector_worker.worker if self.connector_worker is not None else None
+        return worker if isinstance(worker, KVOffloadWorker) else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        worker = self._offload_worker()
+        return worker.take_error_blocks() if worker is not None else set()
+
+    def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
+        meta = super().build_connector_worker_meta()
+        worker = self._offload_worker()
+        failures = worker.take_failures() if worker is not None else None
+        if not failures:
+            return meta
+        return KVOffloadWorkerMetadata(
+            completed_jobs=meta.completed_jobs if meta is not None else {},
+            transfer_stats=meta.transfer_stats if meta is not None else KVOffloadWorkerMetadata().transfer_stats,
+            failed_loads=failures.loads,
+            failed_stores=failures.stores,
+        )
+
+    # ---- scheduler side -------------------------------------------------------------------
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        manager = self.scheduler.manager
+        if isinstance(meta, KVOffloadWorkerMetadata) and isinstance(manager, KVOffloadManager):
+            for req_id, keys in meta.failed_loads.items():
+                manager.note_failed_loads(req_id, keys)
+            manager.note_failed_stores(meta.failed_stores)
+        super().update_connector_output(connector_output)

@@ -1,0 +1,405 @@
+"""vLLM's ``OffloadingManager`` on top of a kvoffload service (runs in the scheduler process).
+
+Lookups. vLLM asks one key at a time and keeps asking while a key is uncertain. The manager
+answers from a per-request table and queues every key it cannot answer yet as RETRY (or
+HIT_PENDING, if kvoffload said so last time); ``on_schedule_end`` sends one pinned
+``lookup`` per request with that step's queued keys. Every HIT in the reply is pinned for this
+engine in the same round trip, so ``prepare_load`` never fails: it only hands over the slots.
+
+Pins. A pinned key is released by ``complete_load`` after its load, or, if vLLM never loads
+it, when its request finishes. ``reset_cache`` and a lost service session drop every pin at the
+service, so the tables are cleared with them.
+
+Failed loads. A worker that could not load a key reports it (``note_failed_loads``); that key
+is a MISS for that request from then on, so vLLM recomputes it once and never loops.
+
+No fate-sharing. Every call goes through ``ServiceLink``: bounded by a timeout, and answered
+locally while the service is unreachable (lookups MISS, stores dropped and counted). Nothing
+raises into vLLM's scheduler loop; requests are registered again with a restarted service.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter as Multiset
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    OffloadKey,
+    OffloadPolicy,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvoffload.client import KVOffloadClient, KVOffloadError
+
+from .blocks import NO_SLOT, PoolBlocks
+from .keys import namespaced, offload_key_of
+from .link import ServiceDown, ServiceLink
+from .metrics import Counter, StatsAccumulator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    """What this engine knows of one vLLM request. Keys are namespaced kvoffload keys."""
+
+    ctx: ReqContext
+    generation: int = -1  # link generation the request is registered at; -1: not registered
+    pinned: dict[bytes, int] = field(default_factory=dict)  # HIT, pinned, not yet loading
+    uncertain: dict[bytes, LookupResult] = field(default_factory=dict)  # last HIT_PENDING/RETRY
+    missed: set[bytes] = field(default_factory=set)
+    failed: set[bytes] = field(default_factory=set)  # loads that failed: MISS for good
+    promoted: set[bytes] = field(default_factory=set)  # became HIT after waiting on a tier
+    queued: dict[bytes, None] = field(default_factory=dict)  # to ask at the step's end
+    loading: Multiset[bytes] = field(default_factory=Multiset)  # pinned, handed to a load
+    load_generation: int = -1
+    open_stores: int = 0
+    finished: bool = False
+
+
+class KVOffloadManager(OffloadingManager):
+    def __init__(
+        self,
+        link: ServiceLink,
+        fingerprint: bytes,
+        *,
+        secondary_source: CacheHitSource = CacheHitSource.DISK,
+    ) -> None:
+        """``secondary_source``: how vLLM's hit-source metrics label blocks that kvoffload
+        promoted from one of its secondary tiers (blocks already in its host pool are HOST)."""
+        self._link = link
+        self._fingerprint = fingerprint
+        self._secondary_source = secondary_source
+        self._requests: dict[str, _Request] = {}
+        self._touched: dict[bytes, None] = {}
+        self._failed_stores: set[bytes] = set()
+        self.stats = StatsAccumulator()
+        self._outages_seen = 0
+        self._generation_seen = link.generation
+
+    def set_secondary_source(self, source: CacheHitSource) -> None:
+        self._secondary_source = source
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _key(self, key: OffloadKey) -> bytes:
+        return namespaced(self._fingerprint, key)
+
+    def _state(self, ctx: ReqContext) -> _Request:
+        state = self._requests.get(ctx.req_id)
+        if state is None:
+            state = self._requests[ctx.req_id] = _Request(ctx)
+        return state
+
+    def _forget_session_state(self, state: _Request) -> None:
+        """The service session that held this request's pins is gone."""
+        state.generation = -1
+        state.pinned.clear()
+        state.uncertain.clear()
+        state.promoted.clear()
+
+    def _sync_generation(self) -> None:
+        """After a reconnect every pin and registration of the old session is gone."""
+        generation = self._link.generation
+        if generation == self._generation_seen:
+            return
+        self._generation_seen = generation
+        for state in self._requests.values():
+            if state.generation not in (-1, generation):
+                self._forget_session_state(state)
+
+    def _ensure_registered(self, client: KVOffloadClient, state: _Request) -> bool:
+        if state.generation == self._link.generation:
+            return False
+        if state.generation != -1:
+            self._forget_session_state(state)
+        level = client.new_request(state.ctx.req_id, _service_params(state.ctx))
+        state.generation = self._link.generation
+        return level
+
+    def _count_outage(self) -> None:
+        if self._link.outages != self._outages_seen:
+            self.stats.add(Counter.SERVICE_OUTAGES, self._link.outages - self._outages_seen)
+            self._outages_seen = self._link.outages
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        state = _Request(req_context)
+        self._requests[req_context.req_id] = state
+        try:
+            request_level = self._link.call(lambda c: self._ensure_registered(c, state))
+        except (ServiceDown, KVOffloadError) as exc:
+            log.debug("kvoffload_new_request_failed req_id=%s error=%s", req_context.req_id, exc)
+            return RequestOffloadingContext()
+        finally:
+            self._count_outage()
+        policy = OffloadPolicy.REQUEST_LEVEL if request_level else OffloadPolicy.CHUNK_LEVEL
+        return RequestOffloadingContext(policy=policy)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        state = self._requests.get(req_context.req_id)
+        if state is None:
+            return
+        state.finished = True
+        unused = list(state.pinned)
+        state.pinned.clear()
+        state.queued.clear()
+        if state.generation == self._link.generation and self._link.up:
+            try:
+                if unused:
+                    self._link.call(lambda c: c.complete_load(state.ctx.req_id, unused))
+                self._link.call(lambda c: c.finish_request(state.ctx.req_id))
+            except (ServiceDown, KVOffloadError) as exc:
+                log.debug("kvoffload_finish_failed req_id=%s error=%s", state.ctx.req_id, exc)
+            self._count_outage()
+        self._maybe_forget(state)
+
+    def _maybe_forget(self, state: _Request) -> None:
+        if state.finished and not state.loading and not state.open_stores:
+            self._requests.pop(state.ctx.req_id, None)
+
+    # ---- lookups --------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._sync_generation()
+        state = self._state(req_context)
+        nkey = self._key(key)
+        if nkey in state.pinned:
+            return LookupResult.HIT
+        if nkey in state.missed or nkey in state.failed:
+            return LookupResult.MISS
+        if not self._link.ready():
+            state.missed.add(nkey)
+            self.stats.add(Counter.MISS_BLOCKS)
+            return LookupResult.MISS
+        state.queued[nkey] = None
+        return state.uncertain.get(nkey, LookupResult.RETRY)
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        state = self._requests.get(req_context.req_id)
+        if state is not None and self._key(key) in state.promoted:
+            return self._secondary_source
+        return CacheHitSource.HOST
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._sync_generation()
+        for state in list(self._requests.values()):
+            if state.queued and not state.finished:
+                self._lookup_batch(state)
+        if self._touched:
+            keys, self._touched = list(self._touched), {}
+            try:
+                self._link.call(lambda c: c.touch(keys))
+            except (ServiceDown, KVOffloadError):
+                pass
+        self._count_outage()
+
+    def _lookup_batch(self, state: _Request) -> None:
+        keys = list(state.queued)
+        state.queued.clear()
+        req_id = state.ctx.req_id
+
+        def call(client: KVOffloadClient):
+            self._ensure_registered(client, state)
+            return client.lookup(req_id, keys, pin=True)
+
+        try:
+            outcome = self._link.call(call)
+        except (ServiceDown, KVOffloadError) as exc:
+            log.debug("kvoffload_lookup_failed req_id=%s error=%s", req_id, exc)
+            state.missed.update(keys)
+            state.uncertain.clear()
+            self.stats.add(Counter.MISS_BLOCKS, len(keys))
+            return
+        self._sync_generation()
+        results = outcome.results
+        answered = len(results)
+        for i, (key, code) in enumerate(zip(keys, results)):
+            result = LookupResult[code.name]
+            if result is LookupResult.HIT:
+                state.pinned[key] = outcome.slots[i]
+                if key in state.uncertain:
+                    state.promoted.add(key)
+                state.uncertain.pop(key, None)
+                tier = "secondary" if key in state.promoted else "host"
+                self.stats.add(Counter.HIT_BLOCKS, 1, tier)
+            elif result is LookupResult.MISS:
+                state.missed.add(key)
+                state.uncertain.pop(key, None)
+                self.stats.add(Counter.MISS_BLOCKS)
+            else:
+                state.uncertain[key] = result
+        for key in keys[answered:]:
+            state.missed.add(key)
+            state.uncertain.pop(key, None)
+        self.stats.add(Counter.MISS_BLOCKS, len(keys) - answered)
+
+    # ---- loads ----------------------------------------------------------------------------
+
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> LoadStoreSpec:
+        """The pinned slots of ``keys``; a key that is not pinned (the session was lost since
+        its lookup) gets ``NO_SLOT``, so its load fails and vLLM recomputes it."""
+        state = self._state(req_context)
+        nkeys = [self._key(k) for k in keys]
+        slots = [state.pinned.pop(k, NO_SLOT) for k in nkeys]
+        state.loading.update(k for k, s in zip(nkeys, slots, strict=True) if s != NO_SLOT)
+        state.load_generation = self._link.generation
+        info = self._link.info
+        return PoolBlocks(
+            req_id=req_context.req_id,
+            pool_name=info.pool_name if info is not None else "",
+            num_slots=info.num_slots if info is not None else 0,
+            block_bytes=info.block_bytes if info is not None else 0,
+            keys=nkeys,
+            slots=slots,
+        )
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        state = self._requests.get(req_context.req_id)
+        if state is None:
+            return
+        release = [k for k in (self._key(key) for key in keys) if state.loading[k] > 0]
+        state.loading.subtract(release)
+        state.loading = +state.loading
+        if release and state.load_generation == self._link.generation and self._link.up:
+            try:
+                self._link.call(lambda c: c.complete_load(req_context.req_id, release))
+            except (ServiceDown, KVOffloadError) as exc:
+                log.debug("kvoffload_unpin_failed req_id=%s error=%s", req_context.req_id, exc)
+        self._maybe_forget(state)
+
+    def note_failed_loads(self, req_id: str, nkeys: Iterable[bytes]) -> None:
+        """Loads of ``nkeys`` failed in a worker: MISS for this request from now on."""
+        state = self._requests.get(req_id)
+        nkeys = list(nkeys)
+        self.stats.add(Counter.LOAD_FAILED_BLOCKS, len(nkeys))
+        if state is not None:
+            state.failed.update(nkeys)
+        log.warning("kvoffload_load_failed req_id=%s blocks=%d", req_id, len(nkeys))
+
+    def note_failed_stores(self, nkeys: Iterable[bytes]) -> None:
+        """Stores of ``nkeys`` failed in a worker: their ``complete_store`` reports failure."""
+        self._failed_stores.update(nkeys)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for key in keys:
+            self._touched[self._key(key)] = None
+
+    # ---- stores ---------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        state = self._state(req_context)
+        nkeys = [self._key(k) for k in keys]
+
+        def call(client: KVOffloadClient):
+            self._ensure_registered(client, state)
+            return client.prepare_store(req_context.req_id, nkeys)
+
+        try:
+            slots = self._link.call(call)
+        except ServiceDown:
+            self.stats.add(Counter.STORES_DROPPED, len(nkeys), "unreachable")
+            self._count_outage()
+            return None
+        except KVOffloadError as exc:
+            self.stats.add(Counter.STORES_DROPPED, len(nkeys), exc.code)
+            log.debug("kvoffload_store_refused req_id=%s error=%s", req_context.req_id, exc)
+            return None
+        if slots.keys:
+            state.open_stores += 1
+        info = self._link.info
+        assert info is not None
+        spec = PoolBlocks(
+            req_id=req_context.req_id,
+            pool_name=info.pool_name,
+            num_slots=info.num_slots,
+            block_bytes=info.block_bytes,
+            keys=list(slots.keys),
+            slots=list(slots.slots),
+        )
+        return PrepareStoreOutput(
+            keys_to_store=[OffloadKey(offload_key_of(k)) for k in slots.keys],
+            store_spec=spec,
+            evicted_keys=[
+                OffloadKey(offload_key_of(k))
+                for k in slots.evicted
+                if k.startswith(self._fingerprint)
+            ],
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        state = self._requests.get(req_context.req_id)
+        nkeys = [self._key(k) for k in keys]
+        failed = self._failed_stores.intersection(nkeys)
+        self._failed_stores.difference_update(failed)
+        ok = [k for k in nkeys if k not in failed] if success else []
+        if state is not None:
+            state.open_stores = max(0, state.open_stores - 1)
+        try:
+            if state is None or state.generation != self._link.generation:
+                raise ServiceDown("the session that prepared this store is gone")
+            self._link.call(
+                lambda c: c.complete_store(
+                    req_context.req_id,
+                    nkeys,
+                    success=not failed and success,
+                    successful_keys=ok if failed else None,
+                )
+            )
+        except (ServiceDown, KVOffloadError) as exc:
+            self.stats.add(Counter.STORES_DROPPED, len(ok), "unreachable")
+            log.debug("kvoffload_store_lost req_id=%s error=%s", req_context.req_id, exc)
+        else:
+            self.stats.add(Counter.STORED_BLOCKS, len(ok))
+            if failed:
+                self.stats.add(Counter.STORES_DROPPED, len(failed), "copy_failed")
+        self._count_outage()
+        if state is not None:
+            self._maybe_forget(state)
+
+    # ---- cache ----------------------------------------------------------------------------
+
+    def reset_cache(self) -> None:
+        """Empty kvoffload's host pool (its disk and object tiers keep their blocks). Every
+        pin of this engine goes with it."""
+        for state in self._requests.values():
+            state.pinned.clear()
+            state.uncertain.clear()
+            state.missed.clear()
+            state.loading.clear()
+        try:
+            self._link.call(lambda c: c.reset_cache(timeout_s=max(self._link.call_timeout_s, 30.0)))
+        except (ServiceDown, KVOffloadError) as exc:
+            log.warning("kvoffload_reset_failed error=%s", exc)
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        self._link.close()
+
+
+def _service_params(ctx: ReqContext) -> dict:
+    """The request parameters kvoffload understands (its tier filter)."""
+    params = ctx.kv_transfer_params or {}
+    tiers = params.get("kv_load_tiers")
+    return {"kv_load_tiers": tiers} if tiers is not None else {}

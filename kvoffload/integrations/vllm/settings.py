@@ -1,0 +1,57 @@
+"""The integration's settings, read from vLLM's ``kv_connector_extra_config``.
+
+| key | default | meaning |
+|---|---|---|
+| ``endpoint`` | ``KVOFFLOAD_ENDPOINT``, else the local run | client endpoint of the service |
+| ``call_timeout_s`` | 0.25 | bound of one call; then the service counts as down |
+| ``connect_timeout_s`` | 0.5 | bound of one connection attempt |
+| ``max_backoff_s`` | 2.0 | longest wait between reconnection attempts |
+| ``namespace`` | ``""`` | extra text in the key fingerprint (keeps deployments apart) |
+| ``model_revision`` | vLLM's revision | revision in the key fingerprint |
+| ``faults`` | none | kvoffload fault spec for the worker side (``fail_fraction`` of loads) |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvoffload.protocol import FaultSpec
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    endpoint: str = ""
+    call_timeout_s: float = 0.25
+    connect_timeout_s: float = 0.5
+    max_backoff_s: float = 2.0
+    namespace: str = ""
+    model_revision: str = ""
+    faults: FaultSpec | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
+        """ValueError naming the key for a value of the wrong type or range."""
+        out: dict[str, Any] = {}
+        for name in ("endpoint", "namespace", "model_revision"):
+            if name in extra:
+                if not isinstance(extra[name], str):
+                    raise ValueError(f"kv_connector_extra_config[{name!r}] must be a string")
+                out[name] = extra[name]
+        for name in ("call_timeout_s", "connect_timeout_s", "max_backoff_s"):
+            if name in extra:
+                value = extra[name]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                    raise ValueError(
+                        f"kv_connector_extra_config[{name!r}] must be a positive number, got {value!r}"
+                    )
+                out[name] = float(value)
+        if extra.get("faults") is not None:
+            try:
+                out["faults"] = msgspec.convert(extra["faults"], FaultSpec)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"kv_connector_extra_config['faults']: {exc}") from None
+        return cls(**out)

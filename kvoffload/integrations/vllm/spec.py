@@ -1,0 +1,147 @@
+"""``KVOffloadSpec``: vLLM's ``OffloadingSpec`` for a running kvoffload service.
+
+vLLM builds one spec in the scheduler process (``get_manager``) and one in each model-worker
+process (``get_worker``). The scheduler side connects to the service (``endpoint`` in
+``kv_connector_extra_config``, else ``KVOFFLOAD_ENDPOINT``, else the newest local run) and
+checks that a pool block holds one vLLM offload block of every rank; a mismatch is one error
+that names both sizes and the settings to change. If the service is unreachable at start, vLLM
+starts anyway and the integration connects when the service appears.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvoffload.discovery import find_endpoint
+from kvoffload.protocol import Connected
+
+from .keys import FINGERPRINT_BYTES, KVIdentity, model_digest
+from .layout import BlockLayout, GeometryError, check_fits
+from .link import ServiceLink
+from .manager import KVOffloadManager
+from .metrics import metric_definitions
+from .settings import ConnectorSettings
+from .worker import KVOffloadWorker
+
+log = logging.getLogger(__name__)
+
+LAYOUT_VERSION = "kvoffload-vllm-1"
+OFFLOAD_KEY_BYTES = 36  # vLLM's block hash (32) + KV cache group index (4)
+
+
+class KVOffloadSpec(OffloadingSpec):
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        return metric_definitions()
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.settings = ConnectorSettings.from_extra_config(self.extra_config)
+        parallel = config.parallel
+        self.rank_block_bytes = config.worker_kv_bytes_per_block
+        self.identity = KVIdentity(
+            model=config.model.name,
+            model_digest=model_digest(config.model.name),
+            revision=self.settings.model_revision,
+            kv_dtype=config.model.dtype,
+            tokens_per_block=self.tokens_per_block,
+            blocks_per_chunk=self.blocks_per_chunk,
+            layout=f"{LAYOUT_VERSION}/{config.kv_cache_layout or ''}",
+            tp_size=parallel.tp_size,
+            pp_size=parallel.pp_size,
+            pcp_size=parallel.pcp_size,
+            dcp_size=parallel.dcp_size,
+            per_rank_bytes=self.blocks_per_chunk * self.rank_block_bytes,
+            namespace=self.settings.namespace,
+        )
+        self.fingerprint = self.identity.fingerprint()
+        self._manager: KVOffloadManager | None = None
+
+    def _check_service(self, info: Connected) -> None:
+        """GeometryError if the service's pool or key limits cannot hold this engine's blocks."""
+        check_fits(
+            info.block_bytes,
+            self.config.parallel.world_size,
+            self.blocks_per_chunk,
+            self.rank_block_bytes,
+        )
+        if info.key_bytes_max < FINGERPRINT_BYTES + OFFLOAD_KEY_BYTES:
+            raise GeometryError(
+                f"the kvoffload service accepts keys of at most {info.key_bytes_max} bytes; "
+                f"vLLM keys need {FINGERPRINT_BYTES + OFFLOAD_KEY_BYTES}: set "
+                f"pool.key_bytes_max to at least that"
+            )
+
+    def get_manager(self) -> KVOffloadManager:
+        if self._manager is not None:
+            return self._manager
+        settings = self.settings
+
+        def on_connect(info: Connected) -> None:
+            self._check_service(info)
+            if self._manager is not None:
+                self._manager.set_secondary_source(_secondary_source(info.tiers))
+
+        link = ServiceLink(
+            lambda: find_endpoint(settings.endpoint or None),
+            name=f"vllm-{self.config.engine_id}",
+            call_timeout_s=settings.call_timeout_s,
+            connect_timeout_s=settings.connect_timeout_s,
+            max_backoff_s=settings.max_backoff_s,
+            on_connect=on_connect,
+        )
+        self._manager = KVOffloadManager(link, self.fingerprint)
+        if link.connect_now() and link.info is not None:
+            self._manager.set_secondary_source(_secondary_source(link.info.tiers))
+            log.info(
+                "kvoffload_attached endpoint=%s pool=%s block_bytes=%d fingerprint=%s",
+                link.endpoint,
+                link.info.pool_name,
+                link.info.block_bytes,
+                self.fingerprint.hex(),
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> KVOffloadWorker:
+        refs = kv_caches.group_data_refs[0] if kv_caches.group_data_refs else []
+        layout = BlockLayout(
+            page_bytes=tuple(r.page_size_bytes for r in refs),
+            blocks_per_chunk=self.blocks_per_chunk,
+            rank=self.config.parallel.rank,
+            world_size=self.config.parallel.world_size,
+        )
+        if layout.rank_block_bytes != self.rank_block_bytes:
+            raise ValueError(
+                f"KV pages of this worker sum to {layout.rank_block_bytes} bytes per block, "
+                f"vLLM reports {self.rank_block_bytes}"
+            )
+        return KVOffloadWorker(kv_caches, layout, self.settings.faults)
+
+
+def _secondary_source(tiers: list[str]) -> CacheHitSource:
+    """How vLLM labels blocks promoted from kvoffload's first secondary tier."""
+    return CacheHitSource.DISK if tiers and tiers[0] == "disk" else CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
+def spec_defaults(extra_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries that select this spec, for a ``kv_connector_extra_config`` lacking them."""
+    return {
+        key: value
+        for key, value in (
+            ("spec_name", KVOffloadSpec.__name__),
+            ("spec_module_path", __name__),
+        )
+        if key not in extra_config
+    }

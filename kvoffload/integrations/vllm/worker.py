@@ -1,0 +1,252 @@
+"""vLLM's ``OffloadingWorker`` for kvoffload (runs in each model-worker process).
+
+The worker maps kvoffload's host pool itself and copies between vLLM's KV tensors and pool
+slots: memcpy (one vectorised gather/scatter per tensor) for CPU tensors, and asynchronous
+copies on a dedicated CUDA stream from the CUDA-registered pool for GPU tensors. It never
+talks to the manager: slot numbers arrive in the ``PoolBlocks`` the scheduler side built, and
+completions leave through ``get_finished``.
+
+A transfer that cannot be done in full never fails the job as seen by vLLM (whose offloading
+connector does not support failed jobs). Instead:
+- a failed load's destination blocks are kept for ``get_block_ids_with_load_errors`` (vLLM then
+  recomputes them) and its keys for the scheduler side, which answers MISS for them;
+- a failed store's keys are kept for the scheduler side, which completes the store as failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from kvoffload.pool import HostPool
+from kvoffload.protocol import FaultSpec
+
+from .blocks import NO_SLOT, PoolBlocks
+from .layout import BlockLayout, CopyRow, load_rows, store_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferFailures:
+    """What failed since the last ``take_failures``: keys per vLLM request id."""
+
+    loads: dict[str, list[bytes]] = field(default_factory=dict)
+    stores: list[bytes] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.stores)
+
+
+@dataclass
+class _Pending:
+    result: TransferResult
+    event: torch.cuda.Event | None = None
+
+
+class KVOffloadWorker(OffloadingWorker):
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        layout: BlockLayout,
+        faults: FaultSpec | None = None,
+    ) -> None:
+        """``faults.fail_fraction``: fraction of loaded keys to fail on purpose (tests and
+        soaks of the recompute path)."""
+        if len(kv_caches.group_data_refs) != 1:
+            raise ValueError(
+                "kvoffload supports models with one KV cache group; this model has "
+                f"{len(kv_caches.group_data_refs)}"
+            )
+        refs = kv_caches.group_data_refs[0]
+        self._tensors = [kv_caches.tensors[r.tensor_idx].tensor for r in refs]
+        self._pages = [r.page_size_bytes for r in refs]
+        if tuple(self._pages) != layout.page_bytes:
+            raise ValueError(f"KV pages {self._pages} differ from the layout {layout.page_bytes}")
+        self._layout = layout
+        self._offsets = layout.tensor_offsets
+        self._device = self._tensors[0].device
+        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        self._pools: dict[str, HostPool] = {}
+        self._pool_views: dict[str, torch.Tensor] = {}
+        self._pending: list[_Pending] = []
+        self._error_blocks: set[int] = set()
+        self._failures = TransferFailures()
+        faults = faults or FaultSpec()
+        self._fail_fraction = faults.fail_fraction
+        self._rng = random.Random(faults.seed)
+
+    # ---- pool -----------------------------------------------------------------------------
+
+    def _pool_view(self, spec: PoolBlocks) -> torch.Tensor:
+        """The pool of ``spec`` as an int8 tensor ``(num_slots, block_bytes)`` (mapped once;
+        a pool of a previous service run is unmapped when a new one appears)."""
+        view = self._pool_views.get(spec.pool_name)
+        if view is not None:
+            return view
+        for name in list(self._pools):
+            self._pool_views.pop(name, None)
+            self._pools.pop(name).close()
+        self._layout.check_fits(spec.block_bytes)
+        pool = HostPool.attach(spec.pool_name, spec.num_slots, spec.block_bytes)
+        if self._stream is not None and not pool.register_cuda():
+            log.warning("kvoffload_pool_not_cuda_registered pool=%s", spec.pool_name)
+        view = torch.from_numpy(pool.as_numpy()).view(torch.int8)
+        self._pools[spec.pool_name] = pool
+        self._pool_views[spec.pool_name] = view
+        return view
+
+    # ---- OffloadingWorker -----------------------------------------------------------------
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, PoolBlocks)
+        start = time.perf_counter()
+        moved = 0
+        try:
+            rows = store_rows(len(dst_spec.keys), src_spec.block_ids.tolist(), self._layout.blocks_per_chunk)
+            pool = self._pool_view(dst_spec)
+            moved = self._copy(pool, rows, dst_spec.slots, to_pool=True)
+        except (OSError, ValueError) as exc:
+            log.warning("kvoffload_store_copy_failed req_id=%s error=%s", dst_spec.req_id, exc)
+            self._failures.stores.extend(dst_spec.keys)
+        self._finish(job_id, moved, start)
+        return True
+
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        assert isinstance(src_spec, PoolBlocks)
+        start = time.perf_counter()
+        moved = 0
+        keys = src_spec.keys
+        try:
+            rows = load_rows(
+                len(keys),
+                dst_spec.block_ids.tolist(),
+                int(dst_spec.block_indices[0]) if len(dst_spec.block_indices) else 0,
+                self._layout.blocks_per_chunk,
+            )
+        except ValueError as exc:
+            log.error("kvoffload_load_spec_invalid req_id=%s error=%s", src_spec.req_id, exc)
+            self._fail_load(src_spec.req_id, keys, dst_spec.block_ids.tolist())
+            self._finish(job_id, 0, start)
+            return True
+        failed = {i for i, slot in enumerate(src_spec.slots) if slot == NO_SLOT}
+        if self._fail_fraction:
+            failed.update(i for i in range(len(keys)) if self._rng.random() < self._fail_fraction)
+        try:
+            pool = self._pool_view(src_spec) if len(failed) < len(keys) else None
+        except (OSError, ValueError) as exc:
+            log.warning("kvoffload_pool_unavailable pool=%s error=%s", src_spec.pool_name, exc)
+            pool, failed = None, set(range(len(keys)))
+        good = [r for r in rows if r.key_index not in failed]
+        if pool is not None and good:
+            moved = self._copy(pool, good, src_spec.slots, to_pool=False)
+        if failed:
+            self._fail_load(
+                src_spec.req_id,
+                [keys[i] for i in sorted(failed)],
+                [r.block_id for r in rows if r.key_index in failed],
+            )
+        self._finish(job_id, moved, start)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        done = [p for p in self._pending if p.event is None or p.event.query()]
+        if done:
+            self._pending = [p for p in self._pending if not (p.event is None or p.event.query())]
+        return [p.result for p in done]
+
+    def wait(self, job_ids: set[int]) -> None:
+        for pending in self._pending:
+            if pending.event is not None and pending.result.job_id in job_ids:
+                pending.event.synchronize()
+
+    def shutdown(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._pool_views.clear()
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+    # ---- failures -------------------------------------------------------------------------
+
+    def _fail_load(self, req_id: str, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        self._error_blocks.update(block_ids)
+        self._failures.loads.setdefault(req_id, []).extend(keys)
+
+    def take_error_blocks(self) -> set[int]:
+        """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
+        out, self._error_blocks = self._error_blocks, set()
+        return out
+
+    def take_failures(self) -> TransferFailures:
+        out, self._failures = self._failures, TransferFailures()
+        return out
+
+    # ---- copies ---------------------------------------------------------------------------
+
+    def _finish(self, job_id: int, moved: int, start: float) -> None:
+        result = TransferResult(job_id, True, moved, time.perf_counter() - start)
+        event = None
+        if self._stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._pending.append(_Pending(result, event))
+
+    def _copy(self, pool: torch.Tensor, rows: list[CopyRow], slots: Sequence[int], to_pool: bool) -> int:
+        """Copy ``rows`` between the KV tensors and their keys' slots; returns bytes moved."""
+        if self._stream is not None:
+            return self._copy_cuda(pool, rows, slots, to_pool)
+        by_chunk_block: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+        for row in rows:
+            blocks, row_slots = by_chunk_block[row.chunk_block]
+            blocks.append(row.block_id)
+            row_slots.append(slots[row.key_index])
+        moved = 0
+        for chunk_block, (blocks, row_slots) in by_chunk_block.items():
+            base = self._layout.offset(chunk_block)
+            block_index = torch.tensor(blocks, dtype=torch.long)
+            slot_index = torch.tensor(row_slots, dtype=torch.long)
+            for tensor, page, offset in zip(self._tensors, self._pages, self._offsets, strict=True):
+                start = base + offset
+                if to_pool:
+                    pool[slot_index, start : start + page] = tensor[block_index, :page]
+                else:
+                    tensor[block_index, :page] = pool[slot_index, start : start + page]
+                moved += len(blocks) * page
+        return moved
+
+    def _copy_cuda(self, pool: torch.Tensor, rows: list[CopyRow], slots: Sequence[int], to_pool: bool) -> int:
+        """One asynchronous copy per (block, tensor) on the worker's stream, straight between
+        device memory and the page-locked pool."""
+        assert self._stream is not None
+        moved = 0
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._stream):
+            for row in rows:
+                base = self._layout.offset(row.chunk_block)
+                slot = slots[row.key_index]
+                for tensor, page, offset in zip(self._tensors, self._pages, self._offsets, strict=True):
+                    host = pool[slot, base + offset : base + offset + page]
+                    device = tensor[row.block_id, :page]
+                    if to_pool:
+                        host.copy_(device, non_blocking=True)
+                    else:
+                        device.copy_(host, non_blocking=True)
+                    moved += page
+        return moved
