@@ -3,8 +3,12 @@
 Every call sends one request and waits for its reply (matched by call id) up to ``timeout_s``.
 Failures raise ``KVOffloadError`` carrying the manager's typed error code; a call that would
 exceed ``protocol.MAX_MESSAGE_BYTES`` raises ``KVOffloadError("message_too_large")`` before
-anything is sent; a missing reply raises ``TimeoutError``. Finished device jobs are delivered
-once each, by ``poll``/``wait``.
+anything is sent; a missing reply raises ``ServiceUnavailable`` (also a ``TimeoutError``).
+Finished device jobs are delivered once each, by ``poll``/``wait``.
+
+A restarted manager answers ``not_connected``: ``reconnect`` starts a new session with what
+this client had set up (KV handles, open requests); with ``auto_reconnect`` that happens by
+itself and the call is sent once more.
 """
 
 from __future__ import annotations
@@ -25,6 +29,18 @@ class KVOffloadError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+class ServiceUnavailable(KVOffloadError, TimeoutError):
+    """The manager did not answer in time: it is down, restarting or unreachable (code
+    ``unavailable``). Call ``reconnect`` once it is back."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("unavailable", message)
+
+
+NOT_CONNECTED = "not_connected"
+LOST_JOB_ERROR = "lost: the manager restarted or dropped this client's session"
 
 
 class LookupOutcome:
@@ -61,27 +77,54 @@ class KVOffloadClient:
         timeout_s: float = 10.0,
         name: str = "",
         curve_keys: tuple[bytes, bytes, bytes] | None = None,
+        auto_reconnect: bool = False,
     ) -> None:
-        """``curve_keys`` = (client public, client secret, server public) for tcp:// endpoints."""
+        """``curve_keys`` = (client public, client secret, server public) for tcp:// endpoints.
+        ``auto_reconnect``: a call answered ``not_connected`` calls ``reconnect`` and is sent
+        once more. Raises ServiceUnavailable when the manager does not answer."""
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.name = name
+        self.auto_reconnect = auto_reconnect
+        self._curve_keys = curve_keys
         self._zctx = zmq.Context.instance()
-        self._sock = self._zctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if curve_keys is not None:
-            self._sock.curve_publickey, self._sock.curve_secretkey, self._sock.curve_serverkey = curve_keys
-        self._sock.connect(endpoint)
         self._rids = itertools.count(1)
         self._events: deque[p.JobFinished] = deque()
+        self._handles: dict[str, p.KVHandle] = {}
+        self._requests: dict[str, dict] = {}
+        self._jobs: dict[int, tuple[str, str]] = {}  # accepted device jobs: id -> (req_id, kind)
+        self._sock = self._open_socket()
         try:
-            self.info = self._call(p.Connect, version=p.PROTOCOL_VERSION, client_name=name)
+            self.info = self._exchange(p.Connect, None, self._connect_fields())
         except BaseException:
             self._sock.close(linger=0)
             raise
 
     # ---- plumbing -------------------------------------------------------------------------
 
+    def _open_socket(self) -> zmq.Socket:
+        sock = self._zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._curve_keys is not None:
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve_keys
+        sock.connect(self.endpoint)
+        return sock
+
+    def _connect_fields(self) -> dict[str, Any]:
+        return {"version": p.PROTOCOL_VERSION, "client_name": self.name}
+
     def _call(self, kind: type, timeout_s: float | None = None, **fields: Any):
+        try:
+            return self._exchange(kind, timeout_s, fields)
+        except KVOffloadError as exc:
+            if not (self.auto_reconnect and exc.code == NOT_CONNECTED and kind is not p.Disconnect):
+                raise
+        self.reconnect()
+        return self._exchange(kind, timeout_s, fields)
+
+    def _exchange(self, kind: type, timeout_s: float | None, fields: dict[str, Any]):
+        """Send one request and return its reply; KVOffloadError for an Error reply,
+        ServiceUnavailable when none comes in time."""
         rid = next(self._rids)
         frame = p.encode(kind(rid=rid, **fields))
         if len(frame) > p.MAX_MESSAGE_BYTES:
@@ -95,13 +138,38 @@ class KVOffloadClient:
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0 or not self._sock.poll(remaining_ms):
-                raise TimeoutError(f"no reply to {kind.__name__} from {self.endpoint} in time")
+                raise ServiceUnavailable(f"no reply to {kind.__name__} from {self.endpoint} in time")
             reply = p.decode_client_reply(self._sock.recv())
             if reply.rid != rid:
                 continue  # a late reply to a call that already timed out
             if isinstance(reply, p.Error):
                 raise KVOffloadError(reply.code, reply.message)
             return reply
+
+    def reconnect(self, timeout_s: float | None = None) -> None:
+        """Start a new session, for a manager that restarted (calls answered
+        ``not_connected``) or was unreachable (``ServiceUnavailable``): a fresh socket (requests
+        still queued for the old session are dropped), ``Connect`` (``info`` is renewed), then
+        every KV handle registered and every request opened and not yet finished by this
+        client are registered and opened again. Device jobs accepted before and not reported
+        yet end with one failed ``JobFinished`` each (error ``lost: ...``); pins and prepared
+        stores of the old session are gone. The old session, if its manager still has it, is
+        told to end. Raises ServiceUnavailable when the manager does not answer within
+        ``timeout_s`` (default: the client's ``timeout_s``)."""
+        old, self._sock = self._sock, self._open_socket()
+        try:
+            old.send(p.encode(p.Disconnect(rid=next(self._rids))), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        old.close(linger=200)
+        self.info = self._exchange(p.Connect, timeout_s, self._connect_fields())
+        for handle in list(self._handles.values()):
+            self._exchange(p.RegisterKV, None, {"handle": handle})
+        for req_id, params in list(self._requests.items()):
+            self._exchange(p.NewRequest, None, {"req_id": req_id, "params": params})
+        lost, self._jobs = self._jobs, {}
+        for job_id, (req_id, kind) in lost.items():
+            self._events.append(p.JobFinished(job_id, req_id, kind, False, None, LOST_JOB_ERROR))
 
     def close(self) -> None:
         """Tell the manager we leave (best effort: it finishes our requests and releases our
@@ -122,22 +190,34 @@ class KVOffloadClient:
     # ---- engine calls ---------------------------------------------------------------------
 
     def register_kv(self, handle: p.KVHandle) -> None:
+        """Register a KV cache (``reconnect`` registers it again)."""
         self._call(p.RegisterKV, handle=handle)
+        self._handles[handle.handle_id] = handle
 
     def new_request(self, req_id: str, params: dict | None = None) -> bool:
-        """Returns True when some tier wants every block of the request (request level)."""
-        return self._call(p.NewRequest, req_id=req_id, params=params or {}).request_level
+        """Returns True when some tier wants every block of the request (request level). The
+        request stays open (``reconnect`` opens it again) until ``finish_request``."""
+        reply = self._call(p.NewRequest, req_id=req_id, params=params or {})
+        self._requests[req_id] = params or {}
+        return reply.request_level
 
     def lookup(self, req_id: str, keys: list[bytes]) -> LookupOutcome:
         return LookupOutcome(self._call(p.Lookup, req_id=req_id, keys=keys))
 
     def store(self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str) -> p.JobAccepted:
         """Offload device blocks; returns the accepted job (job_id None if nothing was new)."""
-        return self._call(p.Store, req_id=req_id, keys=keys, device_blocks=device_blocks, handle_id=handle_id)
+        accepted = self._call(p.Store, req_id=req_id, keys=keys, device_blocks=device_blocks, handle_id=handle_id)
+        return self._accepted(req_id, "store", accepted)
 
     def load(self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str) -> p.JobAccepted:
         """Copy ready (HIT) keys into device blocks; the pins last until the job finishes."""
-        return self._call(p.Load, req_id=req_id, keys=keys, device_blocks=device_blocks, handle_id=handle_id)
+        accepted = self._call(p.Load, req_id=req_id, keys=keys, device_blocks=device_blocks, handle_id=handle_id)
+        return self._accepted(req_id, "load", accepted)
+
+    def _accepted(self, req_id: str, kind: str, accepted: p.JobAccepted) -> p.JobAccepted:
+        if accepted.job_id is not None:
+            self._jobs[accepted.job_id] = (req_id, kind)
+        return accepted
 
     def prepare_store(self, req_id: str, keys: list[bytes]) -> p.Slots:
         return self._call(p.PrepareStore, req_id=req_id, keys=keys)
@@ -155,7 +235,11 @@ class KVOffloadClient:
         self._call(p.Touch, keys=keys)
 
     def finish_request(self, req_id: str) -> None:
-        self._call(p.FinishRequest, req_id=req_id)
+        """Finish the request; this client forgets it even when the call fails."""
+        try:
+            self._call(p.FinishRequest, req_id=req_id)
+        finally:
+            self._requests.pop(req_id, None)
 
     def end_step(self) -> None:
         self._call(p.EndStep)
@@ -172,7 +256,10 @@ class KVOffloadClient:
         self._events.clear()
         if events:
             return events
-        return self._call(p.Poll, timeout_s=wait_ms / 1000 + self.timeout_s, wait_ms=wait_ms).finished
+        events = self._call(p.Poll, timeout_s=wait_ms / 1000 + self.timeout_s, wait_ms=wait_ms).finished
+        for event in events:
+            self._jobs.pop(event.job_id, None)
+        return events
 
     def wait(self, job_ids: Iterable[int], timeout_s: float | None = None) -> dict[int, p.JobFinished]:
         """Block until every job id has finished; other events stay queued for ``poll``."""

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from ..client import KVOffloadClient, KVOffloadError
+from ..client import KVOffloadClient, KVOffloadError, ServiceUnavailable
 from ..kvcache import SharedKVCache
 from ..logs import configure_logging
 from ..pool import HostPool
@@ -157,12 +157,12 @@ class SoakEngine:
         started = time.monotonic()
         try:
             self._one_request()
-        except KVOffloadError as exc:
-            self._on_error(exc)
-        except TimeoutError as exc:
+        except TimeoutError as exc:  # ServiceUnavailable included
             self.counters["timeouts"] += 1
             self.report.write("timeout", t0=started, t1=time.monotonic(), error=str(exc))
             self._reconnect("timeout")
+        except KVOffloadError as exc:
+            self._on_error(exc)
         except JobLost as exc:
             self._reconnect(f"job_lost: {exc}")
         except Reconnect as exc:
@@ -272,6 +272,9 @@ class SoakEngine:
             self._on_error(exc)
 
     def _on_error(self, exc: KVOffloadError) -> None:
+        """Count an error reply; a manager that does not answer is re-raised, for ``_step``."""
+        if isinstance(exc, ServiceUnavailable):
+            raise exc
         self.counters[f"error_{exc.code}"] += 1
         if exc.code not in EXPECTED_CODES:
             self._violation("unexpected_error", code=exc.code, message=exc.message[:200])

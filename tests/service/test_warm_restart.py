@@ -12,7 +12,7 @@ import numpy as np
 import psutil
 import pytest
 
-from kvoffload.client import KVOffloadError
+from kvoffload.client import KVOffloadClient, KVOffloadError, ServiceUnavailable
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.pool import HostPool
 from kvoffload.tiering import LookupResult
@@ -156,3 +156,48 @@ def test_with_slot_headers_off_a_restarted_manager_starts_cold(start_service, kv
     with service.client("after") as new:
         new.new_request("r")
         assert new.lookup("r", keys).results == [MISS]
+
+
+def test_a_client_reconnects_after_a_manager_restart_with_its_handles_and_requests(start_service, kv):
+    service = start_service()
+    keys = keys_for("again", 8)
+    manual = service.client("manual")
+    auto = KVOffloadClient(service.endpoint, timeout_s=10.0, name="auto", auto_reconnect=True)
+    try:
+        manual.register_kv(kv.handle("kv"))
+        manual.new_request("r")
+        store_all(manual, "r", keys)
+        auto.new_request("a")
+        unreported = manual.store("r", keys_for("unreported", 2), [8, 9], "kv").job_id
+        old_pid = kill_manager(service)
+        wait_for_new_manager(service, old_pid)
+
+        with pytest.raises(KVOffloadError) as err:
+            manual.lookup("r", keys)
+        assert err.value.code == "not_connected"
+        manual.reconnect()
+        lost = manual.wait([unreported])[unreported]
+        assert not lost.success and lost.error.startswith("lost") and lost.req_id == "r"
+        assert manual.lookup("r", keys).results == [HIT] * len(keys), "request r is open again"
+        for t in kv.tensors:
+            t[SOURCE_BLOCKS:] = 0
+        targets = list(range(SOURCE_BLOCKS, SOURCE_BLOCKS + len(keys)))
+        accepted = manual.load("r", keys, targets, "kv")
+        assert manual.wait([accepted.job_id])[accepted.job_id].success, "handle kv is registered again"
+        assert [block_bytes(kv, t) for t in targets] == [block_bytes(kv, b) for b in range(len(keys))]
+        manual.finish_request("r")
+
+        assert auto.lookup("a", keys).results == [HIT] * len(keys), "reconnected by itself"
+        auto.finish_request("a")
+    finally:
+        manual.close()
+        auto.close()
+    assert service.status()["tiering"]["pinned_slots"] == 0
+
+
+def test_an_unreachable_service_raises_service_unavailable(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(ServiceUnavailable) as err:
+        KVOffloadClient(f"ipc://{tmp_path}/nobody.sock", timeout_s=0.3)
+    assert err.value.code == "unavailable" and isinstance(err.value, TimeoutError)
+    assert isinstance(err.value, KVOffloadError) and time.monotonic() - started < 2.0
