@@ -117,11 +117,12 @@ class ObjectConfig(_Section):
 
 
 class SupervisorConfig(_Section):
-    """Process supervision: restart backoff and drain on shutdown."""
+    """Process supervision: restart backoff, drain and grace period on shutdown."""
 
     restart_backoff_initial_s: float = 0.5
     restart_backoff_max_s: float = 10.0
     drain_timeout_s: float = 10.0
+    stop_grace_s: float = 5.0
     cpu_affinity: tuple[int, ...] = ()
 
 
@@ -395,7 +396,8 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
 
     sup = cfg.supervisor
     positive(
-        "supervisor", sup, "restart_backoff_initial_s", "restart_backoff_max_s", "drain_timeout_s"
+        "supervisor", sup, "restart_backoff_initial_s", "restart_backoff_max_s", "drain_timeout_s",
+        "stop_grace_s",
     )
     if sup.restart_backoff_max_s < sup.restart_backoff_initial_s:
         fail(

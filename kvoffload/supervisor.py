@@ -29,6 +29,9 @@ log = structlog.get_logger()
 
 WORKER_MODULES = {"cpu": "workers.cpu", "disk": "workers.disk", "object": "workers.object"}
 HEALTHY_AFTER_S = 30.0
+KILL_REAP_S = 5.0
+"""How long ``stop`` waits for a SIGKILLed child to be reaped before it removes the segments
+anyway (a process stuck in the kernel may not die at once)."""
 EXIT_REFUSED = 2
 """A child that exits with this code refused its configuration (bad credentials, missing bucket,
 protocol mismatch): restarting it cannot help, so it stays down and its tier's jobs fail."""
@@ -213,18 +216,17 @@ class Supervisor:
     # ---- stop -----------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Drain through the manager, stop every child, unlink the pool and run files."""
-        drain_s = self.cfg.supervisor.drain_timeout_s
+        """Drain through the manager, stop every child, unlink the pool and run files.
+
+        Bounded: the manager gets ``drain_timeout_s + stop_grace_s`` after its SIGTERM, then
+        every other child one common ``stop_grace_s`` after theirs; a child still running then
+        is SIGKILLed. The segments and run files are removed even if a killed child cannot be
+        reaped."""
+        sup = self.cfg.supervisor
         manager = self.children.get("manager")
-        if manager is not None and manager.proc is not None and manager.proc.poll() is None:
-            manager.proc.send_signal(signal.SIGTERM)
-            _wait(manager.proc, drain_s + 5)
-        for child in self.children.values():
-            if child.proc is not None and child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-        for child in self.children.values():
-            if child.proc is not None:
-                _wait(child.proc, 5)
+        if manager is not None:
+            _terminate([manager], sup.drain_timeout_s + sup.stop_grace_s)
+        _terminate([c for c in self.children.values() if c is not manager], sup.stop_grace_s)
         if self.pool is not None:
             self.pool.close()
             self.pool.unlink()
@@ -238,10 +240,24 @@ class Supervisor:
         log.info("service_stopped")
 
 
-def _wait(proc: subprocess.Popen, timeout_s: float) -> None:
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        log.error("child_killed_after_timeout", child_pid=proc.pid, timeout_s=timeout_s)
-        proc.kill()
-        proc.wait()
+def _terminate(children: list[Child], grace_s: float) -> None:
+    """SIGTERM the running ``children``, give them ``grace_s`` together, SIGKILL the ones
+    still running and reap them (at most ``KILL_REAP_S`` each)."""
+    running = [c for c in children if c.proc is not None and c.proc.poll() is None]
+    for child in running:
+        child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in running:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for child in running:
+        if child.proc.poll() is not None:
+            continue
+        log.error("child_killed_after_grace", child=child.name, child_pid=child.pid, grace_s=grace_s)
+        child.proc.kill()
+        try:
+            child.proc.wait(KILL_REAP_S)
+        except subprocess.TimeoutExpired:
+            log.error("child_not_reaped", child=child.name, child_pid=child.pid)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import msgspec
 import numpy as np
+import psutil
 import pytest
 import zmq
 
@@ -190,6 +192,35 @@ def test_sigterm_with_jobs_in_flight_leaves_nothing_behind(start_service, kv):
     assert [f for f in os.listdir(service.base) if service.run_id in f] == []
     events = {e["event"] for e in service.log_events()}
     assert {"manager_stopping", "service_stopped"} <= events
+
+
+STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+
+
+def ignores_sigterm(pid: int) -> bool:
+    for line in open(f"/proc/{pid}/status").read().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    return False
+
+
+def test_shutdown_kills_children_that_ignore_sigterm_after_the_grace_period(start_service):
+    engine = f'[[engines]]\ncommand = ["{sys.executable}", "-c", "{STUBBORN}"]\n'
+    service = start_service(extra_config="stop_grace_s = 1.0\n" + engine + engine)
+    stubborn = [c for c in psutil.Process(service.proc.pid).children() if STUBBORN in c.cmdline()]
+    assert len(stubborn) == 2
+    deadline = time.monotonic() + 10
+    while not all(ignores_sigterm(c.pid) for c in stubborn):
+        assert time.monotonic() < deadline, "the stubborn engines never ignored SIGTERM"
+        time.sleep(0.05)
+    started = time.monotonic()
+    assert service.stop() == 0
+    assert time.monotonic() - started < 4.0, "two stubborn children share one 1-second grace period"
+    assert not [c for c in stubborn if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert shm_segments(service.run_id) == []
+    assert [f for f in os.listdir(service.base) if service.run_id in f] == []
+    killed = [e["child"] for e in service.log_events() if e.get("event") == "child_killed_after_grace"]
+    assert sorted(killed) == ["engine0", "engine1"]
 
 
 def test_status_cli_and_metrics_endpoint(start_service):
