@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import zmq
@@ -35,6 +36,7 @@ def bind_client_socket(
         sock.curve_secretkey = secret
         sock.curve_server = True
     sock.bind(endpoint)
+    _restrict_ipc_file(endpoint)
     return sock, auth
 
 
@@ -47,4 +49,13 @@ def bind_job_socket(zctx: zmq.Context, endpoint: str, max_message_bytes: int) ->
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + TRANSPORT_SLACK_BYTES)
     sock.bind(endpoint)
+    _restrict_ipc_file(endpoint)
     return sock
+
+
+def _restrict_ipc_file(endpoint: str) -> None:
+    """Set an ipc:// endpoint's socket file to mode 0600 (bind creates it with the umask's
+    mode); abstract (``ipc://@name``) and non-ipc endpoints have no file."""
+    path = endpoint.removeprefix("ipc://")
+    if path != endpoint and not path.startswith("@"):
+        os.chmod(path, 0o600)

@@ -577,3 +577,28 @@ def _filesystem_type(path: Path) -> str:
             best, fstype = mount_point, kind
     return fstype
 
+
+
+def test_the_store_is_private_root_and_directory_0700_and_files_0600(tmp_path: Path) -> None:
+    root = tmp_path / "data" / "disk"
+    store = DiskStore(root, BLOCK, FP, 8 * RECORD)
+    store.open()
+    try:
+        store.put(b"k" * 16, slot(payload_for(b"k" * 16)))
+        assert mode(root) == 0o700 and mode(store.directory) == 0o700
+        files = [store.directory / "layout.json", store.directory / "lock", *store.directory.glob("slab-*.kvs")]
+        assert len(files) == 3 and [mode(f) for f in files] == [0o600] * 3
+    finally:
+        store.close()
+    os.chmod(store.directory, 0o755)
+    os.chmod(store.directory / "layout.json", 0o644)
+    reopened = DiskStore(root, BLOCK, FP, 8 * RECORD)
+    reopened.open()
+    try:
+        assert mode(store.directory) == 0o700 and mode(store.directory / "layout.json") == 0o600
+    finally:
+        reopened.close()
+
+
+def mode(path: Path) -> int:
+    return os.stat(path).st_mode & 0o777

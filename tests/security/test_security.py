@@ -257,3 +257,12 @@ def test_register_kv_refuses_bad_handles_and_says_why(start_service):
             assert harness.wait_status(lambda s: s["workers"]["cpu"]["stats"]["kv_handles"] == 2, 5)
     finally:
         os.unlink(f"/dev/shm{alias}")
+
+
+def test_ipc_socket_files_are_0600(start_service):
+    harness = start_service(disk=NO_DISK)
+    sockets = sorted(harness.runtime_dir.glob(f"{harness.run_id}-*.sock"))
+    assert [s.name.split("-", 1)[1] for s in sockets] == ["client.sock", "jobs.sock"]
+    assert [mode(s) for s in sockets] == [0o600, 0o600]
+    with harness.client("after-chmod") as client:
+        assert "cpu" in client.status()["workers"]

@@ -97,7 +97,8 @@ def adopt_layout(layout: SlabLayout) -> SlabLayout:
 
     An existing file must agree on every field that decides how records are encoded (else
     LayoutError); its ``records_per_slab`` wins over the requested one, since records already
-    sit where it put them. The directory must exist. A new file is written durably (fsync).
+    sit where it put them. The directory must exist. A new file is written durably (fsync);
+    the file is mode 0600, an existing one included.
     """
     path = layout.directory / LAYOUT_FILE
     try:
@@ -107,6 +108,7 @@ def adopt_layout(layout: SlabLayout) -> SlabLayout:
         return layout
     except (OSError, ValueError) as exc:
         raise LayoutError(f"unreadable {path}: {exc}") from exc
+    os.chmod(path, 0o600)
     wanted = layout.description()
     differing = [f for f in _FIXED_FIELDS if stored.get(f) != wanted[f]]
     if differing:
@@ -120,6 +122,21 @@ def adopt_layout(layout: SlabLayout) -> SlabLayout:
     return replace(layout, records_per_slab=stored_per_slab)
 
 
+def make_private_directory(directory: Path) -> None:
+    """Create the store's ``directory`` with mode 0700, and its root (the configured
+    ``disk.root``, with missing parents) with mode 0700 when it does not exist yet; an existing
+    root keeps its mode. The store directory is set to 0700 even if it existed."""
+    try:
+        directory.parent.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    try:
+        directory.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    os.chmod(directory, 0o700)
+
+
 def fsync_directory(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -129,8 +146,11 @@ def fsync_directory(directory: Path) -> None:
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    """Write ``path`` (mode 0600) through a temp file and a rename, durably."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -56,7 +56,14 @@ from kvoffload.blockformat import (
     verify_payload,
 )
 from workers.disk.errors import LayoutError, TransientIOError
-from workers.disk.layout import LOCK_FILE, SlabLayout, adopt_layout, fsync_directory, plan_layout
+from workers.disk.layout import (
+    LOCK_FILE,
+    SlabLayout,
+    adopt_layout,
+    fsync_directory,
+    make_private_directory,
+    plan_layout,
+)
 from workers.disk.rawio import (
     O_DIRECT,
     PAGE_SIZE,
@@ -129,18 +136,17 @@ class DiskStore:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def open(self, on_batch: Callable[[list[bytes]], None] | None = None, batch_size: int = 4096) -> None:
-        """Lock the layout directory, check or write ``layout.json``, choose the I/O mode, and
-        rebuild the index from the header pages of existing slab files. Records that are not a
-        valid header of this layout, and older duplicate copies of a key, get their header page
-        cleared. ``on_batch`` receives the found keys in lists of up to ``batch_size`` while the
+        """Create the layout directory (0700, see ``make_private_directory``) and lock it,
+        check or write ``layout.json`` (0600), choose the I/O mode, and rebuild the index from
+        the header pages of existing slab files. Records that are not a valid header of this
+        layout, and older duplicate copies of a key, get their header page cleared. ``on_batch`` receives the found keys in lists of up to ``batch_size`` while the
         scan goes on (it runs in this thread). LayoutError if the directory holds an incompatible
         layout or another process has it open."""
         if self._is_open:
             raise RuntimeError("DiskStore is already open")
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
-        directory = self._layout.directory
-        directory.mkdir(parents=True, exist_ok=True)
+        make_private_directory(self._layout.directory)
         self._lock_directory()
         try:
             self._layout = adopt_layout(self._layout)
@@ -217,16 +223,20 @@ class DiskStore:
 
     # ---- block I/O -------------------------------------------------------------------------
 
-    def put(self, key: bytes, src) -> list[bytes]:
+    def put(self, key: bytes, src, evicted: list[bytes] | None = None) -> list[bytes]:
         """Store ``src`` (a buffer of exactly ``block_bytes``) under ``key``; returns the keys
         evicted to make room (at most one). Raises StoreFull, or the OSError of a failed write;
-        then the new bytes are not visible and the key's previous copy may be gone too."""
+        then the new bytes are not visible and the key's previous copy may be gone too.
+        ``evicted``, when given, receives the evicted keys as soon as they leave the index, so
+        the caller learns of them even when the write then fails."""
         self._require_open()
         _check_key(key)
         view = self._payload_view(src, writable=False)
         checksum = payload_checksum(view)
         with self._lock:
             reservation = self._index.reserve(key)
+        if evicted is not None:
+            evicted.extend(reservation.evicted)
         record = reservation.record
         slab, offset = self._layout.locate(record)
         header_may_be_valid = reservation.invalidate_first
