@@ -113,6 +113,9 @@ class ObjectConfig(_Section):
     request_timeout_s: float = 10.0
     max_retries: int = 3
     verdict_timeout_s: float = 5.0
+    breaker_failure_threshold: int = 5
+    breaker_cooldown_s: float = 1.0
+    breaker_max_cooldown_s: float = 30.0
     cpu_affinity: tuple[int, ...] = ()
 
 
@@ -389,7 +392,16 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
             fail("object.endpoint", "must be set when object.enabled is true")
         if not obj.bucket:
             fail("object.bucket", "must be set when object.enabled is true")
-    positive("object", obj, "io_threads", "request_timeout_s", "verdict_timeout_s")
+    positive(
+        "object", obj, "io_threads", "request_timeout_s", "verdict_timeout_s",
+        "breaker_failure_threshold", "breaker_cooldown_s",
+    )
+    if obj.breaker_max_cooldown_s < obj.breaker_cooldown_s:
+        fail(
+            "object.breaker_max_cooldown_s",
+            f"must be >= object.breaker_cooldown_s ({obj.breaker_cooldown_s}), "
+            f"got {obj.breaker_max_cooldown_s}",
+        )
     if obj.max_retries < 0:
         fail("object.max_retries", f"must be >= 0, got {obj.max_retries}")
     affinity("object", obj.cpu_affinity)

@@ -186,6 +186,10 @@ def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:
         ({"KVOFFLOAD_OBJECT__ENABLED": "true"}, "object.endpoint"),
         ({"KVOFFLOAD_OBJECT__REQUEST_TIMEOUT_S": "0"}, "object.request_timeout_s"),
         ({"KVOFFLOAD_OBJECT__MAX_RETRIES": "-1"}, "object.max_retries"),
+        ({"KVOFFLOAD_OBJECT__BREAKER_FAILURE_THRESHOLD": "0"}, "object.breaker_failure_threshold"),
+        ({"KVOFFLOAD_OBJECT__BREAKER_COOLDOWN_S": "0"}, "object.breaker_cooldown_s"),
+        ({"KVOFFLOAD_OBJECT__BREAKER_MAX_COOLDOWN_S": "0.5"}, "object.breaker_max_cooldown_s"),
+        ({"KVOFFLOAD_SUPERVISOR__STOP_GRACE_S": "0"}, "supervisor.stop_grace_s"),
         ({"KVOFFLOAD_SERVICE__HEARTBEAT_INTERVAL_S": "-0.5"}, "service.heartbeat_interval_s"),
         ({"KVOFFLOAD_SERVICE__HEARTBEAT_TIMEOUT_S": "0.4"}, "service.heartbeat_timeout_s"),
         ({"KVOFFLOAD_SERVICE__REQUEST_LEASE_S": "0"}, "service.request_lease_s"),
@@ -214,6 +218,18 @@ def test_semantic_checks_name_key_and_source(env: dict[str, str], key: str) -> N
     var = next(iter(env))
     key_of_var = var[len("KVOFFLOAD_"):].lower().replace("__", ".")
     assert err.value.source == (var if key == key_of_var else "defaults")
+
+
+def test_object_breaker_thresholds_and_stop_grace_are_settable(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        "[object]\nbreaker_failure_threshold = 2\nbreaker_cooldown_s = 0.5\n"
+        "[supervisor]\nstop_grace_s = 1.5\n",
+    )
+    cfg = load_config(path, env={"KVOFFLOAD_OBJECT__BREAKER_MAX_COOLDOWN_S": "4"})
+    obj = cfg.object
+    assert (obj.breaker_failure_threshold, obj.breaker_cooldown_s, obj.breaker_max_cooldown_s) == (2, 0.5, 4.0)
+    assert cfg.supervisor.stop_grace_s == 1.5
 
 
 def test_semantic_check_from_file_names_file(tmp_path: Path) -> None:

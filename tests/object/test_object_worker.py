@@ -220,6 +220,38 @@ def test_fault_fail_fraction_fails_each_operation(make_backend) -> None:
     assert loaded.ok_keys == [] and loaded.absent_keys == [], "a transient GET failure confirms nothing"
 
 
+def test_fault_corrupt_fraction_corrupts_what_puts_store_not_the_slot(make_backend) -> None:
+    rng = np.random.default_rng(5)
+    backend, pool = make_backend(FaultInjector(FaultSpec(corrupt_fraction=1.0)))
+    keys = [key(i, "corrupt-put") for i in range(2)]
+    data = [fill(pool, slot, rng) for slot in range(2)]
+    stored = backend.run_job(job(1, CASCADE, keys, [0, 1]))
+    assert stored.ok_keys == keys, "the PUTs themselves succeed"
+    assert [slot_bytes(pool, slot) for slot in range(2)] == data, "the pool slots are never altered"
+    assert backend.stats()["injected_corruptions"] == 2
+    loaded = backend.run_job(job(2, PROMOTE, keys, [4, 5]))
+    assert loaded.ok_keys == [] and loaded.absent_keys == keys, "each stored copy fails its checksum"
+    assert backend.run_job(job(3, PROBE, keys)).absent_keys == keys, "the corrupt copies were deleted"
+
+
+def test_breaker_thresholds_come_from_the_object_config(make_backend) -> None:
+    backend, _ = make_backend(breaker_failure_threshold=2, breaker_cooldown_s=0.25, breaker_max_cooldown_s=0.5)
+    breaker = backend.store.breaker
+    assert breaker.snapshot()["cooldown_s"] == 0.25
+    breaker.record_failure()
+    assert breaker.state == "closed"
+    breaker.record_failure()
+    assert breaker.state == "open"
+    time.sleep(0.3)
+    breaker.before_call()
+    breaker.record_failure()
+    assert breaker.snapshot()["cooldown_s"] == 0.5
+    time.sleep(0.55)
+    breaker.before_call()
+    breaker.record_failure()
+    assert breaker.snapshot()["cooldown_s"] == 0.5, "the cooldown stops doubling at the maximum"
+
+
 def test_outage_opens_breaker_and_recovers(make_backend, s3_server: S3Server) -> None:
     rng = np.random.default_rng(4)
     breaker = CircuitBreaker(failure_threshold=3, base_cooldown_s=0.3, max_cooldown_s=1.0)

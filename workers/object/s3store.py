@@ -179,10 +179,12 @@ class S3BlockStore:
             return ObjectStoreConfigError(f"cannot reach the S3 endpoint {self.endpoint}: {failure.detail}")
         return ObjectStoreConfigError(f"S3 endpoint {self.endpoint} refused bucket {self.bucket!r}: {failure.detail}")
 
-    def put(self, key: bytes, src: memoryview) -> None:
+    def put(self, key: bytes, src: memoryview, corrupt: bool = False) -> None:
         """Store src (block_bytes long) under key; visible to readers only once complete.
 
-        One copy (header + block into the request body); overwrites any previous block.
+        One copy (header + block into the request body); overwrites any previous block. With
+        ``corrupt`` (fault injection) one payload byte of the body is flipped after the header's
+        checksum was computed: the stored copy fails verification when read.
         """
         self._ensure_open()
         path = self.object_key(key)
@@ -190,6 +192,10 @@ class S3BlockStore:
             view = transfer.hold(_slot_view(src, self.block_bytes, writable=False))
             header = make_header(key, view, self._fingerprint, self._generations.next())
             body = b"".join((header.encode(), view))
+            if corrupt:
+                flipped = bytearray(body)
+                flipped[HEADER_SIZE + self.block_bytes // 2] ^= 0xFF
+                body = bytes(flipped)
             self._request("put", path, lambda: obstore.put(self._store, path, body, use_multipart=False))
 
     def get(self, key: bytes, dst: memoryview) -> BlockHeader:

@@ -20,7 +20,9 @@ the framework publishes the job's result only once nothing touches the pool any 
 after a ``release_failures`` fault spec fail.
 
 Fault fail/delay fractions apply once per store operation (per key for GET/PUT, per job for a
-probe) before the store is called.
+probe) before the store is called. ``corrupt_fraction`` of the PUTs store the block with one
+payload byte flipped after its checksum was computed (the pool slot is never altered), so a later
+GET finds the copy corrupt and deletes it.
 """
 
 from __future__ import annotations
@@ -48,15 +50,21 @@ log = get_logger()
 _COUNTERS = (
     "probes", "probe_failures", "keys_probed", "keys_found",
     "gets", "get_failures", "puts", "put_failures",
-    "bytes_read", "bytes_written", "slot_release_failures",
+    "bytes_read", "bytes_written", "slot_release_failures", "injected_corruptions",
 )
 
 
 def store_from_config(cfg: Config, *, breaker: CircuitBreaker | None = None,
                       release_hook: Callable[[], None] | None = None) -> S3BlockStore:
-    """An ``S3BlockStore`` for ``[object]`` and the pool's block geometry (no network yet).
-    ValueError for an unusable prefix."""
+    """An ``S3BlockStore`` for ``[object]`` and the pool's block geometry (no network yet), with
+    ``breaker`` or else one set by ``[object] breaker_*``. ValueError for an unusable prefix."""
     obj = cfg.object
+    if breaker is None:
+        breaker = CircuitBreaker(
+            failure_threshold=obj.breaker_failure_threshold,
+            base_cooldown_s=obj.breaker_cooldown_s,
+            max_cooldown_s=obj.breaker_max_cooldown_s,
+        )
     return S3BlockStore(
         endpoint=obj.endpoint,
         bucket=obj.bucket,
@@ -197,11 +205,14 @@ class ObjectBackend(NoIndexBackend):
         held: SlotTransfer | None = None
         try:
             self._faults.on_op(op, key)
+            corrupt = not promote and self._faults.should_corrupt()
+            if corrupt:
+                self._count(injected_corruptions=1)
             with self._require_pool().slot(slot) as view:
                 if promote:
                     header = self._store.get(key, view)
                 else:
-                    self._store.put(key, view)
+                    self._store.put(key, view, corrupt=corrupt)
             if promote and self._headers is not None:
                 self._headers.stamp(slot, key, job.job_id, header.checksum)
         except ReleaseFailed as exc:
