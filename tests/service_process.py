@@ -19,7 +19,15 @@ from kvoffload.rundir import live_runs
 class Service:
     """A running supervisor with its manager and workers; ``stop()`` SIGTERMs it by pid."""
 
-    def __init__(self, tmp: Path, extra_config: str = "", workers=("cpu",), service_options: str = "") -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        extra_config: str = "",
+        workers=("cpu",),
+        service_options: str = "",
+        num_slots: int = 64,
+        block_bytes: int = 65536,
+    ) -> None:
         """``service_options``: extra ``key = value`` lines of the [service] table;
         ``extra_config``: extra tables appended at the end."""
         self.base = tmp / "run"
@@ -36,8 +44,8 @@ log_level = "info"
 {service_options}
 
 [pool]
-num_slots = 64
-block_bytes = 65536
+num_slots = {num_slots}
+block_bytes = {block_bytes}
 
 [disk]
 enabled = {str("disk" in workers).lower()}

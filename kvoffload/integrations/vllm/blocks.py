@@ -16,7 +16,8 @@ class PoolBlocks(LoadStoreSpec):
     For a load, every slot is pinned for this engine until ``complete_load``; a slot of
     ``NO_SLOT`` means the key could not be pinned and its load must be reported failed. For a
     store, the slots were reserved by ``prepare_store`` and are written by the workers.
-    ``req_id`` is vLLM's request id, so a worker can say whose transfer failed."""
+    ``req_id`` is vLLM's request id, so a worker can say whose transfer failed.
+    ``manager_pid`` is the manager that reserved the slots: they are only valid while it lives."""
 
     req_id: str
     pool_name: str
@@ -24,3 +25,4 @@ class PoolBlocks(LoadStoreSpec):
     block_bytes: int
     keys: list[bytes]
     slots: list[int]
+    manager_pid: int

@@ -267,6 +267,7 @@ class KVOffloadManager(OffloadingManager):
             block_bytes=info.block_bytes if info is not None else 0,
             keys=nkeys,
             slots=slots,
+            manager_pid=info.manager_pid if info is not None else 0,
         )
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -333,6 +334,7 @@ class KVOffloadManager(OffloadingManager):
             block_bytes=info.block_bytes,
             keys=list(slots.keys),
             slots=list(slots.slots),
+            manager_pid=info.manager_pid,
         )
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(offload_key_of(k)) for k in slots.keys],

