@@ -76,7 +76,7 @@ class Engine:
                 assert self.proc.stdin is not None
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.proc.stdin.close()
-                self.proc.wait(60)
+                self.proc.wait(15)
             except (OSError, subprocess.TimeoutExpired):
                 pass
         if self.proc.poll() is None:
