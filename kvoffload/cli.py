@@ -66,6 +66,18 @@ def format_status(status: dict) -> str:
             f"{c['lookups_miss']:>10}{jobs:>8}{failed:>8}{c['evictions']:>9}"
         )
     lines.append("")
+    lines.append(
+        f"{'cascades':<10}{'ok':>10}{'waiting':>10}{'retried':>10}"
+        f"{'dropped: evicted':>18}{'tier full':>11}{'retry bound':>13}"
+    )
+    for name, tier in t["tiers"].items():
+        c = t["per_tier"][name]
+        lines.append(
+            f"{name:<10}{c['cascaded_keys_ok']:>10}{tier['cascade_backlog']:>10}"
+            f"{c['cascade_keys_resubmitted']:>10}{c['cascade_dropped_evicted']:>18}"
+            f"{c['cascade_dropped_tier_full']:>11}{c['cascade_dropped_retry_bound']:>13}"
+        )
+    lines.append("")
     lines.append(f"{'worker':<10}{'pid':>8}{'heartbeat':>11}{'inflight':>10}{'degraded':>10}{'restarts':>10}")
     for name, w in status["workers"].items():
         lines.append(

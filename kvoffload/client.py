@@ -222,8 +222,20 @@ class KVOffloadClient:
     def prepare_store(self, req_id: str, keys: list[bytes]) -> p.Slots:
         return self._call(p.PrepareStore, req_id=req_id, keys=keys)
 
-    def complete_store(self, req_id: str, keys: list[bytes], success: bool = True, successful_keys: list[bytes] | None = None) -> None:
-        self._call(p.CompleteStore, req_id=req_id, keys=keys, success=success, successful_keys=successful_keys)
+    def complete_store(
+        self,
+        req_id: str,
+        keys: list[bytes],
+        success: bool = True,
+        successful_keys: list[bytes] | None = None,
+        checksums: list[int] | None = None,
+    ) -> None:
+        """``checksums``: the xxh3 of each written slot (see ``protocol.CompleteStore``), so the
+        blocks survive a manager restart."""
+        self._call(
+            p.CompleteStore, req_id=req_id, keys=keys, success=success, successful_keys=successful_keys,
+            checksums=checksums,
+        )
 
     def prepare_load(self, req_id: str, keys: list[bytes]) -> p.Slots:
         return self._call(p.PrepareLoad, req_id=req_id, keys=keys)

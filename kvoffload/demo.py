@@ -96,6 +96,14 @@ def format_row(r: Row, block_tokens: int) -> str:
     return line if r.ok else f"{line}  FAIL: {'; '.join(r.problems)}"
 
 
+
+def _cascades_settled(counters: dict) -> int:
+    """Keys a tier stored or gave up (evicted first, tier full, retry bound)."""
+    return counters["cascaded_keys_ok"] + sum(
+        counters[f"cascade_dropped_{reason}"] for reason in ("evicted", "tier_full", "retry_bound")
+    )
+
+
 class Demo:
     """The demo's state: the service, the main engine, the reference engine, the conversations
     and the digests of every block offloaded in this run."""
@@ -149,16 +157,14 @@ class Demo:
 
     def wait_cascades(self, timeout_s: float = 60.0) -> None:
         """Until every block offloaded since the service started reached every secondary tier
-        (or was refused), and no tier job is in flight."""
+        (or was given up for a counted reason), and no tier job is in flight."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             tiering = self.engine.client.status()["tiering"]
             done = all(
-                tiering["per_tier"][t]["cascaded_keys_ok"] + tiering["per_tier"][t]["cascades_dropped"]
-                >= self.stored_since_start
-                for t in self.secondary_tiers
+                _cascades_settled(tiering["per_tier"][t]) >= self.stored_since_start for t in self.secondary_tiers
             )
-            if done and tiering["jobs_in_flight"] == 0:
+            if done and tiering["jobs_in_flight"] == 0 and tiering["cascade_backlog"] == 0:
                 return
             time.sleep(0.05)
         print(f"  (cascades still running after {timeout_s:.0f} s; continuing)")

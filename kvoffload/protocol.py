@@ -111,11 +111,16 @@ class PrepareStore(_Msg, tag="prepare_store"):
 
 
 class CompleteStore(_Msg, tag="complete_store"):
+    """``checksums``: optional xxh3 of each written slot (``blockformat.payload_checksum``),
+    co-indexed with ``keys``; with slot headers on, the manager then stamps the slots of the keys
+    that landed, so they survive a manager restart (verified like every adopted block)."""
+
     rid: int
     req_id: str
     keys: list[bytes]
     success: bool = True
     successful_keys: list[bytes] | None = None
+    checksums: list[int] | None = None
 
 
 class PrepareLoad(_Msg, tag="prepare_load"):
@@ -300,7 +305,8 @@ class JobDone(_Msg, tag="job_done"):
     """Exactly one per job, sent only after every resource that could touch the pool for the
     job is released. For probes, ``successful_keys`` are the keys found. ``absent_keys``: failed
     keys the tier confirmed it does not hold (for probes: not found; for promotions: never
-    stored, gone, or corrupt and removed); any other failed key failed transiently."""
+    stored, gone, or corrupt and removed); any other failed key failed transiently.
+    ``full_keys``: failed cascade keys the tier had no room for (not worth retrying)."""
 
     job_id: int
     success: bool
@@ -309,6 +315,7 @@ class JobDone(_Msg, tag="job_done"):
     nbytes: int = 0
     error: str = ""
     absent_keys: list[bytes] = []
+    full_keys: list[bytes] = []
 
 
 class Heartbeat(_Msg, tag="heartbeat"):

@@ -52,6 +52,7 @@ class JobOutcome:
     ``ok_keys``: the keys that succeeded, in job order (all of them means success).
     ``absent_keys``: failed keys the medium confirmed it does not hold (probe: not found;
     promote: not stored, or corrupt and removed); other failed keys failed transiently.
+    ``full_keys``: failed cascade keys the medium had no room for.
     ``nbytes``: bytes moved. ``error``: a short summary of the failures (details are logged by
     the backend). ``release``: None when nothing is held; else must succeed before the result is
     published (retried while it raises). ``cleanup``: None or best-effort work after release.
@@ -61,6 +62,7 @@ class JobOutcome:
     nbytes: int = 0
     error: str = ""
     absent_keys: list[bytes] = field(default_factory=list)
+    full_keys: list[bytes] = field(default_factory=list)
     release: Callable[[], None] | None = None
     cleanup: Callable[[], None] | None = None
 

@@ -156,12 +156,14 @@ def validate_job(job: Job, num_slots: int, kinds: Iterable[str]) -> str:
 
 def job_done_of(job: Job, outcome: JobOutcome, transfer_s: float) -> JobDone:
     """The one result of ``job``: success when every key succeeded; otherwise the succeeded
-    keys (as the backend listed them, None when none), the failed keys confirmed absent and an
-    error summary. Keys the backend reports that are not in the job are dropped (logged)."""
+    keys (as the backend listed them, None when none), the failed keys confirmed absent or
+    refused for lack of room, and an error summary. Keys the backend reports that are not in
+    the job are dropped (logged)."""
     wanted = set(job.keys)
     ok = [key for key in outcome.ok_keys if key in wanted]
     done = set(ok)
     absent = [key for key in outcome.absent_keys if key in wanted and key not in done]
+    full = [key for key in outcome.full_keys if key in wanted and key not in done]
     if len(ok) != len(outcome.ok_keys):
         log.error(
             "job_outcome_foreign_keys", job_id=job.job_id, count=len(outcome.ok_keys) - len(ok)
@@ -175,6 +177,7 @@ def job_done_of(job: Job, outcome: JobOutcome, transfer_s: float) -> JobDone:
         nbytes=outcome.nbytes,
         error="" if success else (outcome.error or "failed"),
         absent_keys=absent,
+        full_keys=full,
     )
 
 

@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 import zmq
@@ -64,13 +64,19 @@ class DeviceJob:
     keys: list[bytes]
 
 
+CASCADE_PIN_SHARE = 0.25
+"""Share of the pool's slots that cascades in flight may pin, all tiers together; the other
+keys to cascade wait unpinned, so the pool never fills with them."""
+
+
 def tier_specs(cfg: Config) -> list[TierSpec]:
     specs = []
     if cfg.disk.enabled:
         specs.append(TierSpec("disk", Medium.STORAGE, Locality.LOCAL, indexed=True))
     if cfg.object.enabled:
         specs.append(TierSpec("object", Medium.STORAGE, Locality.REMOTE, indexed=False))
-    return specs
+    pins = max(1, int(cfg.pool.num_slots * CASCADE_PIN_SHARE) // max(1, len(specs)))
+    return [replace(spec, max_inflight_cascade_keys=pins) for spec in specs]
 
 
 class ManagerServer:
@@ -91,6 +97,8 @@ class ManagerServer:
             track_slot_invalidations=bool(spec.slot_table_name),
             first_job_id=time.time_ns() // 1000,
         )
+        for tier in self.tiering.tiers:  # online once its worker has said hello and announced its index
+            self.tiering.set_tier_online(tier.name, False)
         self.warm = WarmRestart.open(spec, cfg, self.tiering)
         self.service_segments = _segment_ids([spec.pool_name, spec.slot_table_name])
         self.worker_names = {CPU_WORKER, *(t.name for t in self.tiering.tiers)}
@@ -254,6 +262,7 @@ class ManagerServer:
             if self.warm is not None:
                 self.warm.verify_lost()
         else:
+            self.tiering.set_tier_online(name, False)
             failed_tier_jobs = self.tiering.fail_worker_jobs(name)
         log.error("worker_jobs_failed", worker=name, reason=reason, tier_jobs=len(failed_tier_jobs))
 
@@ -284,6 +293,8 @@ class ManagerServer:
         elif isinstance(msg, p.IndexUpdate):
             if name != CPU_WORKER:
                 self.tiering.apply_index_update(name, msg.added, msg.removed)
+                if msg.complete:
+                    self.tiering.set_tier_online(name, True)
             worker.index_complete = worker.index_complete or msg.complete
         elif isinstance(msg, p.Heartbeat):
             if msg.degraded != worker.degraded:
@@ -313,6 +324,7 @@ class ManagerServer:
             log.warning("worker_restarted", worker=name, old_pid=previous.pid, new_pid=hello.pid)
             self._fail_worker(name, "worker_restarted")
         if name != CPU_WORKER:
+            self.tiering.set_tier_online(name, False)
             self.tiering.reset_tier_index(name)
         self._send_worker(name, p.HelloAck(p.PROTOCOL_VERSION, True))
         if name == CPU_WORKER:
@@ -348,7 +360,8 @@ class ManagerServer:
             self.tiering.apply_result(
                 worker.name,
                 JobResult(
-                    done.job_id, done.success, done.successful_keys, done.transfer_s, done.absent_keys
+                    done.job_id, done.success, done.successful_keys, done.transfer_s,
+                    done.absent_keys, done.full_keys,
                 ),
             )
         except TieringError as exc:
@@ -613,11 +626,22 @@ class ManagerServer:
         """Allowed after the request finished: a store prepared before may complete later."""
         self._check_keys(msg.keys)
         scoped = session.scoped(msg.req_id)
+        if msg.checksums is not None and len(msg.checksums) != len(msg.keys):
+            raise RequestError("bad_request", f"{len(msg.keys)} keys but {len(msg.checksums)} checksums")
         if not session.close_open_store(scoped, msg.keys):
             raise RequestError("not_prepared", "no prepared store with these keys for this request")
         self.tiering.complete_store(scoped, msg.keys, msg.success, msg.successful_keys)
+        if msg.checksums is not None and self.warm is not None:
+            self._stamp_landed(msg.keys, msg.checksums)
         self._dispatch_tier_jobs()
         return p.Ok(msg.rid)
+
+    def _stamp_landed(self, keys: list[bytes], checksums: list[int]) -> None:
+        """Stamp the slot headers of the keys of a direct store that are now ready."""
+        generation = self.tiering.next_job_id()
+        for key, checksum in zip(keys, checksums):
+            if self.tiering.primary.lookup(key) is LookupResult.HIT:
+                self.warm.stamp(self.tiering.primary.slot_of(key), key, checksum, generation)
 
     def _on_prepare_load(self, identity, session: ClientSession, msg: p.PrepareLoad):
         self._check_writable()
@@ -652,15 +676,20 @@ class ManagerServer:
         return p.Ok(msg.rid)
 
     def _on_reset_cache(self, identity, session, msg: p.ResetCache):
+        """Answered once no job is in flight and the online tiers took every waiting cascade
+        (their backoff is skipped), or with ``reset_timeout`` after the drain timeout."""
         deadline = time.monotonic() + self.cfg.supervisor.drain_timeout_s
         self.pending_resets.append((identity, msg.rid, deadline))
+        self.tiering.flush_cascade_backlogs()
+        self._end_step()
         self._try_resets(time.monotonic())
         return None
 
     def _try_resets(self, now: float) -> None:
         if not self.pending_resets:
             return
-        if not self.device_jobs and self.tiering.jobs_in_flight() == 0:
+        idle = not self.device_jobs and self.tiering.jobs_in_flight() == 0
+        if idle and self.tiering.cascade_backlog(online_only=True) == 0:
             self.tiering.reset_cache()
             for session in self.sessions.values():
                 session.pinned.clear()
@@ -672,7 +701,7 @@ class ManagerServer:
             return
         for entry in [e for e in self.pending_resets if now >= e[2]]:
             self.pending_resets.remove(entry)
-            self._reply(entry[0], p.Error(entry[1], "reset_timeout", "jobs still in flight"))
+            self._reply(entry[0], p.Error(entry[1], "reset_timeout", "jobs or cascades still in flight"))
 
     def _on_poll(self, identity, session: ClientSession, msg: p.Poll):
         if session.pending_poll is not None:

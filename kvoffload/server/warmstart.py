@@ -56,9 +56,10 @@ def newest_per_key(found: list[tuple[int, BlockHeader]]) -> tuple[list[tuple[byt
 class WarmRestart:
     """Slot header bookkeeping of one manager process. Build it with ``open``."""
 
-    def __init__(self, table: SlotTable, fingerprint: bytes, tiering: TieringManager) -> None:
+    def __init__(self, table: SlotTable, fingerprint: bytes, tiering: TieringManager, block_bytes: int) -> None:
         self._table = table
         self._fingerprint = fingerprint
+        self._block_bytes = block_bytes
         self._tiering = tiering
         self._verifying: dict[int, list[bytes]] = {}
         self._started = time.monotonic()
@@ -72,7 +73,8 @@ class WarmRestart:
         if not spec.slot_table_name:
             return None
         table = SlotTable.attach(spec.slot_table_name, cfg.pool.num_slots)
-        warm = cls(table, deployment_fingerprint(cfg.pool.block_bytes, cfg.pool.layout_id), tiering)
+        fingerprint = deployment_fingerprint(cfg.pool.block_bytes, cfg.pool.layout_id)
+        warm = cls(table, fingerprint, tiering, cfg.pool.block_bytes)
         warm._rebuild()
         return warm
 
@@ -86,6 +88,11 @@ class WarmRestart:
         self._tiering.adopt(winners)
         self.counters.update(headers_found=len(found), adopted=len(winners), duplicates=len(losers))
         log.info("slot_headers_found", headers=len(found), adopted=len(winners), duplicates=len(losers))
+
+    def stamp(self, slot: int, key: bytes, checksum: int, generation: int) -> None:
+        """Describe ``slot`` as holding ``key`` whose bytes have xxh3 ``checksum`` (a direct
+        store that landed; a restarted manager verifies the slot before serving it)."""
+        self._table.write(slot, BlockHeader(key, self._block_bytes, checksum, self._fingerprint, generation))
 
     def clear_invalidated(self) -> None:
         """Clear the headers of the slots the primary index freed or reassigned since the last call."""

@@ -14,7 +14,8 @@ It writes JSON lines to ``--report`` (line-buffered, so a kill -9 loses at most 
 ``stats`` (cumulative counters, every second and at exit), ``violation`` (wrong bytes, a
 duplicate or foreign job result, an unexpected error code, a call that overran its timeout),
 ``timeout`` and ``job_lost`` (with monotonic start/end times, judged later against the fault
-windows), ``lookup_stuck`` and ``exit``.
+windows), ``lookup_stuck``, ``acked`` (the keys of each acknowledged store, hex) and ``exit``.
+Direct stores send the checksums of the slots they wrote, so they survive a manager restart.
 
 After a timeout, a lost job or a "not_connected" error the engine reconnects with a new client
 and a new KV cache segment (an abandoned job may still write into the old one).
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from ..blockformat import payload_checksum
 from ..client import KVOffloadClient, KVOffloadError, ServiceUnavailable
 from ..kvcache import SharedKVCache
 from ..logs import configure_logging
@@ -324,7 +326,54 @@ class SoakEngine:
         self.counters["wrong_blocks"] += 1
         self._violation("wrong_bytes", path=path, key=key.hex()[:16], job_id=job_id, **bad)
 
-    def _load_device(self, req: str, keys: list[bytes]) -> None:
+    def recover(self, keys: list[bytes], attempts: int = 3) -> list[bytes]:
+        """``reset_cache``, then bring each key back on its own (not as a prefix), load it and
+        verify its bytes, with up to ``attempts`` fresh requests per key (a promotion or a copy
+        may fail on an injected fault); returns the keys that never came back."""
+        try:
+            if not self._connect():
+                raise TimeoutError("the manager does not answer")
+            self.client.reset_cache()
+            pending = list(keys)
+            for _ in range(attempts):
+                failed: list[bytes] = []
+                for start in range(0, len(pending), self.opts.max_blocks):
+                    failed += self._recover_batch(pending[start : start + self.opts.max_blocks])
+                pending = failed
+                if not pending:
+                    break
+            return pending
+        finally:
+            self._finish()
+
+    def _recover_batch(self, keys: list[bytes]) -> list[bytes]:
+        """One request that looks each key up alone, waits out HIT_PENDING/RETRY, loads the
+        ready ones; the keys not loaded."""
+        self._req_seq += 1
+        req = f"r{self._req_seq}"
+        self._call(self.client.new_request, req)
+        try:
+            waiting, ready = list(keys), []
+            deadline = time.monotonic() + self.opts.lookup_wait_s
+            while waiting and time.monotonic() < deadline:
+                still = []
+                for key in waiting:
+                    outcome = self._call(self.client.lookup, req, [key])
+                    if outcome.must_wait:
+                        still.append(key)
+                    elif outcome.ready_prefix:
+                        ready.append(key)
+                waiting = still
+                if waiting:
+                    self._call(self.client.end_step)
+                    time.sleep(0.005)
+            loaded = self._load_device(req, ready) if ready else set()
+        finally:
+            self._call(self.client.finish_request, req)
+        return [key for key in keys if key not in loaded]
+
+    def _load_device(self, req: str, keys: list[bytes]) -> set[bytes]:
+        """Load into poisoned device blocks and verify every key reported loaded; those keys."""
         blocks = list(range(len(keys)))
         for block in blocks:
             for row in self._rows(block):
@@ -336,6 +385,7 @@ class SoakEngine:
         for block, key in zip(blocks, keys):
             if key in loaded:
                 self._check_block(block, key, "device_load", accepted.job_id)
+        return loaded
 
     def _store_device(self, req: str, keys: list[bytes], first: int) -> None:
         blocks = list(range(first, len(keys)))
@@ -346,9 +396,14 @@ class SoakEngine:
             self.counters["stores_nothing_new"] += 1
             return
         done = self._wait_job(accepted.job_id, "store")
-        stored = len(accepted.keys) if done.success else len(done.successful_keys or ())
-        self._count_outcome("store", done, len(accepted.keys), stored)
-        self.counters["bytes_stored"] += stored * self.block_bytes
+        acked = list(accepted.keys) if done.success else list(done.successful_keys or ())
+        self._acked(acked)
+        self._count_outcome("store", done, len(accepted.keys), len(acked))
+        self.counters["bytes_stored"] += len(acked) * self.block_bytes
+
+    def _acked(self, keys: list[bytes]) -> None:
+        if keys:
+            self.report.write("acked", keys=[key.hex() for key in keys])
 
     def _count_outcome(self, kind: str, done, wanted: int, ok: int) -> None:
         outcome = "ok" if done.success else ("partial" if ok else "failed")
@@ -394,9 +449,13 @@ class SoakEngine:
         self.counters["direct_stores"] += 1
         if not out.keys:
             return
+        checksums = []
         for key, slot in zip(out.keys, out.slots):
-            self.pool.slot_array(slot)[:] = expected_block(key, self.block_bytes)
-        self._call(self.client.complete_store, req, out.keys, True)
+            block = self.pool.slot_array(slot)
+            block[:] = expected_block(key, self.block_bytes)
+            checksums.append(payload_checksum(block))
+        self._call(self.client.complete_store, req, out.keys, True, None, checksums)
+        self._acked(out.keys)
         self.counters["store_blocks_ok"] += len(out.keys)
         self.counters["bytes_stored"] += len(out.keys) * self.block_bytes
 

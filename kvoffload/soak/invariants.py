@@ -4,8 +4,12 @@ what a run leaves behind; each broken one is a ``Violation``.
 - engines: every ``violation`` event (wrong bytes, duplicate or foreign job result, unexpected
   error code, call overrun) is one; a ``timeout``, ``job_lost`` or ``lookup_stuck`` event is
   excused only when its interval overlaps a fault window (a manager restart), else it is one;
-- quiescence: pinned, writing and in-flight counts all zero, every worker connected with its
-  index announced, no client session left, no client KV cache still mapped by the cpu worker;
+- quiescence: pinned, writing, in-flight and waiting-cascade counts all zero, every worker
+  connected with its index announced, no client session left, no client KV cache still mapped
+  by the cpu worker;
+- durability: every acknowledged block comes back after ``reset_cache``, unless the service
+  logged it as given up (``cascade_dropped``: evicted first, tier full, retry bound) or as lost
+  by a tier (evicted by the disk tier, or a corrupt copy removed);
 - manager RSS: the peak stays under a limit;
 - leftovers: no shared-memory segment, runtime file or process of the run after shutdown.
 """
@@ -19,7 +23,16 @@ from pathlib import Path
 from typing import Any
 
 EXCUSABLE_EVENTS = {"timeout": "timeout_outside_fault_window", "job_lost": "job_without_result", "lookup_stuck": "lookup_stuck"}
-QUIESCENT_ZERO = ("pinned_slots", "writing_slots", "jobs_in_flight")
+QUIESCENT_ZERO = ("pinned_slots", "writing_slots", "jobs_in_flight", "cascade_backlog")
+LOSS_EVENTS = {
+    "cascade_dropped": "cascade_dropped",
+    "disk_keys_evicted": "disk_evicted",
+    "disk_block_corrupt": "disk_corrupt",
+    "object_block_corrupt_deleted": "object_corrupt",
+    "object_corrupt_delete_failed": "object_corrupt",
+}
+"""Log events of the service that name keys a tier legitimately lost (or never got), and the
+excuse each gives."""
 WINDOW_SLACK_S = 1.0
 
 
@@ -119,6 +132,35 @@ def check_sessions_gone(status: dict | None) -> list[Violation]:
 def check_client_mappings(segments: list[str]) -> list[Violation]:
     """No KV cache segment of a departed client may stay mapped by the cpu worker."""
     return [Violation("client_kv_still_mapped", {"segments": segments})] if segments else []
+
+
+def excused_keys(log_events: list[dict]) -> dict[bytes, str]:
+    """Keys the service logged as given up or lost by a tier, with the first excuse seen."""
+    excused: dict[bytes, str] = {}
+    for event in log_events:
+        excuse = LOSS_EVENTS.get(event.get("event", ""))
+        if excuse is None:
+            continue
+        if "keys" in event:
+            names = event["keys"]
+        elif "key" in event:
+            names = [event["key"]]
+        else:
+            names = [str(event.get("path", "")).rsplit("/", 1)[-1]]
+        for name in names:
+            try:
+                excused.setdefault(bytes.fromhex(name), excuse)
+            except ValueError:
+                continue
+    return excused
+
+
+def check_acknowledged_blocks(missing: list[bytes], excused: dict[bytes, str]) -> list[Violation]:
+    """A block acknowledged to an engine that did not come back is a violation unless excused."""
+    lost = [key for key in missing if key not in excused]
+    if not lost:
+        return []
+    return [Violation("acknowledged_block_lost", {"count": len(lost), "keys": [k.hex() for k in lost[:10]]})]
 
 
 def check_rss(peak_bytes: int, limit_bytes: int) -> list[Violation]:

@@ -5,8 +5,9 @@ with ``--s3`` or a configured endpoint) with a ``[faults]`` section (disk/device
 delay and corrupt fractions for the whole run) and a small disk tier (evictions), starts
 ``clients`` synthetic engine processes, plays a seeded fault schedule for ``duration_s``
 seconds while sampling status and manager RSS, then stops the faults and the engines, waits for
-quiescence, verifies every conversation once more (the sweep), shuts down and checks that
-nothing is left. It prints one progress line every few seconds and returns the summary (a
+quiescence, verifies every conversation once more (the sweep), resets the host pool and brings
+back every block an engine was told was stored (the durability check), shuts down and checks
+that nothing is left. It prints one progress line every few seconds and returns the summary (a
 JSON-able dict whose ``ok`` is False on any invariant violation; the CLI exits 1 then).
 """
 
@@ -26,23 +27,27 @@ from typing import Any, TextIO
 
 import psutil
 
+from ..client import KVOffloadError
 from ..config import load_config
 from .clients import EnginePool
-from .engine import EngineOptions, SoakEngine
+from .engine import EngineOptions, JobLost, Reconnect, SoakEngine
 from .injector import FAULT_KINDS, Injector, plan_faults
 from .invariants import (
     IncarnationTotals,
     ReportReader,
     Violation,
+    check_acknowledged_blocks,
     check_client_mappings,
     check_leftovers,
     check_quiescent,
     check_sessions_gone,
     check_rss,
     check_workers_up,
+    excused_keys,
     is_quiescent,
     judge_engine_events,
 )
+from .probe import log_events
 from .service import ServiceHarness
 
 DEFAULT_FAULTS = {
@@ -55,6 +60,10 @@ DEFAULT_FAULTS = {
 DISK_IO_COUNTERS = (
     "injected_corruptions", "corrupt_blocks", "write_errors", "transient_errors", "enospc_errors",
     "store_full", "absent_keys",
+)
+CASCADE_COUNTERS = (
+    "cascaded_keys_ok", "cascade_keys_deferred", "cascade_keys_resubmitted", "cascade_dropped_evicted",
+    "cascade_dropped_tier_full", "cascade_dropped_retry_bound",
 )
 SAMPLE_INTERVAL_S = 1.0
 OVERRUN_S = 30.0
@@ -117,6 +126,7 @@ class SoakRun:
         self.rss_samples = 0
         self.disk_fill_peak = 0.0
         self.last_status: dict | None = None
+        self.durability: dict = {}
         self.s3 = None
         self._own_s3 = False
 
@@ -250,6 +260,9 @@ class SoakRun:
         status = harness.wait_status(is_quiescent, quiet_within) or harness.status()
         self.violations += check_quiescent(status)
         self.violations += check_workers_up(status, harness.worker_names)
+        self._check_durability(harness)
+        status = harness.wait_status(is_quiescent, quiet_within) or harness.status()
+        self.violations += check_quiescent(status)
         status = harness.wait_status(lambda s: s["clients"] <= 1, quiet_within) or status
         self.violations += check_sessions_gone(status)
         self.violations += check_client_mappings(self._client_mappings(harness))
@@ -280,6 +293,32 @@ class SoakRun:
         ))
         engine.sweep()
         self.reader.read([report])
+
+    def _check_durability(self, harness: ServiceHarness) -> None:
+        """Reset the pool, then bring back every acknowledged block on its own; a block that
+        does not come back is a violation unless the service logged why it was lost."""
+        acked = sorted({bytes.fromhex(k) for e in self.reader.events if e.get("ev") == "acked" for k in e["keys"]})
+        report = self.workdir / "durability.jsonl"
+        engine = SoakEngine(EngineOptions(
+            endpoint=harness.endpoint, name="durability", seed=self.opts.seed, report=report,
+            shm_prefix=f"/kvoffload-soak-{self.token}-durability-kv", direct_fraction=0.0,
+        ))
+        try:
+            missing = engine.recover(acked)
+        except (TimeoutError, JobLost, Reconnect, KVOffloadError) as exc:
+            self.violations.append(Violation("durability_check_failed", {"error": repr(exc)[:300]}))
+            return
+        finally:
+            self.reader.read([report])
+        excused = excused_keys(log_events(harness))
+        self.violations += check_acknowledged_blocks(missing, excused)
+        reasons = Counter(excused[key] for key in missing if key in excused)
+        self.durability = {
+            "acknowledged": len(acked),
+            "came_back": len(acked) - len(missing),
+            "excused": dict(sorted(reasons.items())),
+            "lost": sum(1 for key in missing if key not in excused),
+        }
 
     # ---- summary --------------------------------------------------------------------------
 
@@ -356,6 +395,11 @@ class SoakRun:
                 "limit": self.opts.rss_limit_mb,
             },
             "sweep": {"blocks_verified": sweep.get("blocks_verified", 0), "wrong": sweep.get("wrong_blocks", 0)},
+            "durability": self.durability,
+            "cascades": {
+                tier: {k: int(c.get(k, 0)) for k in CASCADE_COUNTERS}
+                for tier, c in self.tier_totals.totals().items() if tier != "primary"
+            },
             "leftovers": {
                 "shm": leftovers.shm, "runtime_files": leftovers.runtime_files, "processes": leftovers.processes,
                 "client_segments_reclaimed_after_kills": len(engines.reclaimed_segments),

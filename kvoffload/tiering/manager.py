@@ -9,6 +9,14 @@ Pinning rules: ``prepare_load`` pins (caller releases with ``complete_load``); a
 slots until its result is applied; a landed promotion is pinned for its request until the request
 loads it or finishes (within ``unread_promotion_cap`` slots).
 
+Durable cascades: every key that lands in the primary tier (a store, or an adopted block) is
+cascaded to every secondary tier that does not hold it. Keys a tier cannot take now (its worker is
+offline, see ``set_tier_online``, or its cascades in flight already pin
+``max_inflight_cascade_keys``) and keys whose cascade failed wait in the tier's backlog, unpinned;
+a failed key is retried with exponential backoff. A key is given up only for a ``CascadeDrop``
+reason (it was evicted first, the tier is full, or ``cascade_max_attempts`` failed), each counted
+per tier and logged (``cascade_dropped``) with its keys.
+
 Warm restart: ``adopt`` enters blocks found in the pool as in-flight writes (HIT_PENDING) and
 ``complete_adoption`` makes the verified ones ready and frees the rest. With
 ``track_slot_invalidations``, ``take_invalidated_slots`` lists every slot freed or handed to a
@@ -17,6 +25,7 @@ new key, so the caller can clear what described the slot's old contents.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -25,9 +34,10 @@ from typing import Callable, Collection, Iterable, Sequence
 import structlog
 
 from .primary import PrimaryIndex
-from .secondary import SecondaryTier, TierSpec
+from .secondary import PendingCascade, SecondaryTier, TierSpec
 from .stats import TieringStats
 from .types import (
+    CascadeDrop,
     JobKind,
     JobResult,
     JobsInFlight,
@@ -87,9 +97,14 @@ class TieringManager:
         clock: Callable[[], float] = time.monotonic,
         track_slot_invalidations: bool = False,
         first_job_id: int = 1,
+        cascade_max_attempts: int = 8,
+        cascade_backoff_s: float = 0.05,
+        cascade_backoff_max_s: float = 5.0,
     ) -> None:
         """``first_job_id``: where the job id counter starts (a restarted manager starts past
-        every id its predecessor could have used, so a late result never matches a new job)."""
+        every id its predecessor could have used, so a late result never matches a new job).
+        A failed cascade key is retried after ``cascade_backoff_s``, doubling up to
+        ``cascade_backoff_max_s``, and given up after ``cascade_max_attempts`` failures."""
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate tier names: {names}")
@@ -102,6 +117,9 @@ class TieringManager:
             max(1, num_slots // 4) if unread_promotion_cap is None else unread_promotion_cap
         )
         self.probe_timeout_s = probe_timeout_s
+        self.cascade_max_attempts = cascade_max_attempts
+        self.cascade_backoff_s = cascade_backoff_s
+        self.cascade_backoff_max_s = cascade_backoff_max_s
         self._clock = clock
         self._next_job_id = first_job_id
         self._jobs: dict[int, TransferJob] = {}
@@ -135,6 +153,15 @@ class TieringManager:
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests
+
+    def set_tier_online(self, tier_name: str, online: bool) -> None:
+        """Whether the tier's worker is connected and its index announced (a new manager starts
+        with every tier online). Cascades for an offline tier wait in its backlog, unpinned,
+        and go out once it is back."""
+        tier = self.tiers[self.tier_index(tier_name)]
+        tier.online = online
+        if online:
+            tier.backlog_due_at = 0.0
 
     # ---- request lifecycle ----------------------------------------------------------------
 
@@ -270,7 +297,7 @@ class TieringManager:
     def _start_promotion(
         self, tier_idx: int, state: RequestState, key: Key, protected: Collection[Key]
     ) -> bool:
-        allocated = self.primary.allocate([key], protected)
+        allocated = self._allocate([key], protected)
         if allocated is None or not allocated[0]:
             self.stats.promotion_allocation_failures += 1
             return False
@@ -353,7 +380,7 @@ class TieringManager:
         state = self.request(req_id)
         if state.is_finished:
             raise RequestFinishedError(f"request {req_id!r} is finished")
-        allocated = self.primary.allocate(keys, set(keys))
+        allocated = self._allocate(keys, set(keys))
         if allocated is None:
             self.stats.store_allocation_failures += 1
             return None
@@ -419,16 +446,129 @@ class TieringManager:
             self._maybe_finalize(req_id)
 
     def _submit_cascade(self, tier_idx: int, keys: list[Key], req_id: str | None) -> None:
+        """Cascade the ready keys the tier does not hold: as many as it has room for now, the
+        others into its backlog."""
         tier = self.tiers[tier_idx]
-        keys = [k for k in keys if not tier.knows(k)]
+        keys = [k for k in dict.fromkeys(keys) if not tier.knows(k) and k not in tier.backlog]
         if not keys:
             return
-        if not tier.admits_cascade(len(keys)):
-            self.stats.tier(tier_idx + 1).cascades_dropped += 1
-            return
+        room = tier.cascade_room(len(keys))
+        if room < len(keys):
+            now = self._clock()
+            for key in keys[room:]:
+                tier.backlog[key] = PendingCascade(not_before=now)
+            tier.backlog_due_at = min(tier.backlog_due_at, now)
+            self.stats.tier(tier_idx + 1).cascade_keys_deferred += len(keys) - room
+        if room:
+            self._send_cascade(tier_idx, keys[:room], req_id)
+
+    def _allocate(
+        self, keys: Sequence[Key], protected: Collection[Key]
+    ) -> tuple[list[Key], list[int], list[Key]] | None:
+        """``PrimaryIndex.allocate`` that evicts keys still waiting for a cascade only when
+        nothing else can make room."""
+        waiting = [k for tier in self.tiers for k in tier.backlog]
+        if waiting:
+            allocated = self.primary.allocate(keys, {*protected, *waiting})
+            if allocated is not None:
+                return allocated
+        return self.primary.allocate(keys, protected)
+
+    def _send_cascade(self, tier_idx: int, keys: list[Key], req_id: str | None) -> None:
         slots = self.primary.pin(keys)
-        tier.inflight_cascade_keys += len(keys)
+        self.tiers[tier_idx].inflight_cascade_keys += len(keys)
         self._submit(TransferJob(0, tier_idx, JobKind.CASCADE, keys, slots, req_id))
+
+    def _cascade_done(self, tier_idx: int, ok: list[Key], failed: list[Key], full: set[Key]) -> None:
+        """A cascade's keys: stored ones leave the backlog; failed ones wait there for their
+        backoff, or are given up (tier full, retry bound)."""
+        tier = self.tiers[tier_idx]
+        for key in ok:
+            tier.backlog.pop(key, None)
+        now = self._clock()
+        retry_bound: list[Key] = []
+        for key in failed:
+            if key in full:
+                tier.backlog.pop(key, None)
+                continue
+            entry = tier.backlog.get(key)
+            if entry is None:
+                entry = tier.backlog[key] = PendingCascade()
+            entry.in_flight = False
+            entry.attempts += 1
+            if entry.attempts >= self.cascade_max_attempts:
+                del tier.backlog[key]
+                retry_bound.append(key)
+                continue
+            backoff = self.cascade_backoff_s * 2 ** (entry.attempts - 1)
+            entry.not_before = now + min(backoff, self.cascade_backoff_max_s)
+        if tier.backlog:
+            tier.backlog_due_at = 0.0  # room was freed and retries were scheduled: look again
+        self._drop_cascades(tier_idx, [k for k in failed if k in full], CascadeDrop.TIER_FULL)
+        self._drop_cascades(tier_idx, retry_bound, CascadeDrop.RETRY_BOUND)
+
+    def _retry_backlogs(self) -> None:
+        now = self._clock()
+        for tier_idx, tier in enumerate(self.tiers):
+            if tier.online and tier.backlog and now >= tier.backlog_due_at:
+                self._retry_backlog(tier_idx, now)
+
+    def _retry_backlog(self, tier_idx: int, now: float) -> None:
+        """Submit the backlog keys that are due, ready and within the tier's room; forget the
+        ones the tier now holds; give up the ones evicted meanwhile."""
+        tier = self.tiers[tier_idx]
+        room = tier.cascade_room(len(tier.backlog))
+        batch: list[Key] = []
+        settled: list[Key] = []
+        evicted: list[Key] = []
+        due_at = math.inf
+        for key, entry in tier.backlog.items():
+            if entry.in_flight:
+                continue
+            if tier.knows(key):
+                settled.append(key)
+                continue
+            state = self.primary.lookup(key)
+            if state is MISS:
+                evicted.append(key)
+            elif entry.not_before > now:
+                due_at = min(due_at, entry.not_before)
+            elif state is HIT_PENDING:
+                due_at = min(due_at, now + self.cascade_backoff_s)
+            elif len(batch) < room:
+                batch.append(key)
+        for key in settled + evicted:
+            del tier.backlog[key]
+        tier.backlog_due_at = due_at
+        self._drop_cascades(tier_idx, evicted, CascadeDrop.EVICTED)
+        if batch:
+            for key in batch:
+                tier.backlog[key].in_flight = True
+            self.stats.tier(tier_idx + 1).cascade_keys_resubmitted += len(batch)
+            self._send_cascade(tier_idx, batch, None)
+
+    def _drop_cascades(self, tier_idx: int, keys: list[Key], reason: CascadeDrop) -> None:
+        if not keys:
+            return
+        self.stats.tier(tier_idx + 1).cascade_dropped(reason, len(keys))
+        log.warning(
+            "cascade_dropped",
+            tier=self.tiers[tier_idx].name,
+            reason=reason.value,
+            count=len(keys),
+            keys=[k.hex() for k in keys],
+        )
+
+    def flush_cascade_backlogs(self) -> None:
+        """Make every backlog key due now, backoff or not (before a ``reset_cache``)."""
+        for tier in self.tiers:
+            for entry in tier.backlog.values():
+                entry.not_before = 0.0
+            tier.backlog_due_at = 0.0
+
+    def cascade_backlog(self, online_only: bool = False) -> int:
+        """Keys waiting in the cascade backlogs (of the online tiers only, if asked)."""
+        return sum(len(t.backlog) for t in self.tiers if t.online or not online_only)
 
     def _submit(self, job: TransferJob) -> None:
         job.job_id = self.next_job_id()
@@ -445,6 +585,7 @@ class TieringManager:
         time out probes that went unanswered. Returns the ids of the probes timed out."""
         self._flush_promotions()
         self._retry_parked_cascades()
+        self._retry_backlogs()
         for i, tier in enumerate(self.tiers):
             if tier.has_queued_probes():
                 keys = tier.verdicts.take_queued()
@@ -552,6 +693,8 @@ class TieringManager:
             tier.inflight_cascade_keys -= len(job.keys)
             self.primary.unpin(job.keys)
             tier.stored(ok)
+            full = set(result.full_keys).intersection(failed) if failed else set()
+            self._cascade_done(job.tier, ok, failed, full)
         else:
             self._complete_promotion(job, tier, ok, failed, absent)
 
@@ -591,6 +734,9 @@ class TieringManager:
             self._landed.difference_update(evicted)
             self.stats.tier(0).evictions += len(evicted)
             self._events.append(("evicted", evicted))
+            for tier_idx, tier in enumerate(self.tiers):
+                gone = [k for k in evicted if tier.backlog.pop(k, None) is not None]
+                self._drop_cascades(tier_idx, gone, CascadeDrop.EVICTED)
 
     # ---- warm restart ---------------------------------------------------------------------
 
@@ -610,7 +756,8 @@ class TieringManager:
     ) -> tuple[list[Key], list[Key]]:
         """Finish the verification of adopted ``keys``: those in ``ok_keys`` become ready (HIT),
         the others are freed (MISS). Keys no longer awaiting verification (``reset_cache``
-        since) are ignored. Returns (ready, dropped)."""
+        since) are ignored. Ready keys are cascaded to every tier that does not hold them.
+        Returns (ready, dropped)."""
         ok = set(ok_keys)
         ready: list[Key] = []
         dropped: list[Key] = []
@@ -620,6 +767,9 @@ class TieringManager:
         self.primary.complete_write(ready, True)
         self._writes_landed(ready)
         self.primary.complete_write(dropped, False)
+        if ready:
+            for tier_idx in range(len(self.tiers)):
+                self._submit_cascade(tier_idx, ready, None)
         return ready, dropped
 
     def take_invalidated_slots(self) -> list[int]:
@@ -630,12 +780,14 @@ class TieringManager:
     # ---- whole-cache operations -----------------------------------------------------------
 
     def has_pending_work(self) -> bool:
+        now = self._clock()
         return bool(
             self._jobs
             or self._outbox
             or any(self._pending_promotions)
             or self._parked_requests
             or any(t.has_queued_probes() for t in self.tiers)
+            or any(t.online and t.backlog and now >= t.backlog_due_at for t in self.tiers)
         )
 
     def jobs_in_flight(self) -> int:
@@ -644,9 +796,15 @@ class TieringManager:
     def reset_cache(self) -> None:
         """Empty the primary tier. The caller first lets every in-flight job finish (or fails it);
         queued promotions are dropped, pending store counts zeroed, finished requests finalised,
-        active requests kept usable. Secondary tiers keep their data."""
+        active requests kept usable. Secondary tiers keep their data; the keys still in a
+        cascade backlog are given up as evicted (``flush_cascade_backlogs`` first lets the
+        online tiers take them)."""
         if self._jobs:
             raise JobsInFlight(f"{len(self._jobs)} jobs still in flight")
+        for tier_idx, tier in enumerate(self.tiers):
+            left = list(tier.backlog)
+            tier.backlog.clear()
+            self._drop_cascades(tier_idx, left, CascadeDrop.EVICTED)
         self._outbox.clear()
         for by_request in self._pending_promotions:
             by_request.clear()
@@ -674,12 +832,15 @@ class TieringManager:
             "unverified_slots": len(self._adopting),
             "unread_promotion_pins": self._unread_total,
             "jobs_in_flight": len(self._jobs),
+            "cascade_backlog": self.cascade_backlog(),
             "requests": len(self._requests),
             "tiers": {
                 t.name: {
                     "indexed_keys": len(t.index),
                     "verdicts": len(t.verdicts),
                     "tracked_requests": t.tracked_requests(),
+                    "online": t.online,
+                    "cascade_backlog": len(t.backlog),
                 }
                 for t in self.tiers
             },

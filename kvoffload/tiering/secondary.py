@@ -18,12 +18,22 @@ from .types import Key, Locality, LookupResult, Medium, MissReason, OffloadPolic
 from .verdicts import VerdictCache
 
 
+@dataclass(slots=True)
+class PendingCascade:
+    """A key waiting in a tier's cascade backlog: ``attempts`` failed so far; not submitted
+    again before ``not_before``; ``in_flight`` while a retry of it runs."""
+
+    attempts: int = 0
+    not_before: float = 0.0
+    in_flight: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class TierSpec:
     """Static description of a secondary tier.
 
-    ``max_inflight_cascade_keys``: admission bound; a cascade that would exceed it is dropped
-    (nothing pinned, no job id consumed). 0 means unbounded.
+    ``max_inflight_cascade_keys``: the most keys this tier's cascades in flight may pin; the
+    keys beyond it wait in the tier's backlog, unpinned (no job id consumed). 0: unbounded.
     ``request_level``: the tier wants every block of every request, prefix hits included."""
 
     name: str
@@ -42,6 +52,9 @@ class SecondaryTier:
         self._failed: dict[str, dict[Key, MissReason]] = {}
         self._touched: OrderedDict[Key, None] = OrderedDict()
         self.inflight_cascade_keys = 0
+        self.online = True
+        self.backlog: OrderedDict[Key, PendingCascade] = OrderedDict()
+        self.backlog_due_at = 0.0
 
     @property
     def name(self) -> str:
@@ -127,9 +140,14 @@ class SecondaryTier:
         self._touched.clear()
         return keys
 
-    def admits_cascade(self, num_keys: int) -> bool:
+    def cascade_room(self, wanted: int) -> int:
+        """How many of ``wanted`` keys a cascade may pin now (0 while the tier is offline)."""
+        if not self.online:
+            return 0
         bound = self.spec.max_inflight_cascade_keys
-        return bound <= 0 or self.inflight_cascade_keys + num_keys <= bound
+        if bound <= 0:
+            return wanted
+        return max(0, min(wanted, bound - self.inflight_cascade_keys))
 
     def has_queued_probes(self) -> bool:
         return self.verdicts.has_queued()

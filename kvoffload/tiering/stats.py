@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
-from .types import JobKind, LookupResult
+from .types import CascadeDrop, JobKind, LookupResult
 
 
 @dataclass(slots=True)
@@ -20,7 +20,11 @@ class TierCounters:
     cascade_jobs: int = 0
     cascade_jobs_failed: int = 0
     cascaded_keys_ok: int = 0
-    cascades_dropped: int = 0
+    cascade_keys_deferred: int = 0
+    cascade_keys_resubmitted: int = 0
+    cascade_dropped_evicted: int = 0
+    cascade_dropped_tier_full: int = 0
+    cascade_dropped_retry_bound: int = 0
     probe_jobs: int = 0
     probe_jobs_failed: int = 0
     active_jobs: int = 0
@@ -36,6 +40,14 @@ class TierCounters:
             self.lookups_retry += 1
         else:
             self.lookups_miss += 1
+
+    def cascade_dropped(self, reason: CascadeDrop, keys: int) -> None:
+        if reason is CascadeDrop.EVICTED:
+            self.cascade_dropped_evicted += keys
+        elif reason is CascadeDrop.TIER_FULL:
+            self.cascade_dropped_tier_full += keys
+        else:
+            self.cascade_dropped_retry_bound += keys
 
     def job_submitted(self, kind: JobKind) -> None:
         self.active_jobs += 1

@@ -41,6 +41,14 @@ class JobKind(enum.IntEnum):
     PROBE = 3  # existence check, no slots
 
 
+class CascadeDrop(enum.Enum):
+    """Why a key was never cascaded to a tier (the only reasons one may be given up)."""
+
+    EVICTED = "evicted"  # it left the primary tier before its cascade could run
+    TIER_FULL = "tier_full"  # the tier has no room for it
+    RETRY_BOUND = "retry_bound"  # its cascade failed too many times
+
+
 class OffloadPolicy(enum.IntEnum):
     CHUNK_LEVEL = 0  # offload only newly computed blocks
     REQUEST_LEVEL = 1  # offload every block of the request, prefix hits included
@@ -151,13 +159,15 @@ class JobResult:
     For probes, ``successful_keys`` are the keys found.
     ``absent_keys``: failed keys the tier confirmed it does not hold (never stored, gone, or
     corrupt and removed; for probes, not found). Any other failed key failed transiently: the
-    tier may still hold it. Keys that are not failed keys of the job are ignored."""
+    tier may still hold it. ``full_keys``: failed cascade keys the tier had no room for.
+    Keys that are not failed keys of the job are ignored."""
 
     job_id: int
     success: bool
     successful_keys: Collection[Key] | None = None
     transfer_time_s: float | None = None
     absent_keys: Collection[Key] = ()
+    full_keys: Collection[Key] = ()
 
 
 @dataclass(frozen=True, slots=True)

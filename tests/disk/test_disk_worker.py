@@ -198,6 +198,7 @@ def test_enospc_fails_keys_and_degrades_until_a_put_succeeds(start_backend, pool
         faults.once[("write_payload", key)] = errno.ENOSPC
     done = run(backend, CASCADE, keys, [0, 1])
     assert done.ok_keys == [] and "no_space" in done.error
+    assert done.full_keys == keys, "keys refused for lack of room are reported as such"
     assert backend.degraded is True
     stats = backend.stats()
     assert stats["degraded"] is True and stats["enospc_errors"] == 2 and stats["used_bytes"] == 0
@@ -223,12 +224,29 @@ def test_capacity_eviction_reports_removed_keys(start_backend, pool: HostPool) -
     assert run(backend, CASCADE, more, [8, 9, 10]).ok_keys == more
     added, removed = backend.take_index_changes()
     assert sorted(added) == sorted(more) and sorted(removed) == sorted(first[1:4])
+    assert backend.stats()["keys_evicted"] == 3
     stats = backend.stats()
     assert stats["used_bytes"] <= stats["capacity_bytes"] == 8 * RECORD
     done = run(backend, PROMOTE, [first[1], first[0], more[2]], [12, 13, 14])
     assert done.ok_keys == [first[0], more[2]]
     assert pool.slot(14).tobytes() == originals[2]
     assert backend.take_index_changes() == ([], [first[1]])
+
+
+def test_a_failed_put_still_reports_the_key_it_evicted(start_backend, pool: HostPool) -> None:
+    faults = ScriptedFaults()
+    backend = start_backend(faults, capacity_records=2)
+    first = keys_of("v", 2)
+    fill(pool, range(3), seed=9)
+    assert run(backend, CASCADE, first, [0, 1]).ok_keys == first
+    backend.take_index_changes()
+    late = keys_of("w", 1)
+    faults.once[("write_payload", late[0])] = errno.EIO
+    done = run(backend, CASCADE, late, [2])
+    assert done.ok_keys == [] and done.full_keys == [] and "write_error" in done.error
+    added, removed = backend.take_index_changes()
+    assert added == [] and sorted(removed) == sorted([first[0], late[0]]), "the victim is gone too"
+    assert backend.stats()["keys_evicted"] == 1
 
 
 def test_configured_corruption_and_failures(start_backend, pool: HostPool) -> None:

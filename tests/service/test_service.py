@@ -232,13 +232,14 @@ def test_status_cli_and_metrics_endpoint(start_service):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    service = start_service(service_options=f"metrics_port = {port}")
+    service = start_service(workers=("cpu", "disk"), service_options=f"metrics_port = {port}")
     out = subprocess.run(
         [sys.executable, "-m", "kvoffload.cli", "status", "--config", str(service.config)],
         capture_output=True, text=True, timeout=30,
     )
     assert out.returncode == 0, out.stderr
     assert "cpu" in out.stdout and "slots used" in out.stdout
+    assert "retry bound" in out.stdout, "cascade drops are shown per reason"
     deadline = time.monotonic() + 10
     body = ""
     while time.monotonic() < deadline and "kvoffload_worker_up" not in body:
@@ -249,6 +250,9 @@ def test_status_cli_and_metrics_endpoint(start_service):
         time.sleep(0.1)
     assert 'kvoffload_worker_up{worker="cpu"} 1' in body
     assert "kvoffload_tier_lookups_hit" in body
+    for reason in ("evicted", "tier_full", "retry_bound"):
+        assert f'kvoffload_tier_cascade_dropped_{reason}{{tier="disk"}} 0' in body
+    assert "kvoffload_cascade_backlog 0" in body
 
 
 @pytest.mark.skipif(cuda_device_count() > 0, reason="needs a machine without a CUDA device")

@@ -10,7 +10,10 @@ import time
 
 import pytest
 
+from kvoffload.blockformat import payload_checksum
 from kvoffload.client import KVOffloadError
+from kvoffload.pool import HostPool
+from kvoffload.soak.blocks import expected_block
 from kvoffload.soak.probe import ProbeEngine, log_events, probe_keys, services, wait_for
 
 NO_DISK = {"enabled": False}
@@ -232,3 +235,79 @@ def test_disk_io_faults_fail_keys_partially_and_never_serve_wrong_bytes(start_se
     assert disk["injected_corruptions"] > 0 and disk["corrupt_blocks"] > 0
     assert status["tiering"]["per_tier"]["disk"]["promotion_jobs_failed"] > 0
     assert harness.status()["tiering"]["pinned_slots"] == 0
+
+
+# ---- durable cascades ---------------------------------------------------------------------
+
+
+def cascades_settled(status: dict) -> bool:
+    """No tier job in flight, no cascade waiting, no adopted block awaiting verification, and
+    every worker connected with its index announced."""
+    tiering = status["tiering"]
+    unverified = (status.get("warm_restart") or {}).get("unverified", 0)
+    workers_ready = all(w["index_complete"] for w in status["workers"].values())
+    return tiering["jobs_in_flight"] == 0 and tiering["cascade_backlog"] == 0 and unverified == 0 and workers_ready
+
+
+def assert_all_come_back_after_reset(engine: ProbeEngine, keys: list[bytes]) -> None:
+    engine.client.reset_cache()
+    for start in range(0, len(keys), 8):
+        chunk = keys[start : start + 8]
+        req = engine.new_request()
+        assert engine.lookup_ready(req, chunk).ready_prefix == len(chunk), "an acknowledged block was lost"
+        done, wrong = engine.load(req, chunk)
+        assert done.success and wrong == []
+        engine.client.finish_request(req)
+
+
+def test_blocks_stored_while_the_disk_worker_is_down_reach_the_disk_once_it_is_back(start_service):
+    harness = start_service()
+    keys = probe_keys("while-down", 16)
+    with ProbeEngine(harness) as engine:
+        pid = harness.worker_pid("disk")
+        assert harness.signal_child(pid, signal.SIGSTOP)
+        try:
+            assert engine.store(engine.new_request(), keys[:8]).success  # its cascade hangs
+            assert wait_for(lambda: harness.worker_pid("disk") != pid, 15), "the manager did not drop the worker"
+            assert engine.store(engine.new_request(), keys[8:]).success  # the worker is down or restarting
+        finally:
+            harness.signal_child(pid, signal.SIGCONT)
+        harness.wait_workers(["disk"], exclude_pids={pid})
+        status = harness.wait_status(cascades_settled, 20)
+        assert status is not None, harness.status()
+        disk = status["tiering"]["per_tier"]["disk"]
+        assert disk["cascade_keys_resubmitted"] >= 8 and disk["cascaded_keys_ok"] == len(keys)
+        assert status["tiering"]["pinned_slots"] == 0
+        assert_all_come_back_after_reset(engine, keys)
+
+
+def test_blocks_adopted_by_a_restarted_manager_reach_the_disk(start_service):
+    """Blocks acknowledged while their cascade could not run survive a manager crash in the
+    pool (device stores, and direct stores that sent their checksums) and are cascaded by the
+    new manager."""
+    harness = start_service()
+    stored, direct = probe_keys("adopted", 8), probe_keys("adopted-direct", 4)
+    old = ProbeEngine(harness, "old")
+    pool = HostPool.attach(old.client.info.pool_name, old.client.info.num_slots, old.block_bytes)
+    disk_pid = harness.worker_pid("disk")
+    assert harness.signal_child(disk_pid, signal.SIGSTOP)
+    try:
+        req = old.new_request()
+        assert old.store(req, stored).success
+        out = old.client.prepare_store(req, direct)
+        for key, slot in zip(out.keys, out.slots):
+            pool.slot_array(slot)[:] = expected_block(key, old.block_bytes)
+        checksums = [payload_checksum(pool.slot_array(slot)) for slot in out.slots]
+        old.client.complete_store(req, out.keys, checksums=checksums)
+        kill_manager(harness)  # the supervisor also kills the stopped disk worker
+    finally:
+        harness.signal_child(disk_pid, signal.SIGCONT)
+        pool.close()
+        old.close()
+    harness.wait_workers(["cpu", "disk"], exclude_pids={disk_pid})
+    status = harness.wait_status(cascades_settled, 20)
+    assert status is not None, harness.status()
+    assert status["warm_restart"]["verified"] == len(stored) + len(direct)
+    assert status["tiering"]["per_tier"]["disk"]["cascaded_keys_ok"] == len(stored) + len(direct)
+    with ProbeEngine(harness, "new") as engine:
+        assert_all_come_back_after_reset(engine, stored + direct)

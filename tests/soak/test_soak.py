@@ -30,6 +30,8 @@ def assert_invariants(summary: dict, kinds: tuple[str, ...]) -> None:
     assert all(injected[kind] >= 1 for kind in kinds), injected
     assert summary["blocks"]["wrong"] == 0 and summary["sweep"]["wrong"] == 0
     assert summary["blocks"]["verified"] > 0 and summary["sweep"]["blocks_verified"] > 0
+    durability = summary["durability"]
+    assert durability["acknowledged"] > 0 and durability["came_back"] > 0 and durability["lost"] == 0, durability
     assert summary["jobs"]["finished"] > 0
     disk_io = summary["faults"]["disk_io"]
     assert disk_io["injected_corruptions"] > 0 and disk_io["write_errors"] > 0, disk_io

@@ -53,6 +53,7 @@ def test_verified_keys_become_hits_failed_ones_are_freed_and_reported():
     assert reply.results[:2] == [HIT, HIT] and reply.results[2] is not HIT
     assert h.m.prepare_load(req, [k(1), k(3)]) == [2, 3]
     h.m.complete_load([k(1), k(3)])
+    h.answer(h.jobs())  # verified blocks no tier holds are cascaded
     snap = h.m.snapshot()
     assert (snap["unverified_slots"], snap["pinned_slots"], snap["writing_slots"]) == (0, 0, 0)
 
@@ -93,3 +94,19 @@ def test_without_tracking_nothing_is_recorded():
     m.adopt([(k(1), 0)])
     m.complete_adoption([k(1)], [])
     assert m.take_invalidated_slots() == []
+
+
+def test_adopted_blocks_are_cascaded_to_each_tier_that_does_not_hold_them():
+    h = Harness(num_slots=4, track_slot_invalidations=True)
+    h.m.adopt([(k(1), 0), (k(2), 1), (k(3), 2)])
+    for tier in ("disk", "mem2"):
+        h.m.set_tier_online(tier, False)  # a restarted manager: no worker has said hello yet
+    h.m.complete_adoption([k(1), k(2), k(3)], [k(1), k(2)])
+    h.m.end_step()
+    assert h.jobs() == []
+    h.m.apply_index_update("disk", [k(1)], [])  # the disk worker announces what it holds
+    h.m.set_tier_online("disk", True)
+    h.m.set_tier_online("mem2", True)
+    h.m.end_step()
+    sent = {h.m.tiers[j.tier].name: j.keys for j in h.jobs()}
+    assert sent == {"disk": [k(2)], "mem2": [k(1), k(2)]}

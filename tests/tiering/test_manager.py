@@ -130,7 +130,7 @@ def test_cascade_skips_keys_tier_already_holds(h):
     assert jobs == {"disk": [k(2)], "mem2": [k(1), k(2)]}
 
 
-def test_cascade_admission_drop_pins_nothing_and_uses_no_job_id():
+def test_cascade_over_the_pin_bound_waits_unpinned_and_uses_no_job_id():
     from kvoffload.tiering import Locality, Medium, TierSpec
 
     m = TieringManager(5, [TierSpec("disk", Medium.STORAGE, Locality.LOCAL, max_inflight_cascade_keys=2)])
@@ -143,8 +143,163 @@ def test_cascade_admission_drop_pins_nothing_and_uses_no_job_id():
     m.complete_store("r", out.keys_to_store)
     assert m.take_submissions() == []
     assert m.primary.ref_count(k(3)) == 0
-    assert m.stats.tier(1).cascades_dropped == 1
+    assert m.stats.tier(1).cascade_keys_deferred == 1
     assert m.next_job_id() == first[0].job_id + 1
+    m.end_step()
+    assert m.take_submissions() == [], "no room until the first cascade is done"
+    m.apply_result("disk", JobResult(first[0].job_id, True))
+    m.end_step()
+    (later,) = m.take_submissions()
+    assert later.kind is JobKind.CASCADE and later.keys == [k(3)]
+    assert m.snapshot()["cascade_backlog"] == 1
+    m.apply_result("disk", JobResult(later.job_id, True))
+    assert m.snapshot()["cascade_backlog"] == 0 and m.tiers[0].index == {k(1), k(2), k(3)}
+
+
+# -- durable cascades ---------------------------------------------------------------------------
+
+
+def dropped(logs, reason):
+    return [key for e in logs if e["event"] == "cascade_dropped" and e["reason"] == reason for key in e["keys"]]
+
+
+def test_cascade_failed_by_a_worker_crash_is_retried_once_the_worker_is_back(h):
+    r = h.new()
+    h.store(r, [k(1), k(2)])
+    jobs = h.jobs()
+    h.answer([j for j in jobs if h.m.tiers[j.tier].name == "mem2"])
+    h.m.set_tier_online("disk", False)
+    h.m.fail_worker_jobs("disk")  # the disk worker died with the cascade in flight
+    assert h.m.primary.pinned_count() == 0
+    h.clock.now += 60
+    h.m.end_step()
+    assert h.jobs() == [], "nothing is sent to a worker known to be down"
+    h.m.set_tier_online("disk", True)
+    h.m.end_step()
+    (retry,) = h.jobs()
+    assert (h.m.tiers[retry.tier].name, retry.kind, retry.keys, retry.req_id) == ("disk", JobKind.CASCADE, [k(1), k(2)], None)
+    h.answer([retry])
+    assert h.m.tiers[0].index == {k(1), k(2)}
+    assert h.m.snapshot()["cascade_backlog"] == 0 and not h.m.has_pending_work()
+
+
+def test_cascades_for_an_offline_tier_wait_unpinned_and_go_out_when_it_is_back(h):
+    h.m.set_tier_online("disk", False)
+    r = h.new()
+    h.store(r, [k(1), k(2)])
+    (mem2,) = h.jobs()
+    assert h.m.tiers[mem2.tier].name == "mem2"
+    h.answer([mem2])
+    assert h.m.primary.pinned_count() == 0, "waiting cascades pin nothing"
+    assert h.m.snapshot()["tiers"]["disk"]["cascade_backlog"] == 2
+    assert h.m.stats.tier(1).cascade_keys_deferred == 2
+    h.m.set_tier_online("disk", True)
+    h.m.end_step()
+    (disk,) = h.jobs()
+    assert disk.keys == [k(1), k(2)] and h.m.primary.ref_count(k(1)) == 1
+    h.answer([disk])
+    assert h.m.tiers[0].index == {k(1), k(2)}
+
+
+def test_a_failure_after_the_backlog_emptied_is_still_retried(h):
+    r = h.new()
+    h.m.set_tier_online("disk", False)
+    h.store(r, [k(1)])
+    h.answer(h.jobs())
+    h.m.set_tier_online("disk", True)
+    h.m.end_step()
+    h.answer(h.jobs())  # the backlog is empty again
+    h.m.end_step()
+    h.store(r, [k(2)])
+    for job in h.jobs():
+        h.m.apply_result(h.m.tiers[job.tier].name, JobResult(job.job_id, False))
+    h.clock.now += 1
+    assert h.m.has_pending_work()
+    h.m.end_step()
+    assert sorted((h.m.tiers[j.tier].name, j.keys[0]) for j in h.jobs()) == [("disk", k(2)), ("mem2", k(2))]
+
+
+def test_failed_cascades_back_off_and_are_dropped_at_the_retry_bound(captured_logs):
+    h = Harness(cascade_max_attempts=3, cascade_backoff_s=1.0)
+    r = h.new()
+    h.store(r, [k(1)])
+    jobs = h.jobs()
+    h.answer([j for j in jobs if h.m.tiers[j.tier].name == "mem2"])
+    (job,) = [j for j in jobs if h.m.tiers[j.tier].name == "disk"]
+    waits = []
+    for _ in range(2):
+        h.m.apply_result("disk", JobResult(job.job_id, False))  # an I/O error
+        started = h.clock.now
+        while True:
+            h.m.end_step()
+            retried = h.jobs()
+            if retried:
+                break
+            h.clock.now += 0.25
+        waits.append(h.clock.now - started)
+        (job,) = retried
+    assert waits == [1.0, 2.0], "the backoff doubles"
+    h.m.apply_result("disk", JobResult(job.job_id, False))
+    assert dropped(captured_logs, "retry_bound") == [k(1).hex()]
+    assert h.m.stats.tier(1).cascade_dropped_retry_bound == 1
+    assert h.m.snapshot()["cascade_backlog"] == 0
+    h.clock.now += 60
+    h.m.end_step()
+    assert h.jobs() == []
+
+
+def test_a_full_tier_drops_the_keys_without_retry(h, captured_logs):
+    r = h.new()
+    h.store(r, [k(1), k(2)])
+    for job in h.jobs():
+        tier = h.m.tiers[job.tier].name
+        full = [k(2)] if tier == "disk" else []
+        h.m.apply_result(tier, JobResult(job.job_id, False, [k(1)] if full else None, full_keys=full))
+    assert dropped(captured_logs, "tier_full") == [k(2).hex()]
+    assert h.m.stats.tier(1).cascade_dropped_tier_full == 1
+    h.clock.now += 60
+    h.m.end_step()
+    (retry,) = h.jobs()  # mem2's transient failure is retried, disk's full key is not
+    assert h.m.tiers[retry.tier].name == "mem2" and retry.keys == [k(1), k(2)]
+
+
+def test_a_key_evicted_before_its_cascade_is_dropped_as_evicted(captured_logs):
+    h = Harness(num_slots=2)
+    h.m.set_tier_online("disk", False)
+    r = h.new()
+    h.store(r, [k(1)])
+    h.answer(h.jobs())
+    h.store(r, [k(2), k(3)])  # evicts k1, still waiting for the disk tier
+    assert dropped(captured_logs, "evicted") == [k(1).hex()]
+    assert h.m.stats.tier(1).cascade_dropped_evicted == 1
+    assert h.m.snapshot()["tiers"]["disk"]["cascade_backlog"] == 2
+
+
+def test_eviction_prefers_blocks_that_no_longer_wait_for_a_cascade(captured_logs):
+    h = Harness(num_slots=3)
+    r = h.new()
+    h.store(r, [k(2)])
+    h.answer(h.jobs())  # k2 reached every tier
+    h.m.set_tier_online("disk", False)
+    h.store(r, [k(1)])
+    h.answer(h.jobs())  # k1 reached mem2 only; it waits for the disk tier
+    h.m.touch([k(2)])  # LRU alone would evict k1 next
+    h.store(r, [k(3), k(4)])
+    assert k(1) in h.m.primary and k(2) not in h.m.primary
+    assert dropped(captured_logs, "evicted") == []
+
+
+def test_reset_gives_up_the_backlog_as_evicted_after_a_flush(h, captured_logs):
+    h.m.set_tier_online("disk", False)
+    r = h.new()
+    h.store(r, [k(1)])
+    h.answer(h.jobs())
+    h.m.flush_cascade_backlogs()
+    h.m.end_step()
+    assert h.jobs() == [] and h.m.cascade_backlog(online_only=True) == 0 and h.m.cascade_backlog() == 1
+    h.m.reset_cache()
+    assert dropped(captured_logs, "evicted") == [k(1).hex()]
+    assert h.m.cascade_backlog() == 0
 
 
 # -- lookups and promotions ---------------------------------------------------------------------
@@ -767,8 +922,8 @@ def test_prepare_store_cascades_existing_blocks_to_request_level_tiers(new_keys)
     h = Harness(num_slots=6, request_level=("disk",))
     writer = h.new("w")
     h.store(writer, [k(1), k(2), k(3)])
-    for job in h.jobs():  # the chunk-level cascades of the writer fail: tiers stay empty
-        h.m.apply_result(h.m.tiers[job.tier].name, JobResult(job.job_id, False))
+    for job in h.jobs():  # the chunk-level cascades of the writer find the tiers full
+        h.m.apply_result(h.m.tiers[job.tier].name, JobResult(job.job_id, False, full_keys=job.keys))
     r = h.new("r")
     fresh = [k(10 + i) for i in range(new_keys)]
     out = h.m.prepare_store(r, [k(1), k(2), k(3), *fresh])
@@ -841,6 +996,12 @@ def test_crashed_worker_jobs_fail_and_unpin(h):
     assert k(5) not in h.m.primary  # the promotion's slot was freed
     assert h.m.lookup(r, [k(5)]).results == [MISS]  # marked missed for this request
     h.answer([j for j in jobs if h.m.tiers[j.tier].name == "mem2"])
+    assert h.m.primary.pinned_count() == 0
+    h.clock.now += 1
+    h.m.end_step()
+    (retry,) = h.jobs()  # the failed cascade goes out again
+    assert (h.m.tiers[retry.tier].name, retry.kind, retry.keys) == ("disk", JobKind.CASCADE, [k(1)])
+    h.answer([retry])
     assert h.m.primary.pinned_count() == 0 and not h.m.has_pending_work()
 
 

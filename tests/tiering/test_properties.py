@@ -154,6 +154,10 @@ class TieringMachine(RuleBasedStateMachine):
             self.answered.add(job_id)
         self._collect()
 
+    @rule(tier=st.sampled_from(["disk", "object"]), online=st.booleans())
+    def worker_connection(self, tier, online):
+        self.m.set_tier_online(tier, online)
+
     @rule(data=st.data())
     def disk_reports(self, data):
         added = data.draw(st.lists(st.sampled_from(KEYS), max_size=3))
@@ -189,6 +193,10 @@ class TieringMachine(RuleBasedStateMachine):
             if ref >= 0:
                 assert key in self.ready, "HIT for a key whose write did not complete"
         assert len(slots) + self.m.primary.free_slots == NUM_SLOTS
+        for tier in self.m.tiers:
+            assert tier.inflight_cascade_keys >= 0
+            for key, entry in tier.backlog.items():
+                assert entry.in_flight or self.m.primary.lookup(key).name == "HIT", "backlog keys are ready"
         for key in self.m.take_events():
             self._forget(key[1])
 
@@ -200,7 +208,10 @@ class TieringMachine(RuleBasedStateMachine):
             self.m.complete_store(req, keys)
         while self.loads:
             self.m.complete_load(self.loads.pop())
-        for _ in range(10):
+        for tier in self.m.tiers:
+            self.m.set_tier_online(tier.name, True)
+        for _ in range(12):
+            self.clock.now += 10
             self.end_step()
             for job_id in list(self.jobs):
                 job = self.jobs.pop(job_id)
@@ -210,6 +221,7 @@ class TieringMachine(RuleBasedStateMachine):
         assert self.m.primary.writing_count() == 0
         assert not self.m.has_pending_work()
         assert self.m.jobs_in_flight() == 0
+        assert self.m.cascade_backlog() == 0, "every waiting cascade went out once its tier was back"
 
 
 TieringMachine.TestCase.settings = settings(

@@ -228,15 +228,18 @@ class DiskStore:
         evicted to make room (at most one). Raises StoreFull, or the OSError of a failed write;
         then the new bytes are not visible and the key's previous copy may be gone too.
         ``evicted``, when given, receives the evicted keys as soon as they leave the index, so
-        the caller learns of them even when the write then fails."""
+        the caller learns of them even when the write then fails; each eviction is logged
+        (``disk_keys_evicted``) before the evicted block's header is touched."""
         self._require_open()
         _check_key(key)
         view = self._payload_view(src, writable=False)
         checksum = payload_checksum(view)
         with self._lock:
             reservation = self._index.reserve(key)
-        if evicted is not None:
-            evicted.extend(reservation.evicted)
+        if reservation.evicted:
+            self._log.info("disk_keys_evicted", for_key=key.hex(), keys=[k.hex() for k in reservation.evicted])
+            if evicted is not None:
+                evicted.extend(reservation.evicted)
         record = reservation.record
         slab, offset = self._layout.locate(record)
         header_may_be_valid = reservation.invalidate_first

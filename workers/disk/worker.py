@@ -11,8 +11,9 @@ Jobs (``slots[i]`` co-indexed with ``keys[i]``):
 Per-key outcomes: a corrupt or absent copy fails the key, reports it removed and, for a
 promotion, lists it in the outcome's ``absent_keys``; a transient
 read error fails the key and keeps it indexed; ENOSPC/EDQUOT or ``StoreFull`` fail the key
-(the store reports ``degraded`` until a put succeeds); keys evicted by a put are reported
-removed, keys stored are reported added.
+(the store reports ``degraded`` until a put succeeds) and are listed in ``full_keys``; keys
+evicted by a put are reported removed (the store logs each eviction), keys stored are
+reported added.
 
 Index changes: each job notes the keys it may have changed in its ``cleanup``, which the
 framework runs on the main thread just before it publishes the job's result.
@@ -57,9 +58,11 @@ SPACE_OPS = frozenset({"allocate", "write_payload"})
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 GONE_REASONS = frozenset({"absent", "corrupt"})
 """Promotion failures that confirm the store no longer holds the key (reported absent)."""
+FULL_REASONS = frozenset({"store_full", "no_space"})
+"""Cascade failures for lack of room (reported full: the manager does not retry them)."""
 _COUNTERS = ("bytes_read", "bytes_written", "keys_promoted", "keys_cascaded", "corrupt_blocks",
              "absent_keys", "transient_errors", "enospc_errors", "store_full", "write_errors",
-             "injected_corruptions")
+             "injected_corruptions", "keys_evicted")
 
 
 class DiskBackend:
@@ -119,7 +122,9 @@ class DiskBackend:
         pool = self._require_pool()
         ok: list[bytes] = []
         absent: list[bytes] = []
+        full: list[bytes] = []
         changed: list[bytes] = []
+        evicted: list[bytes] = []
         failures: Counter[str] = Counter()
         first_error = ""
         try:
@@ -127,18 +132,22 @@ class DiskBackend:
                 if promote:
                     failure = self._promote_one(key, slot, job.job_id, changed)
                 else:
-                    failure = self._cascade_one(key, pool.slot(slot), changed)
+                    failure = self._cascade_one(key, pool.slot(slot), changed, evicted)
                 if failure:
                     reason = failure.split(":", 1)[0]
                     failures[reason] += 1
                     first_error = first_error or failure
                     if promote and reason in GONE_REASONS:
                         absent.append(key)
+                    elif not promote and reason in FULL_REASONS:
+                        full.append(key)
                 else:
                     ok.append(key)
         except BaseException:
             self._note_changed(changed)  # the job fails as a whole; still report what it changed
             raise
+        finally:
+            self._count("keys_evicted", len(evicted))
         nbytes = len(ok) * pool.block_bytes
         self._count("bytes_read" if job.kind == PROMOTE else "bytes_written", nbytes)
         self._count("keys_promoted" if job.kind == PROMOTE else "keys_cascaded", len(ok))
@@ -147,7 +156,7 @@ class DiskBackend:
             error = f"{sum(failures.values())} of {len(job.keys)} keys failed ({dict(failures)}), first: {first_error}"
             log.warning("disk_keys_failed", job_id=job.job_id, kind=job.kind, keys=len(job.keys),
                         failures=dict(failures), error=first_error)
-        return JobOutcome(ok_keys=ok, nbytes=nbytes, error=error, absent_keys=absent,
+        return JobOutcome(ok_keys=ok, nbytes=nbytes, error=error, absent_keys=absent, full_keys=full,
                           cleanup=lambda: self._note_changed(changed))
 
     def _promote_one(self, key: bytes, slot: int, generation: int, changed: list[bytes]) -> str:
@@ -171,16 +180,18 @@ class DiskBackend:
             self._headers.stamp(slot, key, generation, header.checksum)
         return ""
 
-    def _cascade_one(self, key: bytes, src: memoryview, changed: list[bytes]) -> str:
+    def _cascade_one(self, key: bytes, src: memoryview, changed: list[bytes], evicted: list[bytes]) -> str:
         """Write ``src`` under ``key``; "" on success, else "<reason>: <detail>". The key is
-        noted as changed either way: a failed put may have dropped its previous copy."""
+        noted as changed either way: a failed put may have dropped its previous copy. Keys the
+        put evicted to make room are added to ``evicted`` (and noted as changed)."""
         store = self._require_store()
         changed.append(key)
         if self._faults.should_corrupt():
             self._count("injected_corruptions")
             src = self._corrupting_copy(src)
+        dropped: list[bytes] = []
         try:
-            changed.extend(store.put(key, src))
+            store.put(key, src, dropped)
         except StoreFull as exc:
             self._count("store_full")
             return f"store_full: {exc}"
@@ -192,6 +203,8 @@ class DiskBackend:
             return f"write_error: {exc}"
         finally:
             self._local.corrupt = None
+            changed.extend(dropped)
+            evicted.extend(dropped)
         return ""
 
     def _corrupting_copy(self, src: memoryview) -> mmap.mmap:
