@@ -14,7 +14,7 @@ import pytest
 
 from kvoffload.soak.blocks import POISON, conversation_keys, expected_block, mismatch
 from kvoffload.soak.injector import FAULT_KINDS, plan_faults
-from kvoffload.soak.invariants import judge_engine_events
+from kvoffload.soak.invariants import check_acknowledged_blocks, excused_keys, judge_engine_events
 from kvoffload.soak.runner import SoakOptions, run_soak
 
 PROCESS_FAULTS = ("kill_worker", "stop_worker", "kill_manager", "kill_client")
@@ -99,6 +99,22 @@ def test_timeouts_are_excused_only_inside_a_fault_window():
     excused, violations = judge_engine_events(events, [(14.0, 16.0)])
     assert excused == {"timeout": 1}
     assert [v.kind for v in violations] == ["job_without_result", "wrong_bytes"]
+
+
+def test_an_acknowledged_block_that_did_not_come_back_is_excused_only_by_a_logged_loss():
+    keys = conversation_keys(b"ns", 0, 5)
+    log = [
+        {"event": "cascade_dropped", "tier": "disk", "reason": "evicted", "keys": [keys[0].hex()]},
+        {"event": "disk_keys_evicted", "keys": [keys[1].hex()]},
+        {"event": "disk_block_corrupt", "key": keys[2].hex()},
+        {"event": "object_block_corrupt_deleted", "path": f"soak/00ff/{keys[3].hex()}"},
+        {"event": "job_failed", "keys": [keys[4].hex()]},
+    ]
+    excused = excused_keys(log)
+    assert set(excused) == set(keys[:4])
+    assert check_acknowledged_blocks(keys[:4], excused) == []
+    (lost,) = check_acknowledged_blocks(keys, excused)
+    assert lost.kind == "acknowledged_block_lost" and lost.detail["keys"] == [keys[4].hex()]
 
 
 def test_fault_plan_holds_every_kind_and_is_seeded():
