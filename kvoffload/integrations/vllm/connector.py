@@ -53,21 +53,25 @@ class KVOffloadWorkerMetadata(OffloadingWorkerMetadata):
 
     failed_loads: dict[str, list[bytes]] = field(default_factory=dict)
     failed_stores: list[bytes] = field(default_factory=list)
+    store_checksums: dict[bytes, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         base = super().aggregate(other)
         assert isinstance(base, OffloadingWorkerMetadata)
         loads = {req: list(keys) for req, keys in self.failed_loads.items()}
         stores = list(self.failed_stores)
+        checksums = dict(self.store_checksums)
         if isinstance(other, KVOffloadWorkerMetadata):
             for req, keys in other.failed_loads.items():
                 loads.setdefault(req, []).extend(keys)
             stores.extend(other.failed_stores)
+            checksums.update(other.store_checksums)
         return KVOffloadWorkerMetadata(
             completed_jobs=base.completed_jobs,
             transfer_stats=base.transfer_stats,
             failed_loads=loads,
             failed_stores=stores,
+            store_checksums=checksums,
         )
 
 
@@ -127,15 +131,18 @@ class KVOffloadConnector(OffloadingConnector):
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
         meta = super().build_connector_worker_meta()
         worker = self._offload_worker()
-        failures = worker.take_failures() if worker is not None else None
-        if not failures:
+        report = worker.take_report() if worker is not None else None
+        if not report:
             return meta
-        return KVOffloadWorkerMetadata(
-            completed_jobs=meta.completed_jobs if meta is not None else {},
-            transfer_stats=meta.transfer_stats if meta is not None else KVOffloadWorkerMetadata().transfer_stats,
-            failed_loads=failures.loads,
-            failed_stores=failures.stores,
+        out = KVOffloadWorkerMetadata(
+            failed_loads=report.failed_loads,
+            failed_stores=report.failed_stores,
+            store_checksums=report.store_checksums,
         )
+        if meta is not None:
+            out.completed_jobs = meta.completed_jobs
+            out.transfer_stats = meta.transfer_stats
+        return out
 
     # ---- scheduler side -------------------------------------------------------------------
 
@@ -146,4 +153,5 @@ class KVOffloadConnector(OffloadingConnector):
             for req_id, keys in meta.failed_loads.items():
                 manager.note_failed_loads(req_id, keys)
             manager.note_failed_stores(meta.failed_stores)
+            manager.note_store_checksums(meta.store_checksums)
         super().update_connector_output(connector_output)

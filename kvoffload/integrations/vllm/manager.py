@@ -85,6 +85,7 @@ class KVOffloadManager(OffloadingManager):
         self._requests: dict[str, _Request] = {}
         self._touched: dict[bytes, None] = {}
         self._failed_stores: set[bytes] = set()
+        self._store_checksums: dict[bytes, int] = {}
         self.stats = StatsAccumulator()
         self._outages_seen = 0
         self._generation_seen = link.generation
@@ -297,6 +298,11 @@ class KVOffloadManager(OffloadingManager):
         """Stores of ``nkeys`` failed in a worker: their ``complete_store`` reports failure."""
         self._failed_stores.update(nkeys)
 
+    def note_store_checksums(self, checksums: dict[bytes, int]) -> None:
+        """The xxh3 of slots the workers wrote, sent with ``complete_store`` so the service
+        stamps those slots and keeps the blocks across a manager restart."""
+        self._store_checksums.update(checksums)
+
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
             self._touched[self._key(key)] = None
@@ -354,6 +360,8 @@ class KVOffloadManager(OffloadingManager):
         failed = self._failed_stores.intersection(nkeys)
         self._failed_stores.difference_update(failed)
         ok = [k for k in nkeys if k not in failed] if success else []
+        sums = [self._store_checksums.pop(k) for k in nkeys if k in self._store_checksums]
+        checksums = sums if len(sums) == len(nkeys) else None
         if state is not None:
             state.open_stores = max(0, state.open_stores - 1)
         try:
@@ -365,6 +373,7 @@ class KVOffloadManager(OffloadingManager):
                     nkeys,
                     success=not failed and success,
                     successful_keys=ok if failed else None,
+                    checksums=checksums,
                 )
             )
         except (ServiceDown, KVOffloadError) as exc:

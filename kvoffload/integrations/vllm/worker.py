@@ -32,6 +32,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvoffload.blockformat import payload_checksum
 from kvoffload.pool import HostPool
 from kvoffload.protocol import FaultSpec
 
@@ -42,20 +43,26 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class TransferFailures:
-    """What failed since the last ``take_failures``: keys per vLLM request id."""
+class TransferReport:
+    """For the scheduler side, since the last ``take_report``: keys whose loads failed (per
+    vLLM request id), keys whose stores failed, and the xxh3 of each slot a store wrote in
+    full (only when this worker writes whole blocks, i.e. without tensor parallelism)."""
 
-    loads: dict[str, list[bytes]] = field(default_factory=dict)
-    stores: list[bytes] = field(default_factory=list)
+    failed_loads: dict[str, list[bytes]] = field(default_factory=dict)
+    failed_stores: list[bytes] = field(default_factory=list)
+    store_checksums: dict[bytes, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.stores)
+        return bool(self.failed_loads or self.failed_stores or self.store_checksums)
 
 
 @dataclass
 class _Pending:
+    """A submitted job; ``stored`` is a store whose slots get checksummed once it is done."""
+
     result: TransferResult
     event: torch.cuda.Event | None = None
+    stored: PoolBlocks | None = None
 
 
 class KVOffloadWorker(OffloadingWorker):
@@ -86,7 +93,7 @@ class KVOffloadWorker(OffloadingWorker):
         self._pool_views: dict[str, torch.Tensor] = {}
         self._pending: list[_Pending] = []
         self._error_blocks: set[int] = set()
-        self._failures = TransferFailures()
+        self._report = TransferReport()
         faults = faults or FaultSpec()
         self._fail_fraction = faults.fail_fraction
         self._rng = random.Random(faults.seed)
@@ -135,8 +142,10 @@ class KVOffloadWorker(OffloadingWorker):
             moved = self._copy(pool, rows, dst_spec.slots, to_pool=True)
         except (OSError, ValueError) as exc:
             log.warning("kvoffload_store_copy_failed req_id=%s error=%s", dst_spec.req_id, exc)
-            self._failures.stores.extend(dst_spec.keys)
-        self._finish(job_id, moved, start)
+            self._report.failed_stores.extend(dst_spec.keys)
+            self._finish(job_id, 0, start)
+            return True
+        self._finish(job_id, moved, start, dst_spec if self._layout.world_size == 1 else None)
         return True
 
     def submit_load(
@@ -182,9 +191,14 @@ class KVOffloadWorker(OffloadingWorker):
         return True
 
     def get_finished(self) -> list[TransferResult]:
-        done = [p for p in self._pending if p.event is None or p.event.query()]
-        if done:
-            self._pending = [p for p in self._pending if not (p.event is None or p.event.query())]
+        done: list[_Pending] = []
+        waiting: list[_Pending] = []
+        for pending in self._pending:
+            (done if pending.event is None or pending.event.query() else waiting).append(pending)
+        self._pending = waiting
+        for pending in done:
+            if pending.stored is not None:
+                self._checksum(pending.stored)
         return [p.result for p in done]
 
     def wait(self, job_ids: set[int]) -> None:
@@ -204,26 +218,35 @@ class KVOffloadWorker(OffloadingWorker):
 
     def _fail_load(self, req_id: str, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         self._error_blocks.update(block_ids)
-        self._failures.loads.setdefault(req_id, []).extend(keys)
+        self._report.failed_loads.setdefault(req_id, []).extend(keys)
 
     def take_error_blocks(self) -> set[int]:
         """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
         out, self._error_blocks = self._error_blocks, set()
         return out
 
-    def take_failures(self) -> TransferFailures:
-        out, self._failures = self._failures, TransferFailures()
+    def take_report(self) -> TransferReport:
+        out, self._report = self._report, TransferReport()
         return out
+
+    def _checksum(self, spec: PoolBlocks) -> None:
+        """Checksum the slots a finished store wrote, so the manager can stamp them and a
+        restarted manager keeps them."""
+        pool = self._pools.get(spec.pool_name)
+        if pool is None:
+            return
+        for key, slot in zip(spec.keys, spec.slots, strict=True):
+            self._report.store_checksums[key] = payload_checksum(pool.slot_array(slot))
 
     # ---- copies ---------------------------------------------------------------------------
 
-    def _finish(self, job_id: int, moved: int, start: float) -> None:
+    def _finish(self, job_id: int, moved: int, start: float, stored: PoolBlocks | None = None) -> None:
         result = TransferResult(job_id, True, moved, time.perf_counter() - start)
         event = None
         if self._stream is not None:
             event = torch.cuda.Event()
             event.record(self._stream)
-        self._pending.append(_Pending(result, event))
+        self._pending.append(_Pending(result, event, stored))
 
     def _copy(self, pool: torch.Tensor, rows: list[CopyRow], slots: Sequence[int], to_pool: bool) -> int:
         """Copy ``rows`` between the KV tensors and their keys' slots; returns bytes moved."""
