@@ -40,8 +40,9 @@ def cmd_status(args) -> int:
     with KVOffloadClient(endpoint, timeout_s=5.0, name="status") as client:
         status = client.status()
     if args.json:
-        print(json.dumps(status, indent=2, sort_keys=True))
+        print(json.dumps({"endpoint": endpoint, **status}, indent=2, sort_keys=True))
     else:
+        print(f"endpoint: {endpoint}")
         print(format_status(status))
     return 0
 

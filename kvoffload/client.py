@@ -51,6 +51,8 @@ class LookupOutcome:
         self.raw_reasons = reply.reasons
         self.hit_prefix = reply.hit_prefix
         self.ready_prefix = reply.ready_prefix
+        self.slots = reply.slots
+        self.checksums = reply.checksums
 
     @property
     def results(self) -> list[LookupResult]:
@@ -181,6 +183,18 @@ class KVOffloadClient:
                 pass
             self._sock.close(linger=0)
 
+    def abandon(self, linger_ms: int = 200) -> None:
+        """Leave without waiting (for a manager that stopped answering): queue a Disconnect,
+        so a manager that resumes releases this client's pins at once instead of at lease
+        expiry, and close the socket, giving the queued frame ``linger_ms`` to leave."""
+        if self._sock.closed:
+            return
+        try:
+            self._sock.send(p.encode(p.Disconnect(rid=next(self._rids))), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self._sock.close(linger=linger_ms)
+
     def __enter__(self) -> "KVOffloadClient":
         return self
 
@@ -201,8 +215,11 @@ class KVOffloadClient:
         self._requests[req_id] = params or {}
         return reply.request_level
 
-    def lookup(self, req_id: str, keys: list[bytes]) -> LookupOutcome:
-        return LookupOutcome(self._call(p.Lookup, req_id=req_id, keys=keys))
+    def lookup(self, req_id: str, keys: list[bytes], pin: bool = False) -> LookupOutcome:
+        """Evaluate the prefix ``keys``. With ``pin``, every HIT key is pinned for this client
+        in the same round trip and ``slots`` holds its slot (-1 for the other results); release
+        each pin with ``complete_load``."""
+        return LookupOutcome(self._call(p.Lookup, req_id=req_id, keys=keys, pin=pin))
 
     def store(self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str) -> p.JobAccepted:
         """Offload device blocks; returns the accepted job (job_id None if nothing was new)."""

@@ -207,6 +207,10 @@ class Ok(_Msg, tag="ok"):
 
 
 class Connected(_Msg, tag="connected"):
+    """``manager_pid``: slots this manager hands out stay reserved only while that process
+    lives (a restarted manager may give them to other keys), so an engine that copies into or
+    out of pool slots itself checks it is alive around each copy."""
+
     rid: int
     version: int
     client_id: str
@@ -216,6 +220,7 @@ class Connected(_Msg, tag="connected"):
     key_bytes_max: int
     pool_name: str
     tiers: list[str]
+    manager_pid: int = 0
 
 
 class NewRequestReply(_Msg, tag="new_request_reply"):
@@ -227,7 +232,8 @@ class LookupReply(_Msg, tag="lookup_reply"):
     """``results``/``reasons``: one byte per evaluated key (tiering LookupResult / MissReason
     values), up to and including the first MISS. ``slots``: empty unless the lookup asked to
     ``pin``; then co-indexed with ``results``, the pinned slot of each HIT key and -1 for the
-    others."""
+    others. ``checksums``: with ``slots``, the xxh3 of each pinned slot's block as recorded
+    when it was written (0: none recorded), so a reader can verify what it copies."""
 
     rid: int
     results: bytes
@@ -235,6 +241,7 @@ class LookupReply(_Msg, tag="lookup_reply"):
     hit_prefix: int
     ready_prefix: int
     slots: list[int] = []
+    checksums: list[int] = []
 
 
 class JobAccepted(_Msg, tag="job_accepted"):

@@ -481,6 +481,7 @@ class ManagerServer:
             pool.key_bytes_max,
             self.spec.pool_name,
             [t.name for t in self.tiering.tiers],
+            os.getpid(),
         )
 
     def _on_register_kv(self, identity, session: ClientSession, msg: p.RegisterKV):
@@ -550,13 +551,25 @@ class ManagerServer:
         reply = self.tiering.lookup(scoped, msg.keys)
         results = bytes(reply.results)
         slots: list[int] = []
+        checksums: list[int] = []
         if msg.pin:
             hit_keys = [k for k, r in zip(msg.keys, reply.results) if r is LookupResult.HIT]
             pinned = iter(self.tiering.prepare_load(scoped, hit_keys) if hit_keys else [])
             session.add_pins(hit_keys)
             slots = [next(pinned) if r is LookupResult.HIT else -1 for r in reply.results]
+            warm = self.warm
+            checksums = [
+                warm.checksum_of(slot, key) if warm is not None and slot >= 0 else 0
+                for key, slot in zip(msg.keys, slots)
+            ]
         return p.LookupReply(
-            msg.rid, results, bytes(reply.reasons), reply.hit_prefix, reply.ready_prefix, slots
+            msg.rid,
+            results,
+            bytes(reply.reasons),
+            reply.hit_prefix,
+            reply.ready_prefix,
+            slots,
+            checksums,
         )
 
     def _device_request(self, session: ClientSession, msg: p.Store | p.Load) -> str:

@@ -94,6 +94,12 @@ class WarmRestart:
         store that landed; a restarted manager verifies the slot before serving it)."""
         self._table.write(slot, BlockHeader(key, self._block_bytes, checksum, self._fingerprint, generation))
 
+    def checksum_of(self, slot: int, key: bytes) -> int:
+        """The xxh3 the slot's header records for ``key``; 0 when the slot has no header for
+        it (a write that stamps nothing, or slot headers off)."""
+        header = self._table.read(slot, self._fingerprint)
+        return header.checksum if header is not None and header.key == key else 0
+
     def clear_invalidated(self) -> None:
         """Clear the headers of the slots the primary index freed or reassigned since the last call."""
         for slot in self._tiering.take_invalidated_slots():

@@ -25,9 +25,24 @@ class Engine:
     """One vLLM engine process. ``connector``: kv_connector_extra_config, or None for plain
     vLLM without kvoffload."""
 
-    def __init__(self, model: Path, log_path: Path, connector: dict[str, Any] | None = None, *, start_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        model: Path,
+        log_path: Path,
+        connector: dict[str, Any] | None = None,
+        *,
+        start_timeout_s: float = 300.0,
+    ) -> None:
         read_fd, write_fd = os.pipe()
-        cmd = [sys.executable, "-m", "tests.vllm.engine_proc", "--model", str(model), "--reply-fd", str(write_fd)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.vllm.engine_proc",
+            "--model",
+            str(model),
+            "--reply-fd",
+            str(write_fd),
+        ]
         if connector is not None:
             cmd += ["--connector", json.dumps(connector)]
         self.log_path = log_path
@@ -53,7 +68,9 @@ class Engine:
         ready, _, _ = select.select([self._replies], [], [], timeout_s)
         line = self._replies.readline() if ready else ""
         if not line:
-            raise RuntimeError(f"engine gave no reply; its log:\n{self.log_path.read_text()[-6000:]}")
+            raise RuntimeError(
+                f"engine gave no reply; its log:\n{self.log_path.read_text()[-6000:]}"
+            )
         return json.loads(line)
 
     def _send(self, cmd: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -62,8 +79,12 @@ class Engine:
         self.proc.stdin.flush()
         return self._read(timeout_s)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 8, timeout_s: float = 300.0) -> list[dict[str, Any]]:
-        return self._send({"op": "generate", "prompts": prompts, "max_tokens": max_tokens}, timeout_s)["outputs"]
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int = 8, timeout_s: float = 300.0
+    ) -> list[dict[str, Any]]:
+        return self._send(
+            {"op": "generate", "prompts": prompts, "max_tokens": max_tokens}, timeout_s
+        )["outputs"]
 
     def reset_prefix_cache(self) -> bool:
         return self._send({"op": "reset_prefix_cache"}, 60.0)["ok"]

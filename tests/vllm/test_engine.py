@@ -85,7 +85,9 @@ class Engines:
     def get(self, name: str, model: Path | None = None, **connector: Any) -> Engine:
         if name not in self._started:
             config = None if name == "plain" else {"endpoint": self.service.endpoint, **connector}
-            self._started[name] = Engine(model or self.model, self.work / f"engine-{name}.log", config)
+            self._started[name] = Engine(
+                model or self.model, self.work / f"engine-{name}.log", config
+            )
         return self._started[name]
 
     def stop(self) -> None:
@@ -163,36 +165,55 @@ def test_same_prompt_after_reset_prefix_cache_is_served_by_kvoffload(engines, se
     same_output(second, reference(prompt, FULL_TOKENS))
 
 
-def test_corrupted_kv_changes_the_output(engines, service, reference):
-    """The model is sensitive to its KV: the same load from a pool whose bytes were overwritten
-    gives other tokens (so the identical outputs in the other tests mean something)."""
-    engine = engines.get("a")
-    prompt = new_prompt()
-    offload(engine, service, prompt, cascaded=True)
-    info = service.client("inspect")
-    try:
-        connected = info.info
-        pool = HostPool.attach(connected.pool_name, connected.num_slots, connected.block_bytes)
+def _with_pool_overwritten(service: Service, run: Callable[[], dict]) -> dict:
+    """``run()`` while every byte of the host pool is 7; the pool is restored after."""
+    with service.client("inspect") as client:
+        info = client.info
+        pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
         try:
             saved = pool.as_numpy().copy()
             pool.as_numpy()[:] = 7
-            assert engine.reset_prefix_cache()
-            corrupted = engine.generate([prompt])[0]
-            pool.as_numpy()[:] = saved
-            del saved
+            try:
+                return run()
+            finally:
+                pool.as_numpy()[:] = saved
         finally:
             pool.close()
-        info.reset_cache()
-    finally:
-        info.close()
+
+
+def test_corrupted_kv_changes_the_output(engines, service, reference):
+    """The model is sensitive to its KV: with load verification off, the same load from a
+    pool whose bytes were overwritten gives other tokens (so the identical outputs in the
+    other tests mean something)."""
+    engine = engines.get("b", verify_loads=False)
+    prompt = new_prompt()
+    offload(engine, service, prompt)
+    assert engine.reset_prefix_cache()
+
+    corrupted = _with_pool_overwritten(service, lambda: engine.generate([prompt])[0])
+
     assert corrupted["cached"] == FULL_TOKENS
     assert corrupted["tokens"] != reference(prompt, FULL_TOKENS)["tokens"]
+
+
+def test_a_corrupted_pool_block_is_never_loaded(engines, service, reference):
+    """Loads are verified against the checksum taken when the block was stored: overwritten
+    pool slots are recomputed, and the output is that of vLLM without kvoffload."""
+    engine = engines.get("a")
+    prompt = new_prompt()
+    offload(engine, service, prompt)
+    assert engine.reset_prefix_cache()
+
+    out = _with_pool_overwritten(service, lambda: engine.generate([prompt])[0])
+
+    same_output(out, reference(prompt, 0))
+    assert "kvoffload_load_corrupt" in engine.log_path.read_text()
 
 
 def test_second_engine_process_hits_the_first_ones_blocks(engines, service, reference):
     prompt = new_prompt()
     offload(engines.get("a"), service, prompt)
-    other = engines.get("b")
+    other = engines.get("b", verify_loads=False)
 
     out = other.generate([prompt])[0]
 
@@ -235,8 +256,12 @@ def test_failed_loads_are_recomputed_once(engines, service, reference):
 
 
 def test_a_killed_service_costs_a_recompute_and_hits_resume(engines, service, reference):
+    """The manager is killed, then the workers: vLLM keeps answering correctly at once; once
+    the service is back, blocks stored before the crash (kept by the warm restart or the disk
+    tier) and new ones hit again in the same vLLM."""
     engine = engines.get("a")
-    engine.generate([new_prompt()])
+    kept = new_prompt()
+    offload(engine, service, kept, cascaded=True)
     status = service.status()
     manager_pid = status["pid"]
     worker_pids = [w["pid"] for w in status["workers"].values()]
@@ -259,6 +284,10 @@ def test_a_killed_service_costs_a_recompute_and_hits_resume(engines, service, re
     wait_for("the restarted service", lambda: _service_back(service, manager_pid), 60)
     service.wait_workers(("cpu", "disk"), exclude_pids=worker_pids)
     _hits_resume(engine, service, reference)
+    assert engine.reset_prefix_cache()
+    out = engine.generate([kept])[0]
+    assert out["cached"] == FULL_TOKENS
+    same_output(out, reference(kept, FULL_TOKENS))
 
 
 def test_a_hung_service_costs_a_timeout_and_hits_resume(engines, service, reference):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.discovery import ENDPOINT_ENV, NoServiceFound, find_endpoint
 from kvoffload.config import load_config
+from kvoffload.discovery import ENDPOINT_ENV, NoServiceFound, find_endpoint
 from kvoffload.integrations.vllm.keys import KVIdentity, hashing_is_seed_dependent, model_digest
 from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
 from kvoffload.integrations.vllm.settings import ConnectorSettings
@@ -139,7 +139,9 @@ def test_link_started_before_the_service_connects_when_it_appears(start_service,
             raise NoServiceFound("not yet")
         return endpoint[0]
 
-    link = ServiceLink(resolve, name="t", call_timeout_s=0.5, connect_timeout_s=0.5, max_backoff_s=0.1)
+    link = ServiceLink(
+        resolve, name="t", call_timeout_s=0.5, connect_timeout_s=0.5, max_backoff_s=0.1
+    )
     try:
         assert not link.connect_now()
         with pytest.raises(ServiceDown):

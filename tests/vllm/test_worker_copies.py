@@ -54,7 +54,9 @@ def pool():
     pool.unlink()
 
 
-def blocks(pool: HostPool, keys: list[bytes], slots: list[int], manager_pid: int | None = None) -> PoolBlocks:
+def blocks(
+    pool: HostPool, keys: list[bytes], slots: list[int], manager_pid: int | None = None
+) -> PoolBlocks:
     pid = os.getpid() if manager_pid is None else manager_pid
     return PoolBlocks("req", pool.name, pool.num_slots, pool.block_bytes, keys, slots, pid)
 
@@ -72,10 +74,12 @@ def test_two_ranks_share_one_pool_block_at_their_offsets(pool):
         assert [r.job_id for r in w.get_finished()] == [1]
 
     for rank, caches in enumerate(ranks):
-        for slot, block in zip(slots, src):
+        for slot, block in zip(slots, src, strict=True):
             for layer in range(LAYERS):
                 start = rank * LAYERS * PAGE + layer * PAGE
-                got = torch.from_numpy(pool.slot_array(slot)[start : start + PAGE].copy()).view(torch.int8)
+                got = torch.from_numpy(pool.slot_array(slot)[start : start + PAGE].copy()).view(
+                    torch.int8
+                )
                 assert torch.equal(got, caches.tensors[layer].tensor[block])
 
     fresh = [kv_caches(seed=10 + r) for r in range(WORLD)]
@@ -134,7 +138,9 @@ def test_injected_load_faults_fail_loads():
         BlockLayout((PAGE,) * LAYERS, 1, 0, 1),
         FaultSpec(fail_fraction=1.0),
     )
-    w.submit_load(1, PoolBlocks("r", "/kvoffload-none", 1, 4096, [b"k" * 16], [0], os.getpid()), gpu([3]))
+    w.submit_load(
+        1, PoolBlocks("r", "/kvoffload-none", 1, 4096, [b"k" * 16], [0], os.getpid()), gpu([3])
+    )
     assert w.take_error_blocks() == {3}
 
 
@@ -159,13 +165,34 @@ def test_geometry_error_names_both_sizes_and_the_settings():
 
 def test_rows_pair_blocks_with_keys():
     assert [(r.block_id, r.key_index, r.chunk_block) for r in store_rows(2, [7, 8, 9, 10], 2)] == [
-        (7, 0, 0), (8, 0, 1), (9, 1, 0), (10, 1, 1)
+        (7, 0, 0),
+        (8, 0, 1),
+        (9, 1, 0),
+        (10, 1, 1),
     ]
     # a load that starts in the middle of its first chunk
     assert [(r.block_id, r.key_index, r.chunk_block) for r in load_rows(2, [4, 5, 6], 3, 2)] == [
-        (4, 0, 1), (5, 1, 0), (6, 1, 1)
+        (4, 0, 1),
+        (5, 1, 0),
+        (6, 1, 1),
     ]
     with pytest.raises(ValueError):
         store_rows(2, [1, 2, 3], 2)
     with pytest.raises(ValueError):
         load_rows(1, [1, 2, 3], 0, 2)
+
+
+def test_loads_are_verified_against_the_checksum_taken_at_store(pool):
+    from kvoffload.blockformat import payload_checksum
+
+    w = worker(kv_caches(seed=0), 0)
+    w.submit_store(1, gpu([1, 2]), blocks(pool, [b"a" * 16, b"b" * 16], [0, 1]))
+    sums = [payload_checksum(pool.slot_array(s)) for s in (0, 1)]
+    pool.slot_array(1)[100] ^= 0xFF  # the block of "b" changes after it was written
+    spec = blocks(pool, [b"a" * 16, b"b" * 16], [0, 1])
+    spec.checksums = sums
+
+    w.submit_load(2, spec, gpu([8, 9]))
+
+    assert w.take_error_blocks() == {9}
+    assert w.take_report().failed_loads == {"req": [b"b" * 16]}

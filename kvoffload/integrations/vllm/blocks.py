@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import LoadStoreSpec
 
@@ -17,7 +17,9 @@ class PoolBlocks(LoadStoreSpec):
     ``NO_SLOT`` means the key could not be pinned and its load must be reported failed. For a
     store, the slots were reserved by ``prepare_store`` and are written by the workers.
     ``req_id`` is vLLM's request id, so a worker can say whose transfer failed.
-    ``manager_pid`` is the manager that reserved the slots: they are only valid while it lives."""
+    ``manager_pid`` is the manager that reserved the slots: they are only valid while it lives.
+    ``checksums`` (loads only, co-indexed with ``keys``): the xxh3 each block had when it was
+    written, 0 where none was recorded; a worker verifies the slots against them."""
 
     req_id: str
     pool_name: str
@@ -26,3 +28,4 @@ class PoolBlocks(LoadStoreSpec):
     keys: list[bytes]
     slots: list[int]
     manager_pid: int
+    checksums: list[int] = field(default_factory=list)

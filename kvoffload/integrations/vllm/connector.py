@@ -82,7 +82,9 @@ def _select_spec(vllm_config: VllmConfig) -> None:
     assert transfer is not None
     extra = transfer.kv_connector_extra_config
     extra.update(spec_defaults(extra))
-    revision = getattr(vllm_config.model_config, "revision", None) if vllm_config.model_config else None
+    revision = (
+        getattr(vllm_config.model_config, "revision", None) if vllm_config.model_config else None
+    )
     if revision and "model_revision" not in extra:
         extra["model_revision"] = revision
 

@@ -143,6 +143,12 @@ class ServiceLink:
         except (TimeoutError, zmq.ZMQError) as exc:
             self._lost(f"{type(exc).__name__}: {exc}")
             raise ServiceDown(str(exc)) from None
+        except Exception as exc:
+            # A reply this client cannot use (another protocol version, a bug): start over
+            # with a new session rather than let it reach the engine.
+            log.exception("kvoffload_call_failed endpoint=%s", self.endpoint)
+            self._lost(f"{type(exc).__name__}: {exc}")
+            raise ServiceDown(str(exc)) from None
 
     def _lost(self, why: str) -> None:
         client, self._client = self._client, None

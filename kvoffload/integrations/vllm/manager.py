@@ -57,7 +57,7 @@ class _Request:
 
     ctx: ReqContext
     generation: int = -1  # link generation the request is registered at; -1: not registered
-    pinned: dict[bytes, int] = field(default_factory=dict)  # HIT, pinned, not yet loading
+    pinned: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # HIT: (slot, checksum)
     uncertain: dict[bytes, LookupResult] = field(default_factory=dict)  # last HIT_PENDING/RETRY
     missed: set[bytes] = field(default_factory=set)
     failed: set[bytes] = field(default_factory=set)  # loads that failed: MISS for good
@@ -228,10 +228,15 @@ class KVOffloadManager(OffloadingManager):
         self._sync_generation()
         results = outcome.results
         answered = len(results)
-        for i, (key, code) in enumerate(zip(keys, results)):
+        if len(outcome.slots) != answered:
+            log.error("kvoffload_lookup_without_pins req_id=%s: the service ignored pin", req_id)
+            state.missed.update(keys)
+            return
+        for i, (key, code) in enumerate(zip(keys, results, strict=False)):
             result = LookupResult[code.name]
             if result is LookupResult.HIT:
-                state.pinned[key] = outcome.slots[i]
+                checksum = outcome.checksums[i] if i < len(outcome.checksums) else 0
+                state.pinned[key] = (outcome.slots[i], checksum)
                 if key in state.uncertain:
                     state.promoted.add(key)
                 state.uncertain.pop(key, None)
@@ -250,14 +255,13 @@ class KVOffloadManager(OffloadingManager):
 
     # ---- loads ----------------------------------------------------------------------------
 
-    def prepare_load(
-        self, keys: Collection[OffloadKey], req_context: ReqContext
-    ) -> LoadStoreSpec:
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         """The pinned slots of ``keys``; a key that is not pinned (the session was lost since
         its lookup) gets ``NO_SLOT``, so its load fails and vLLM recomputes it."""
         state = self._state(req_context)
         nkeys = [self._key(k) for k in keys]
-        slots = [state.pinned.pop(k, NO_SLOT) for k in nkeys]
+        pinned = [state.pinned.pop(k, (NO_SLOT, 0)) for k in nkeys]
+        slots = [slot for slot, _ in pinned]
         state.loading.update(k for k, s in zip(nkeys, slots, strict=True) if s != NO_SLOT)
         state.load_generation = self._link.generation
         info = self._link.info
@@ -269,6 +273,7 @@ class KVOffloadManager(OffloadingManager):
             keys=nkeys,
             slots=slots,
             manager_pid=info.manager_pid if info is not None else 0,
+            checksums=[checksum for _, checksum in pinned],
         )
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:

@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingMetricMetadata
 
 
-class Counter(str, Enum):
+class Counter(Enum):
     HIT_BLOCKS = "vllm:kvoffload_hit_blocks"
     MISS_BLOCKS = "vllm:kvoffload_miss_blocks"
     LOAD_FAILED_BLOCKS = "vllm:kvoffload_load_failed_blocks"
@@ -21,8 +21,14 @@ class Counter(str, Enum):
 
 
 _DOCS = {
-    Counter.HIT_BLOCKS: ("Offload blocks kvoffload answered as hits, by the tier they came from.", ("tier",)),
-    Counter.MISS_BLOCKS: ("Offload blocks kvoffload answered as misses (including while unreachable).", ()),
+    Counter.HIT_BLOCKS: (
+        "Offload blocks kvoffload answered as hits, by the tier they came from.",
+        ("tier",),
+    ),
+    Counter.MISS_BLOCKS: (
+        "Offload blocks kvoffload answered as misses (including while unreachable).",
+        (),
+    ),
     Counter.LOAD_FAILED_BLOCKS: ("Offload blocks whose load failed and were recomputed.", ()),
     Counter.STORED_BLOCKS: ("Offload blocks stored into kvoffload.", ()),
     Counter.STORES_DROPPED: ("Offload blocks not stored, by reason.", ("reason",)),

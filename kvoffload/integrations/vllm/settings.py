@@ -8,6 +8,7 @@
 | ``max_backoff_s`` | 2.0 | longest wait between reconnection attempts |
 | ``namespace`` | ``""`` | extra text in the key fingerprint (keeps deployments apart) |
 | ``model_revision`` | vLLM's revision | revision in the key fingerprint |
+| ``verify_loads`` | true | check each loaded block against the checksum taken when written |
 | ``faults`` | none | kvoffload fault spec for the worker side (``fail_fraction`` of loads) |
 """
 
@@ -30,6 +31,7 @@ class ConnectorSettings:
     max_backoff_s: float = 2.0
     namespace: str = ""
     model_revision: str = ""
+    verify_loads: bool = True
     faults: FaultSpec | None = None
 
     @classmethod
@@ -46,9 +48,14 @@ class ConnectorSettings:
                 value = extra[name]
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                     raise ValueError(
-                        f"kv_connector_extra_config[{name!r}] must be a positive number, got {value!r}"
+                        f"kv_connector_extra_config[{name!r}] must be a positive number, "
+                        f"got {value!r}"
                     )
                 out[name] = float(value)
+        if "verify_loads" in extra:
+            if not isinstance(extra["verify_loads"], bool):
+                raise ValueError("kv_connector_extra_config['verify_loads'] must be true or false")
+            out["verify_loads"] = extra["verify_loads"]
         if extra.get("faults") is not None:
             try:
                 out["faults"] = msgspec.convert(extra["faults"], FaultSpec)

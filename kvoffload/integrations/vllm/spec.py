@@ -127,12 +127,14 @@ class KVOffloadSpec(OffloadingSpec):
                 f"KV pages of this worker sum to {layout.rank_block_bytes} bytes per block, "
                 f"vLLM reports {self.rank_block_bytes}"
             )
-        return KVOffloadWorker(kv_caches, layout, self.settings.faults)
+        return KVOffloadWorker(kv_caches, layout, self.settings.faults, self.settings.verify_loads)
 
 
 def _secondary_source(tiers: list[str]) -> CacheHitSource:
     """How vLLM labels blocks promoted from kvoffload's first secondary tier."""
-    return CacheHitSource.DISK if tiers and tiers[0] == "disk" else CacheHitSource.EXTERNAL_UNSPECIFIED
+    return (
+        CacheHitSource.DISK if tiers and tiers[0] == "disk" else CacheHitSource.EXTERNAL_UNSPECIFIED
+    )
 
 
 def spec_defaults(extra_config: Mapping[str, Any]) -> dict[str, Any]:

@@ -71,9 +71,11 @@ class KVOffloadWorker(OffloadingWorker):
         kv_caches: CanonicalKVCaches,
         layout: BlockLayout,
         faults: FaultSpec | None = None,
+        verify_loads: bool = True,
     ) -> None:
         """``faults.fail_fraction``: fraction of loaded keys to fail on purpose (tests and
-        soaks of the recompute path)."""
+        soaks of the recompute path). ``verify_loads``: check each loaded slot against the
+        checksum recorded when it was written; a mismatch fails that key's load."""
         if len(kv_caches.group_data_refs) != 1:
             raise ValueError(
                 "kvoffload supports models with one KV cache group; this model has "
@@ -96,6 +98,7 @@ class KVOffloadWorker(OffloadingWorker):
         self._report = TransferReport()
         faults = faults or FaultSpec()
         self._fail_fraction = faults.fail_fraction
+        self._verify_loads = verify_loads
         self._rng = random.Random(faults.seed)
 
     # ---- pool -----------------------------------------------------------------------------
@@ -118,7 +121,8 @@ class KVOffloadWorker(OffloadingWorker):
             self._fenced = False
             log.warning(
                 "kvoffload_copies_unfenced manager_pid=%d: the manager is not visible from this "
-                "process (another PID namespace?); copies are not checked against a manager restart",
+                "process (another PID namespace?); copies are not checked against a manager "
+                "restart",
                 spec.manager_pid,
             )
         self._pools[spec.pool_name] = pool
@@ -130,15 +134,21 @@ class KVOffloadWorker(OffloadingWorker):
 
     # ---- OffloadingWorker -----------------------------------------------------------------
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
         assert isinstance(dst_spec, PoolBlocks)
         start = time.perf_counter()
         moved = 0
         try:
-            rows = store_rows(len(dst_spec.keys), src_spec.block_ids.tolist(), self._layout.blocks_per_chunk)
+            rows = store_rows(
+                len(dst_spec.keys), src_spec.block_ids.tolist(), self._layout.blocks_per_chunk
+            )
             pool = self._pool_view(dst_spec)
             if not self._manager_alive(dst_spec.manager_pid):
-                raise ProcessLookupError(f"manager {dst_spec.manager_pid} that reserved the slots is gone")
+                raise ProcessLookupError(
+                    f"manager {dst_spec.manager_pid} that reserved the slots is gone"
+                )
             moved = self._copy(pool, rows, dst_spec.slots, to_pool=True)
         except (OSError, ValueError) as exc:
             log.warning("kvoffload_store_copy_failed req_id=%s error=%s", dst_spec.req_id, exc)
@@ -149,7 +159,11 @@ class KVOffloadWorker(OffloadingWorker):
         return True
 
     def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
     ) -> bool:
         assert isinstance(src_spec, PoolBlocks)
         start = time.perf_counter()
@@ -178,6 +192,8 @@ class KVOffloadWorker(OffloadingWorker):
         good = [r for r in rows if r.key_index not in failed]
         if pool is not None and good:
             moved = self._copy(pool, good, src_spec.slots, to_pool=False)
+            if self._verify_loads:
+                failed |= self._corrupt_slots(src_spec, {r.key_index for r in good})
             if not self._manager_alive(src_spec.manager_pid):
                 log.warning("kvoffload_manager_gone_during_load pid=%d", src_spec.manager_pid)
                 failed = set(range(len(keys)))
@@ -229,6 +245,29 @@ class KVOffloadWorker(OffloadingWorker):
         out, self._report = self._report, TransferReport()
         return out
 
+    def _corrupt_slots(self, spec: PoolBlocks, loaded: set[int]) -> set[int]:
+        """Indexes of the loaded keys whose slot no longer has the checksum recorded when it
+        was written. The slots stay pinned while this runs, so a match proves the copied bytes
+        are the ones written."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        pool = self._pools[spec.pool_name]
+        bad = {
+            i
+            for i in loaded
+            if i < len(spec.checksums)
+            and spec.checksums[i]
+            and payload_checksum(pool.slot_array(spec.slots[i])) != spec.checksums[i]
+        }
+        if bad:
+            log.error(
+                "kvoffload_load_corrupt req_id=%s blocks=%d: the pool slots do not match their "
+                "checksums; those blocks are recomputed",
+                spec.req_id,
+                len(bad),
+            )
+        return bad
+
     def _checksum(self, spec: PoolBlocks) -> None:
         """Checksum the slots a finished store wrote, so the manager can stamp them and a
         restarted manager keeps them."""
@@ -240,7 +279,9 @@ class KVOffloadWorker(OffloadingWorker):
 
     # ---- copies ---------------------------------------------------------------------------
 
-    def _finish(self, job_id: int, moved: int, start: float, stored: PoolBlocks | None = None) -> None:
+    def _finish(
+        self, job_id: int, moved: int, start: float, stored: PoolBlocks | None = None
+    ) -> None:
         result = TransferResult(job_id, True, moved, time.perf_counter() - start)
         event = None
         if self._stream is not None:
@@ -248,7 +289,9 @@ class KVOffloadWorker(OffloadingWorker):
             event.record(self._stream)
         self._pending.append(_Pending(result, event, stored))
 
-    def _copy(self, pool: torch.Tensor, rows: list[CopyRow], slots: Sequence[int], to_pool: bool) -> int:
+    def _copy(
+        self, pool: torch.Tensor, rows: list[CopyRow], slots: Sequence[int], to_pool: bool
+    ) -> int:
         """Copy ``rows`` between the KV tensors and their keys' slots; returns bytes moved."""
         if self._stream is not None:
             return self._copy_cuda(pool, rows, slots, to_pool)
@@ -271,7 +314,9 @@ class KVOffloadWorker(OffloadingWorker):
                 moved += len(blocks) * page
         return moved
 
-    def _copy_cuda(self, pool: torch.Tensor, rows: list[CopyRow], slots: Sequence[int], to_pool: bool) -> int:
+    def _copy_cuda(
+        self, pool: torch.Tensor, rows: list[CopyRow], slots: Sequence[int], to_pool: bool
+    ) -> int:
         """One asynchronous copy per (block, tensor) on the worker's stream, straight between
         device memory and the page-locked pool."""
         assert self._stream is not None
@@ -281,7 +326,9 @@ class KVOffloadWorker(OffloadingWorker):
             for row in rows:
                 base = self._layout.offset(row.chunk_block)
                 slot = slots[row.key_index]
-                for tensor, page, offset in zip(self._tensors, self._pages, self._offsets, strict=True):
+                for tensor, page, offset in zip(
+                    self._tensors, self._pages, self._offsets, strict=True
+                ):
                     host = pool[slot, base + offset : base + offset + page]
                     device = tensor[row.block_id, :page]
                     if to_pool:
