@@ -89,17 +89,23 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         return self._send({"op": "reset_prefix_cache"}, 60.0)["ok"]
 
+    def request_quit(self) -> None:
+        """Ask the engine to quit, without waiting (``stop`` waits)."""
+        if self.proc.poll() is None and self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
     def stop(self) -> None:
         """Ask the engine to quit; after a grace period kill its process group (the engine
         core and worker processes it started), by the group of the pid this harness started."""
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.close()
-                self.proc.wait(15)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
+        self.request_quit()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            pass
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()

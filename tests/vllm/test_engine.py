@@ -92,6 +92,8 @@ class Engines:
 
     def stop(self) -> None:
         for engine in self._started.values():
+            engine.request_quit()
+        for engine in self._started.values():
             engine.stop()
 
 
