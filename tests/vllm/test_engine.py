@@ -84,7 +84,13 @@ class Engines:
 
     def get(self, name: str, model: Path | None = None, **connector: Any) -> Engine:
         if name not in self._started:
-            config = None if name == "plain" else {"endpoint": self.service.endpoint, **connector}
+            # A call bound above the default 0.25 s keeps a loaded 2-core CI machine from
+            # reading a slow answer as an outage; the outage tests stay bounded by it.
+            config = (
+                None
+                if name == "plain"
+                else {"endpoint": self.service.endpoint, "call_timeout_s": 1.0, **connector}
+            )
             self._started[name] = Engine(
                 model or self.model, self.work / f"engine-{name}.log", config
             )

@@ -50,6 +50,9 @@ from .metrics import Counter, StatsAccumulator
 
 log = logging.getLogger(__name__)
 
+RESET_TIMEOUT_S = 5.0
+"""Bound of ``reset_cache`` (the service drains its jobs first, which takes milliseconds)."""
+
 
 @dataclass
 class _Request:
@@ -403,7 +406,7 @@ class KVOffloadManager(OffloadingManager):
             state.missed.clear()
             state.loading.clear()
         try:
-            self._link.call(lambda c: c.reset_cache(timeout_s=max(self._link.call_timeout_s, 30.0)))
+            self._link.call(lambda c: c.reset_cache(timeout_s=RESET_TIMEOUT_S))
         except (ServiceDown, KVOffloadError) as exc:
             log.warning("kvoffload_reset_failed error=%s", exc)
 
