@@ -179,8 +179,8 @@ class Engine:
         ready, _, _ = select.select([self._replies], [], [], timeout_s)
         line = self._replies.readline() if ready else ""
         if not line:
-            tail = self.log_path.read_text(errors="replace")[-8000:]
-            raise EngineFailed(_error_line(tail), tail)
+            text = self.log_path.read_text(errors="replace")
+            raise EngineFailed(_error_line(text), text[-8000:])
         return json.loads(line)
 
     def _send(self, cmd: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
@@ -219,14 +219,14 @@ class Engine:
         self.stop()
 
 
-def _error_line(log_tail: str) -> str:
+def _error_line(log: str) -> str:
     """The root cause in an engine log: the first ``SomeError: message`` line (vLLM logs the
     worker's exception first, then the engine's wrappers of it)."""
-    for line in log_tail.splitlines():
+    for line in log.splitlines():
         match = re.search(r"\b(\w*(?:Error|Exception)): (.+)$", line)
         if match:
             return f"{match.group(1)}: {match.group(2).strip()}"[:400]
-    lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
     return lines[-1][-400:] if lines else "the engine exited without output"
 
 
@@ -387,7 +387,7 @@ BREAKDOWN_FIELDS = (
     ("first_lookup_ms", "request reaches the scheduler and its first lookup starts"),
     ("hit_known_ms", "the lookup answer that makes vLLM schedule the load is known"),
     ("load_submitted_ms", "the worker starts the step that copies the blocks"),
-    ("load_copy_ms", "the worker's copy of the prefix (pool -> vLLM KV)"),
+    ("load_worker_ms", "the worker's load: copy pool slots -> vLLM KV blocks, verify their checksums"),
     ("load_reported_ms", "the scheduler learns the load finished"),
     ("done_ms", "generate() returns with the first token"),
     ("steps", "scheduler steps the request lived through"),
@@ -413,7 +413,7 @@ def _request_breakdown(events: list[dict[str, Any]], run: dict[str, Any]) -> dic
         "first_lookup_ms": ms(matches[0]["t"]) if matches else None,
         "hit_known_ms": ms(hit["t"] + hit["d"]) if hit else None,
         "load_submitted_ms": ms(transfers[0]["t"]) if transfers else None,
-        "load_copy_ms": sum(e["d"] for e in transfers) * 1e3,
+        "load_worker_ms": sum(e["d"] for e in transfers) * 1e3,
         "load_reported_ms": ms(reported["t"]) if reported else None,
         "done_ms": ms(t1),
         "steps": len(steps),
@@ -580,6 +580,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "model": {**MODEL, "vocab": VOCAB, "dtype": "bfloat16", "block_tokens": BLOCK_TOKENS,
                   "kv_block_bytes": kv_block_bytes()},
         "vllm_version": vllm.__version__,
+        "kvoffload_commit": _git_commit(),
         "torch_version": torch.__version__,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "load_avg_at_end": os.getloadavg()},
@@ -604,6 +605,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "runs": {mode: {str(n): v for n, v in by_len.items()} for mode, by_len in runs.items()},
         "seconds": time.monotonic() - started,
     }
+
+
+def _git_commit() -> str:
+    """The checkout measured (``-dirty`` if the integration or this script have local changes)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "kvoffload", "scripts"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
 
 
 def main() -> None:
