@@ -54,9 +54,9 @@ class WorkerRegistry:
             state.last_seen = now
         return state
 
-    def expired(self, now: float) -> list[WorkerState]:
-        """Remove and return workers whose heartbeat is overdue; each is killed by pid (it is a
-        process of this service that reported its own pid) so its supervisor restarts it."""
+    def kill_silent(self, now: float) -> list[WorkerState]:
+        """SIGKILL, remove and return the workers whose heartbeat is overdue; each is killed by
+        pid (a process of this service that reported its own pid) so its supervisor restarts it."""
         dead = [w for w in self.workers.values() if now - w.last_seen > self.heartbeat_timeout_s]
         for worker in dead:
             del self.workers[worker.name]

@@ -1,0 +1,334 @@
+"""The manager's client API: one handler per request type, the checks they share, long polls,
+cache resets and client leases. Transport and the poll loop live in ``loop``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import structlog
+
+from .. import protocol as p
+from ..tiering import LookupResult, ReqContext
+from ..tiering.types import TieringError
+from .handles import KVHandles
+from .jobs import WorkerChannel
+from .sessions import ClientSession, PendingPoll
+from .state import CPU_WORKER, ManagerState, RequestError
+
+log = structlog.get_logger()
+
+MAX_KEYS_PER_CALL = 65536
+
+
+class ClientApi:
+    def __init__(self, state: ManagerState, handles: KVHandles, workers: WorkerChannel) -> None:
+        self.state = state
+        self.tiering = state.tiering
+        self.handles = handles
+        self.workers = workers
+        self._next_client = 1
+        self._handlers = {
+            p.Connect: self._on_connect,
+            p.RegisterKV: self._on_register_kv,
+            p.NewRequest: self._on_new_request,
+            p.Lookup: self._on_lookup,
+            p.Load: self._on_load,
+            p.Store: self._on_store,
+            p.PrepareStore: self._on_prepare_store,
+            p.CompleteStore: self._on_complete_store,
+            p.PrepareLoad: self._on_prepare_load,
+            p.CompleteLoad: self._on_complete_load,
+            p.Touch: self._on_touch,
+            p.FinishRequest: self._on_finish_request,
+            p.EndStep: self._on_end_step,
+            p.ResetCache: self._on_reset_cache,
+            p.Poll: self._on_poll,
+            p.Status: self._on_status,
+            p.Disconnect: self._on_disconnect,
+        }
+
+    def on_frames(self, frames: list[bytes]) -> None:
+        """Decode one client request, run its handler and send the reply (a handler that returns
+        None answers later: a long poll, a cache reset)."""
+        state = self.state
+        identity = frames[0]
+        if len(frames) != 2:
+            state.reply(identity, p.Error(-1, "bad_message", f"expected one frame, got {len(frames) - 1}"))
+            return
+        frame = frames[1]
+        try:
+            msg = p.decode_client_request(frame)
+        except p.ProtocolError as exc:
+            log.warning("bad_client_message", error=str(exc)[:200])
+            state.reply(identity, p.Error(p.request_id_of(frame), "bad_message", str(exc)[:500]))
+            return
+        session = state.sessions.get(identity)
+        if session is None and not isinstance(msg, p.Connect):
+            state.reply(identity, p.Error(msg.rid, "not_connected", "send Connect first"))
+            return
+        if session is not None:
+            session.last_seen = time.monotonic()
+        try:
+            reply = self._handlers[type(msg)](identity, session, msg)
+        except (RequestError, TieringError) as exc:
+            reply = p.Error(msg.rid, exc.code, str(exc))
+        except Exception as exc:
+            log.exception("client_request_crashed", kind=type(msg).__name__)
+            reply = p.Error(msg.rid, "internal", f"{type(exc).__name__}: {exc}")
+        if reply is not None:
+            state.reply(identity, reply)
+
+    def housekeeping(self, now: float) -> None:
+        """Expire leases, answer polls that reached their deadline, settle pending resets."""
+        lease = self.state.cfg.service.request_lease_s
+        for session in list(self.state.sessions.values()):
+            if now - session.last_seen > lease:
+                self._drop_session(session, "lease_expired")
+        for session in self.state.sessions.values():
+            if session.pending_poll is not None and now >= session.pending_poll.deadline:
+                self.state.answer_poll(session, force=True)
+        self._try_resets(now)
+
+    # ---- checks ---------------------------------------------------------------------------
+
+    def _check_keys(self, keys: list[bytes]) -> None:
+        if len(keys) > MAX_KEYS_PER_CALL:
+            raise RequestError("too_many_keys", f"{len(keys)} keys > {MAX_KEYS_PER_CALL}")
+        lo, hi = self.state.cfg.pool.key_bytes_min, self.state.cfg.pool.key_bytes_max
+        for key in keys:
+            if not lo <= len(key) <= hi:
+                raise RequestError("bad_key", f"key of {len(key)} bytes outside {lo}..{hi}")
+
+    def _check_writable(self) -> None:
+        if self.state.draining:
+            raise RequestError("draining", "the service is shutting down")
+
+    def _scoped(self, session: ClientSession, req_id: str) -> str:
+        scoped = session.scoped(req_id)
+        if scoped not in session.requests:
+            raise RequestError("unknown_request", f"unknown request {req_id!r}")
+        return scoped
+
+    # ---- handlers -------------------------------------------------------------------------
+
+    def _on_connect(self, identity, session, msg: p.Connect):
+        if msg.version != p.PROTOCOL_VERSION:
+            return p.Error(msg.rid, "version_mismatch", f"client protocol {msg.version} != manager's {p.PROTOCOL_VERSION}")
+        if session is None:
+            client_id = f"c{self._next_client}"
+            self._next_client += 1
+            session = ClientSession(identity, client_id, msg.client_name, time.monotonic())
+            self.state.sessions[identity] = session
+            log.info("client_connected", client_id=client_id, client_name=msg.client_name)
+        pool = self.state.cfg.pool
+        return p.Connected(
+            msg.rid,
+            p.PROTOCOL_VERSION,
+            session.client_id,
+            pool.num_slots,
+            pool.block_bytes,
+            pool.key_bytes_min,
+            pool.key_bytes_max,
+            self.state.spec.pool_name,
+            [t.name for t in self.tiering.tiers],
+            os.getpid(),
+        )
+
+    def _on_register_kv(self, identity, session: ClientSession, msg: p.RegisterKV):
+        self.handles.register(identity, msg.handle)
+        return p.Ok(msg.rid)
+
+    def _on_new_request(self, identity, session: ClientSession, msg: p.NewRequest):
+        scoped = session.scoped(msg.req_id)
+        if self.tiering.has_request(scoped):
+            raise RequestError(
+                "duplicate_request", f"request {msg.req_id!r} is active or still finishing its stores"
+            )
+        policy = self.tiering.on_new_request(ReqContext.from_params(scoped, msg.params))
+        session.requests.add(scoped)
+        return p.NewRequestReply(msg.rid, bool(policy))
+
+    def _on_lookup(self, identity, session, msg: p.Lookup):
+        self._check_keys(msg.keys)
+        scoped = self._scoped(session, msg.req_id)
+        reply = self.tiering.lookup(scoped, msg.keys)
+        slots: list[int] = []
+        checksums: list[int] = []
+        if msg.pin:
+            hit_keys = [k for k, r in zip(msg.keys, reply.results) if r is LookupResult.HIT]
+            pinned = iter(self.tiering.prepare_load(scoped, hit_keys) if hit_keys else [])
+            session.add_pins(hit_keys)
+            slots = [next(pinned) if r is LookupResult.HIT else -1 for r in reply.results]
+            warm = self.state.warm
+            checksums = [
+                warm.checksum_of(slot, key) if warm is not None and slot >= 0 else 0
+                for key, slot in zip(msg.keys, slots)
+            ]
+        return p.LookupReply(
+            msg.rid,
+            bytes(reply.results),
+            bytes(reply.reasons),
+            reply.hit_prefix,
+            reply.ready_prefix,
+            slots,
+            checksums,
+        )
+
+    def _device_request(self, session: ClientSession, msg: p.Store | p.Load) -> str:
+        """Checks shared by Store and Load; returns the scoped request id."""
+        self._check_writable()
+        self._check_keys(msg.keys)
+        scoped = self._scoped(session, msg.req_id)
+        self.handles.owned(session.identity, msg.handle_id, msg.keys, msg.device_blocks)
+        if self.state.registry.live(CPU_WORKER) is None:
+            raise RequestError("worker_unavailable", "the cpu worker is not connected")
+        return scoped
+
+    def _on_store(self, identity, session: ClientSession, msg: p.Store):
+        scoped = self._device_request(session, msg)
+        out = self.tiering.prepare_store(scoped, msg.keys)
+        if out is None:
+            raise RequestError("no_space", "no primary slots can be freed for this store")
+        if not out.keys_to_store:
+            return p.JobAccepted(msg.rid, None, [], out.evicted)
+        block_of = dict(zip(reversed(msg.keys), reversed(msg.device_blocks)))
+        blocks = [block_of[k] for k in out.keys_to_store]
+        job = p.Job(0, "device_store", out.keys_to_store, out.slots, blocks, msg.handle_id)
+        job_id = self.workers.submit_device_job(session, scoped, msg.req_id, "store", job)
+        return p.JobAccepted(msg.rid, job_id, out.keys_to_store, out.evicted)
+
+    def _on_load(self, identity, session: ClientSession, msg: p.Load):
+        scoped = self._device_request(session, msg)
+        slots = self.tiering.prepare_load(scoped, msg.keys)
+        job = p.Job(0, "device_load", msg.keys, slots, msg.device_blocks, msg.handle_id)
+        job_id = self.workers.submit_device_job(session, scoped, msg.req_id, "load", job)
+        return p.JobAccepted(msg.rid, job_id, list(msg.keys))
+
+    def _on_prepare_store(self, identity, session: ClientSession, msg: p.PrepareStore):
+        self._check_writable()
+        self._check_keys(msg.keys)
+        scoped = self._scoped(session, msg.req_id)
+        out = self.tiering.prepare_store(scoped, msg.keys)
+        if out is None:
+            raise RequestError("no_space", "no primary slots can be freed for this store")
+        if out.keys_to_store:
+            session.add_open_store(scoped, out.keys_to_store)
+        return p.Slots(msg.rid, out.keys_to_store, out.slots, out.evicted)
+
+    def _on_complete_store(self, identity, session: ClientSession, msg: p.CompleteStore):
+        """Allowed after the request finished: a store prepared before may complete later."""
+        self._check_keys(msg.keys)
+        scoped = session.scoped(msg.req_id)
+        if msg.checksums is not None and len(msg.checksums) != len(msg.keys):
+            raise RequestError("bad_request", f"{len(msg.keys)} keys but {len(msg.checksums)} checksums")
+        if not session.close_open_store(scoped, msg.keys):
+            raise RequestError("not_prepared", "no prepared store with these keys for this request")
+        self.tiering.complete_store(scoped, msg.keys, msg.success, msg.successful_keys)
+        warm = self.state.warm
+        if msg.checksums is not None and warm is not None:
+            # stamp the slot headers of the keys that are now ready
+            generation = self.tiering.next_job_id()
+            for key, checksum in zip(msg.keys, msg.checksums):
+                if self.tiering.primary.lookup(key) is LookupResult.HIT:
+                    warm.stamp(self.tiering.primary.slot_of(key), key, checksum, generation)
+        self.state.dispatch_tier_jobs()
+        return p.Ok(msg.rid)
+
+    def _on_prepare_load(self, identity, session: ClientSession, msg: p.PrepareLoad):
+        self._check_writable()
+        self._check_keys(msg.keys)
+        slots = self.tiering.prepare_load(self._scoped(session, msg.req_id), msg.keys)
+        session.add_pins(msg.keys)
+        return p.Slots(msg.rid, msg.keys, slots)
+
+    def _on_complete_load(self, identity, session: ClientSession, msg: p.CompleteLoad):
+        self._check_keys(msg.keys)
+        if not session.owns_pins(msg.keys):
+            raise RequestError("not_pinned", "these keys are not pinned by this client")
+        self.tiering.complete_load(msg.keys)
+        session.drop_pins(msg.keys)
+        return p.Ok(msg.rid)
+
+    def _on_touch(self, identity, session, msg: p.Touch):
+        self._check_keys(msg.keys)
+        self.tiering.touch(msg.keys)
+        return p.Ok(msg.rid)
+
+    def _on_finish_request(self, identity, session: ClientSession, msg: p.FinishRequest):
+        scoped = self._scoped(session, msg.req_id)
+        self.tiering.on_request_finished(scoped)
+        session.requests.discard(scoped)
+        self.state.dispatch_tier_jobs()
+        return p.Ok(msg.rid)
+
+    def _on_end_step(self, identity, session, msg: p.EndStep):
+        self.tiering.end_step()
+        self.state.dispatch_tier_jobs()
+        return p.Ok(msg.rid)
+
+    def _on_reset_cache(self, identity, session, msg: p.ResetCache):
+        """Answered once no job is in flight and the online tiers took every waiting cascade
+        (their backoff is skipped), or with ``reset_timeout`` after the drain timeout."""
+        deadline = time.monotonic() + self.state.cfg.supervisor.drain_timeout_s
+        self.state.pending_resets.append((identity, msg.rid, deadline))
+        self.tiering.flush_cascade_backlogs()
+        self.state.run_tier_step()
+        self._try_resets(time.monotonic())
+        return None
+
+    def _try_resets(self, now: float) -> None:
+        state = self.state
+        if not state.pending_resets:
+            return
+        if state.idle() and self.tiering.cascade_backlog(online_only=True) == 0:
+            self.tiering.reset_cache()
+            for session in state.sessions.values():
+                session.pinned.clear()
+                session.open_stores.clear()
+            log.info("cache_reset", callers=len(state.pending_resets))
+            for identity, rid, _ in state.pending_resets:
+                state.reply(identity, p.Ok(rid))
+            state.pending_resets.clear()
+            return
+        for entry in [e for e in state.pending_resets if now >= e[2]]:
+            state.pending_resets.remove(entry)
+            state.reply(entry[0], p.Error(entry[1], "reset_timeout", "jobs or cascades still in flight"))
+
+    def _on_poll(self, identity, session: ClientSession, msg: p.Poll):
+        if session.pending_poll is not None:
+            self.state.reply(identity, p.Events(session.pending_poll.rid, []))
+        session.pending_poll = PendingPoll(msg.rid, time.monotonic() + msg.wait_ms / 1000)
+        self.state.answer_poll(session, force=msg.wait_ms <= 0)
+        return None
+
+    def _on_disconnect(self, identity, session: ClientSession, msg: p.Disconnect):
+        self._drop_session(session, "disconnected")
+        return p.Ok(msg.rid)
+
+    def _on_status(self, identity, session, msg: p.Status):
+        return p.StatusReply(msg.rid, self.state.status(time.monotonic()))
+
+    def _drop_session(self, session: ClientSession, reason: str) -> None:
+        """Finish everything a vanished client left: its prepared stores fail, its pins are
+        released, its requests finish; its device jobs still complete but deliver no event."""
+        del self.state.sessions[session.identity]
+        for scoped, stores in session.open_stores.items():
+            for keys in stores:
+                self.tiering.complete_store(scoped, keys, success=False)
+        if session.pinned:
+            self.tiering.complete_load(list(session.pinned.elements()))
+        for scoped in session.requests:
+            if self.tiering.has_request(scoped):
+                self.tiering.on_request_finished(scoped)
+        self.handles.release(session.handles)
+        self.state.dispatch_tier_jobs()
+        log.log(
+            logging.INFO if reason == "disconnected" else logging.WARNING,
+            "client_dropped",
+            client_id=session.client_id,
+            reason=reason,
+            requests=len(session.requests),
+            pins=sum(session.pinned.values()),
+        )

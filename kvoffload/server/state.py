@@ -1,0 +1,171 @@
+"""What the manager's parts share: configuration, the tiering library, the two sockets, what is
+known of clients, workers and device jobs, and the sends every part uses.
+
+Single-threaded: only the manager's poll loop touches it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+
+import structlog
+import zmq
+
+from .. import protocol as p
+from ..config import Config
+from ..runspec import RunSpec
+from ..tiering import JobKind, JobResult, Locality, Medium, TieringManager, TierSpec
+from .sessions import ClientSession
+from .sockets import bind_client_socket, bind_job_socket
+from .warmstart import WarmRestart
+from .workers import WorkerRegistry
+
+log = structlog.get_logger()
+
+CPU_WORKER = "cpu"
+JOB_KIND_NAMES = {JobKind.PROMOTION: "promote", JobKind.CASCADE: "cascade", JobKind.PROBE: "probe"}
+
+CASCADE_PIN_SHARE = 0.25
+"""Share of the pool's slots that cascades in flight may pin, all tiers together; the other
+keys to cascade wait unpinned, so the pool never fills with them."""
+
+
+class RequestError(Exception):
+    """A client call that cannot be served; becomes a typed Error reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class DeviceJob:
+    """A store or load between a client's KV cache and the pool, run by the cpu worker."""
+
+    identity: bytes
+    scoped_req: str
+    req_id: str
+    kind: str  # "store" | "load"
+    keys: list[bytes]
+
+
+def tier_specs(cfg: Config) -> list[TierSpec]:
+    specs = []
+    if cfg.disk.enabled:
+        specs.append(TierSpec("disk", Medium.STORAGE, Locality.LOCAL, indexed=True))
+    if cfg.object.enabled:
+        specs.append(TierSpec("object", Medium.STORAGE, Locality.REMOTE, indexed=False))
+    pins = max(1, int(cfg.pool.num_slots * CASCADE_PIN_SHARE) // max(1, len(specs)))
+    return [replace(spec, max_inflight_cascade_keys=pins) for spec in specs]
+
+
+class ManagerState:
+    def __init__(self, spec: RunSpec, cfg: Config) -> None:
+        self.spec = spec
+        self.cfg = cfg
+        svc = cfg.service
+        self.zctx = zmq.Context()
+        self.client_sock, self.auth = bind_client_socket(self.zctx, spec.client_endpoint, svc)
+        self.job_sock = bind_job_socket(self.zctx, spec.job_endpoint, svc.max_message_bytes)
+        self.tiering = TieringManager(
+            cfg.pool.num_slots,
+            tier_specs(cfg),
+            policy=cfg.pool.eviction_policy,
+            hit_pending_deadline_s=svc.hit_pending_deadline_s,
+            unread_promotion_cap=int(cfg.pool.unread_promotion_cap * cfg.pool.num_slots),
+            probe_timeout_s=cfg.object.verdict_timeout_s,
+            track_slot_invalidations=bool(spec.slot_table_name),
+            first_job_id=time.time_ns() // 1000,
+        )
+        for tier in self.tiering.tiers:  # online once its worker has said hello and announced its index
+            self.tiering.set_tier_online(tier.name, False)
+        self.warm = WarmRestart.open(spec, cfg, self.tiering)
+        self.worker_names = {CPU_WORKER, *(t.name for t in self.tiering.tiers)}
+        self.registry = WorkerRegistry(svc.heartbeat_timeout_s)
+        self.sessions: dict[bytes, ClientSession] = {}
+        self.device_jobs: dict[int, DeviceJob] = {}
+        self.pending_resets: list[tuple[bytes, int, float]] = []
+        self.draining = False
+        self.started_at = time.monotonic()
+
+    def idle(self) -> bool:
+        """No device job and no tier job in flight."""
+        return not self.device_jobs and self.tiering.jobs_in_flight() == 0
+
+    def clear_invalidated_slots(self) -> None:
+        """Clear the slot headers of slots freed or reassigned; runs before any slot number
+        leaves the manager, so no header describes a slot that is being rewritten."""
+        if self.warm is not None:
+            self.warm.clear_invalidated()
+
+    def send_worker(self, name: str, msg) -> bool:
+        """False when the message could not be handed to the worker's connection (gone, or its
+        queue full): the caller fails the job at once instead of waiting for a timeout."""
+        self.clear_invalidated_slots()
+        try:
+            self.job_sock.send_multipart([name.encode(), p.encode(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            log.error("worker_send_failed", worker=name, kind=type(msg).__name__, error=str(exc))
+            return False
+
+    def reply(self, identity: bytes, msg) -> None:
+        self.clear_invalidated_slots()
+        try:
+            self.client_sock.send_multipart([identity, p.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("client_send_failed", error=str(exc))
+
+    def dispatch_tier_jobs(self) -> None:
+        """Send the tiering library's new submissions and touched keys to the tier workers; a
+        job whose worker is gone or unreachable fails at once."""
+        for job in self.tiering.take_submissions():
+            tier = self.tiering.tiers[job.tier].name
+            worker = self.registry.live(tier)
+            if worker is None:
+                log.warning("tier_job_failed_no_worker", tier=tier, job_id=job.job_id)
+                self.tiering.apply_result(tier, JobResult(job.job_id, False))
+                continue
+            msg = p.Job(job.job_id, JOB_KIND_NAMES[job.kind], job.keys, job.slots)
+            if self.send_worker(tier, msg):
+                worker.jobs.add(job.job_id)
+            else:
+                self.tiering.apply_result(tier, JobResult(job.job_id, False))
+        for tier in self.tiering.tiers:
+            touched = self.tiering.take_touched(tier.name)
+            if touched and self.registry.live(tier.name) is not None:
+                self.send_worker(tier.name, p.TouchKeys(touched))
+
+    def run_tier_step(self) -> None:
+        """One step of the tiering library (promotions, cascade retries, probes) and the sends
+        it produced; a no-op when nothing is pending."""
+        if not self.tiering.has_pending_work():
+            return
+        self.tiering.end_step()
+        self.dispatch_tier_jobs()
+
+    def answer_poll(self, session: ClientSession, force: bool = False) -> None:
+        """Answer the session's waiting poll with its queued events (or none, when forced)."""
+        poll = session.pending_poll
+        if poll is None or not (session.events or force):
+            return
+        events = list(session.events)
+        session.events.clear()
+        session.pending_poll = None
+        self.reply(session.identity, p.Events(poll.rid, events))
+
+    def status(self, now: float) -> dict:
+        return {
+            "pid": os.getpid(),
+            "uptime_s": round(now - self.started_at, 3),
+            "draining": self.draining,
+            "pool": {"name": self.spec.pool_name, "block_bytes": self.cfg.pool.block_bytes},
+            "tiering": self.tiering.snapshot(),
+            "device_jobs_in_flight": len(self.device_jobs),
+            "workers": self.registry.snapshot(now),
+            "worker_restarts_seen": self.registry.restarts_seen,
+            "clients": len(self.sessions),
+            "warm_restart": self.warm.snapshot() if self.warm is not None else None,
+        }
