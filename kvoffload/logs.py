@@ -1,9 +1,14 @@
 """Structured logging: one JSON object per line, with ``proc`` and ``pid`` on every event.
 
-Each process calls ``configure_logging`` once at start-up (after a fork, again if the process
-name changes; the pid is read at log time either way). Modules obtain loggers with
-``get_logger``, which stays lazy, so module-level loggers created before ``configure_logging``
-still follow the configuration in force when they log.
+Each process of the service calls ``configure_logging`` once at start-up (after a fork, again
+if the process name changes; the pid is read at log time either way). Modules obtain loggers
+with ``get_logger``, which stays lazy, so module-level loggers created before
+``configure_logging`` still follow the configuration in force when they log.
+
+Used as a library (the client in an engine's process), kvoffload logs nothing by itself: while
+structlog is not configured (by ``configure_logging`` or by the application), events go to the
+standard library logger ``kvoffload`` (one JSON object as the message), which has only a
+``NullHandler``; an application that configures ``logging`` sees them at the levels it enables.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ LEVELS = {
 }
 
 _HANDLER_MARK = "_kvoffload_handler"
+
+LIBRARY_LOGGER = "kvoffload"
+_library_logger = logging.getLogger(LIBRARY_LOGGER)
+_library_logger.addHandler(logging.NullHandler())
 
 
 def _json_serializer() -> Callable[..., str]:
@@ -94,6 +103,49 @@ def configure_logging(proc: str, level: str = "info", stream: TextIO | None = No
     root.setLevel(min_level)
 
 
+class _LazyLogger:
+    """Resolved at each use: structlog once it is configured (by ``configure_logging`` or the
+    application), else the stdlib logger ``kvoffload`` (silent unless ``logging`` is configured)."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context: dict[str, Any]) -> None:
+        self._context = context
+
+    def bind(self, **values: Any) -> _LazyLogger:
+        return _LazyLogger({**self._context, **values})
+
+    def __getattr__(self, name: str) -> Any:
+        if structlog.is_configured():
+            return getattr(structlog.get_logger(**self._context), name)
+        library = structlog.wrap_logger(
+            _library_logger,
+            processors=_LIBRARY_PROCESSORS,
+            wrapper_class=structlog.stdlib.BoundLogger,
+            **self._context,
+        )
+        return getattr(library, name)
+
+
+_render_json = structlog.processors.JSONRenderer(serializer=_json_serializer())
+
+
+def _to_stdlib_call(
+    logger: WrappedLogger, method: str, event_dict: EventDict
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The event as one JSON message; ``exc_info`` is left to the stdlib logger."""
+    exc_info = event_dict.pop("exc_info", None)
+    message = _render_json(logger, method, event_dict)
+    return (message,), ({"exc_info": exc_info} if exc_info else {})
+
+
+_LIBRARY_PROCESSORS: list[Processor] = [
+    structlog.stdlib.filter_by_level,
+    structlog.contextvars.merge_contextvars,
+    _to_stdlib_call,
+]
+
+
 def get_logger(**bind: Any) -> Any:
-    """A lazy structlog logger with ``bind`` as initial context (e.g. ``tier="disk"``)."""
-    return structlog.get_logger(**bind)
+    """A lazy logger with ``bind`` as initial context (e.g. ``tier="disk"``)."""
+    return _LazyLogger(bind)

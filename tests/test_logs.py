@@ -122,3 +122,52 @@ def test_reconfigure_replaces_stdlib_handler() -> None:
 def test_unknown_level_is_rejected() -> None:
     with pytest.raises(ValueError, match="loud"):
         configure_logging("x", level="loud")
+
+
+def test_library_use_logs_nothing_until_asked(tmp_path: Path) -> None:
+    """An engine that imports the client, creates a KV cache, fails to connect and triggers a
+    library warning prints nothing; once it configures ``logging``, those events reach it."""
+    code = f"""
+        import logging, os, sys
+        from kvoffload.client import KVOffloadClient, ServiceUnavailable
+        from kvoffload.kvcache import SharedKVCache
+        from kvoffload.tiering.types import parse_tier_filter
+
+        def use_the_library():
+            cache = SharedKVCache.create(f"/kvoffload-logtest-{{os.getpid()}}", 4, [4096])
+            cache.close()
+            cache.unlink()
+            parse_tier_filter("not a list")
+            try:
+                KVOffloadClient("ipc://{tmp_path}/nobody.sock", timeout_s=0.2)
+            except ServiceUnavailable:
+                pass
+            else:
+                raise SystemExit("connected to nobody")
+
+        use_the_library()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(2, b"--configured--\\n")
+        logging.basicConfig(stream=sys.stderr, level=logging.DEBUG, format="%(name)s %(message)s")
+        use_the_library()
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    silent, configured = result.stderr.split("--configured--\n")
+    assert silent == ""
+    events = {}
+    for line in configured.splitlines():
+        name, message = line.split(" ", 1)
+        assert name == "kvoffload"
+        event = json.loads(message)
+        events[event["event"]] = event
+    assert set(events) == {"kv_cache_created", "tier_filter_not_a_list"}
+    assert events["kv_cache_created"]["blocks"] == 4

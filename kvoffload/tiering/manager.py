@@ -31,8 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterable, Sequence
 
-import structlog
-
+from ..logs import get_logger
 from .primary import PrimaryIndex
 from .secondary import PendingCascade, SecondaryTier, TierSpec
 from .stats import TieringStats
@@ -56,7 +55,7 @@ from .types import (
     WrongTier,
 )
 
-log = structlog.get_logger()
+log = get_logger()
 
 HIT, HIT_PENDING, RETRY, MISS = (
     LookupResult.HIT,

@@ -6,33 +6,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping
 
-import structlog
+from ..logs import get_logger
+from ..vocab import ErrorCode, LookupResult, MissReason  # noqa: F401  (re-exported)
 
-log = structlog.get_logger()
+log = get_logger()
 
 Key = bytes
-
-
-class LookupResult(enum.IntEnum):
-    MISS = 0
-    HIT = 1
-    HIT_PENDING = 2
-    RETRY = 3
-
-
-class MissReason(enum.IntEnum):
-    """Why a key was not a hit (reported next to MISS and RETRY results)."""
-
-    NONE = 0
-    ABSENT = 1  # in no tier the request may read
-    EVICTED = 2  # was in the primary tier, evicted recently, absent elsewhere
-    FILTERED = 3  # only tiers the request's filter excludes could have it
-    PRIMARY_FULL = 4  # a secondary tier has it but no primary slot could be reserved
-    DEADLINE = 5  # stayed HIT_PENDING past the deadline for this request
-    FAILED_LOAD = 6  # an earlier load of it failed for this request
-    PROBING = 7  # RETRY: an existence probe is unresolved
-    AWAITING_PREFIX = 8  # RETRY: found, promotion deferred until earlier keys resolve
-    PROBE_FAILED = 9  # the existence probe this request waited on failed or timed out
 
 
 class JobKind(enum.IntEnum):
@@ -213,32 +192,32 @@ class ReqContext:
 class TieringError(Exception):
     """Base of the errors a caller can cause; each maps to a typed error reply."""
 
-    code = "tiering_error"
+    code: ErrorCode = ErrorCode.TIERING_ERROR
 
 
 class UnknownRequest(TieringError):
-    code = "unknown_request"
+    code = ErrorCode.UNKNOWN_REQUEST
 
 
 class RequestFinishedError(TieringError):
-    code = "request_finished"
+    code = ErrorCode.REQUEST_FINISHED
 
 
 class NotReady(TieringError):
-    code = "not_ready"
+    code = ErrorCode.NOT_READY
 
 
 class UnknownJob(TieringError):
-    code = "unknown_job"
+    code = ErrorCode.UNKNOWN_JOB
 
 
 class WrongTier(TieringError):
-    code = "wrong_tier"
+    code = ErrorCode.WRONG_TIER
 
 
 class ProtocolViolation(TieringError):
-    code = "protocol_violation"
+    code = ErrorCode.PROTOCOL_VIOLATION
 
 
 class JobsInFlight(TieringError):
-    code = "jobs_in_flight"
+    code = ErrorCode.JOBS_IN_FLIGHT
