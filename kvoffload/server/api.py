@@ -70,6 +70,7 @@ class ClientApi:
             return
         if session is not None:
             session.last_seen = time.monotonic()
+        started = time.perf_counter()
         try:
             reply = self._handlers[type(msg)](identity, session, msg)
         except (RequestError, TieringError) as exc:
@@ -79,6 +80,8 @@ class ClientApi:
             reply = p.Error(msg.rid, "internal", f"{type(exc).__name__}: {exc}")
         if reply is not None:
             state.reply(identity, reply)
+        if state.metrics is not None:
+            state.metrics.client_call(msg, time.perf_counter() - started)
 
     def housekeeping(self, now: float) -> None:
         """Expire leases, answer polls that reached their deadline, settle pending resets."""

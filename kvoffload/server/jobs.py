@@ -34,6 +34,8 @@ class WorkerChannel:
         except p.ProtocolError as exc:
             log.warning("bad_worker_message", worker=name, error=str(exc))
             return
+        if self.state.metrics is not None:
+            self.state.metrics.worker_message(name, msg)
         now = time.monotonic()
         if isinstance(msg, p.WorkerHello):
             self._on_hello(name, msg, now)

@@ -19,7 +19,6 @@ from ..runspec import RunSpec
 from .api import ClientApi
 from .handles import KVHandles
 from .jobs import WorkerChannel
-from .metrics import MetricsEndpoint
 from .state import ManagerState
 
 log = structlog.get_logger()
@@ -33,8 +32,7 @@ class ManagerServer:
         handles = KVHandles(self.state)
         self.workers = WorkerChannel(self.state, handles)
         self.api = ClientApi(self.state, handles, self.workers)
-        port = cfg.service.metrics_port
-        self.metrics = MetricsEndpoint(port) if port else None
+        self.metrics = self.state.metrics
 
     def run(self) -> None:
         state = self.state

@@ -1,63 +1,369 @@
-"""Prometheus text exposition of the manager's status, served from a background HTTP thread.
+"""Prometheus metrics of the manager (``prometheus_client``), served over HTTP from a background
+thread on ``service.metrics_port``.
 
-The manager's loop calls ``publish(status)``; the HTTP thread only reads the last rendered text,
-so it never touches the manager's state."""
+Two sources feed them:
+
+- the manager's status snapshot, which the loop publishes at every housekeeping turn: tiering
+  counters per tier, pool and tier gauges, worker health, and the workers' own counters as
+  their heartbeats carry them. A collector renders the last snapshot at scrape time, so the HTTP
+  thread never touches the manager's state;
+- observations from the manager's channels: the time spent on each client call, and each
+  worker job from its dispatch to its result, with the bytes it moved (``job_sent`` /
+  ``worker_message`` / ``client_call``, called on the manager's thread).
+
+Counters are cumulative since the manager started; a worker's heartbeat counters are summed over
+its incarnations (a restarted worker starts its own from zero), so they never go back.
+"""
 
 from __future__ import annotations
 
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .. import protocol as p
 
 PREFIX = "kvoffload_"
 
+CALL_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1, 0.5)
+JOB_BUCKETS_S = (
+    1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
 
-def render(status: dict) -> str:
-    """Flatten numeric leaves of the status dict; per-tier and per-worker maps become labels."""
-    lines: list[str] = []
-    tiering = status.get("tiering", {})
-    for name, value in tiering.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            lines.append(f"{PREFIX}{name} {value}")
-    for tier, counters in tiering.get("per_tier", {}).items():
-        for name, value in counters.items():
-            lines.append(f'{PREFIX}tier_{name}{{tier="{tier}"}} {value}')
-    for worker, info in status.get("workers", {}).items():
-        lines.append(f'{PREFIX}worker_up{{worker="{worker}"}} 1')
-        lines.append(f'{PREFIX}worker_degraded{{worker="{worker}"}} {int(info["degraded"])}')
-        lines.append(f'{PREFIX}worker_inflight{{worker="{worker}"}} {info["inflight"]}')
-    lines.append(f"{PREFIX}worker_restarts_total {status.get('worker_restarts_seen', 0)}")
-    lines.append(f"{PREFIX}device_jobs_in_flight {status.get('device_jobs_in_flight', 0)}")
-    lines.append(f"{PREFIX}clients {status.get('clients', 0)}")
-    return "\n".join(lines) + "\n"
+MAX_TRACKED_JOBS = 16384
+"""Dispatched jobs whose result is awaited; past it the oldest are forgotten (their worker died
+and the manager failed them)."""
+
+LOOKUP_RESULTS = ("hit", "hit_pending", "retry", "miss")
+TIER_JOB_KINDS = ("promotion", "cascade", "probe")
+CASCADE_DROP_REASONS = ("evicted", "tier_full", "retry_bound")
+POOL_GAUGES = {
+    "slots": "Slots of the host pool.",
+    "used_slots": "Host pool slots holding a block or being written.",
+    "pinned_slots": "Host pool slots pinned by readers (loads, promotions not yet read, cascades).",
+    "writing_slots": "Host pool slots being written.",
+    "unverified_slots": "Host pool slots adopted by a warm restart and not verified yet.",
+    "unread_promotion_pins": "Slots pinned by promotions that landed and were not read yet.",
+}
+GLOBAL_COUNTERS = {
+    "hit_pending_expired": "(request, key) pairs that stayed HIT_PENDING past the deadline.",
+    "promotion_allocation_failures": "Promotions that found no free pool slot.",
+    "store_allocation_failures": "Stores that found no free pool slot (no_space).",
+    "promoted_keys": "Keys promoted into the host pool.",
+    "promoted_keys_consumed": "Promoted keys that an engine then loaded.",
+}
+WORKER_GAUGE_STATS = frozenset(
+    {
+        "used_bytes", "capacity_bytes", "direct_io", "kv_handles", "queued", "releasing",
+        "pending_releases", "breaker_consecutive_failures", "breaker_cooldown_s",
+        "breaker_retry_in_s",
+    }
+)
+"""Heartbeat stats that are levels; every other numeric stat is a counter."""
+SKIPPED_WORKER_STATS = frozenset({"degraded"})
+"""Exported otherwise (``kvoffload_worker_degraded``, from the heartbeat's own flag)."""
+
+
+class ManagerCollector(Collector):
+    """Renders the last published status snapshot as metric families."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._status: Mapping[str, Any] | None = None
+        self._workers: dict[str, _WorkerCounters] = {}
+
+    def publish(self, status: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._status = status
+            for name, info in status.get("workers", {}).items():
+                counters = self._workers.setdefault(name, _WorkerCounters())
+                counters.update(info["pid"], _worker_counter_stats(info.get("stats") or {}))
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            status = self._status
+            worker_totals = {name: c.totals() for name, c in self._workers.items()}
+        if status is None:
+            return
+        yield from _manager_families(status)
+        yield from _tier_families(status["tiering"])
+        yield from _worker_families(status["workers"], worker_totals)
+        yield from _warm_restart_families(status.get("warm_restart"))
+
+
+class _WorkerCounters:
+    """A worker's heartbeat counters summed over its incarnations (told apart by pid)."""
+
+    def __init__(self) -> None:
+        self._pid: int | None = None
+        self._base: dict[str, float] = {}
+        self._last: dict[str, float] = {}
+
+    def update(self, pid: int, counters: dict[str, float]) -> None:
+        if pid != self._pid:
+            for name, value in self._last.items():
+                self._base[name] = self._base.get(name, 0) + value
+            self._pid = pid
+        self._last = counters
+
+    def totals(self) -> dict[str, float]:
+        names = sorted(self._base.keys() | self._last.keys())
+        return {name: self._base.get(name, 0) + self._last.get(name, 0) for name in names}
+
+
+def _flat_stats(stats: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Heartbeat stats with nested maps flattened (``breaker.state`` -> ``breaker_state``)."""
+    for name, value in stats.items():
+        if isinstance(value, Mapping):
+            for inner, inner_value in value.items():
+                yield f"{name}_{inner}", inner_value
+        else:
+            yield name, value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _worker_counter_stats(stats: Mapping[str, Any]) -> dict[str, float]:
+    return {
+        name: value
+        for name, value in _flat_stats(stats)
+        if _is_number(value) and name not in WORKER_GAUGE_STATS and name not in SKIPPED_WORKER_STATS
+    }
+
+
+def _metric_name(stat: str) -> str:
+    """Prometheus unit naming: ``_s`` becomes ``_seconds``; counters get ``_total`` once."""
+    stat = stat.removesuffix("_total")
+    return stat[:-2] + "_seconds" if stat.endswith("_s") else stat
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _manager_families(status: Mapping[str, Any]) -> Iterator[Metric]:
+    tiering = status["tiering"]
+    yield _gauge("uptime_seconds", "Seconds since the manager started.", status["uptime_s"])
+    yield _gauge("draining", "1 while the manager drains for shutdown.", int(status["draining"]))
+    yield _gauge("pool_block_bytes", "Bytes of one host pool slot.", status["pool"]["block_bytes"])
+    for name, doc in POOL_GAUGES.items():
+        yield _gauge(f"pool_{name}", doc, tiering[name])
+    yield _gauge("requests", "Open requests of all clients.", tiering["requests"])
+    yield _gauge("clients", "Connected client sessions.", status["clients"])
+    yield _gauge("device_jobs_in_flight", "Device stores and loads in flight.", status["device_jobs_in_flight"])
+    yield _gauge("tier_jobs_in_flight", "Promotions, cascades and probes in flight.", tiering["jobs_in_flight"])
+    yield _gauge("cascade_backlog", "Keys waiting for a cascade, all tiers.", tiering["cascade_backlog"])
+    for name, doc in GLOBAL_COUNTERS.items():
+        yield _counter(name, doc, tiering[name])
+    amplification = tiering.get("promotion_amplification")
+    if amplification is not None:
+        yield _gauge(
+            "promotion_amplification", "Keys promoted per promoted key loaded.", amplification
+        )
+    yield _counter(
+        "worker_restarts", "Worker restarts the manager has seen.", status["worker_restarts_seen"]
+    )
+
+
+def _tier_families(tiering: Mapping[str, Any]) -> Iterator[Metric]:
+    def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
+        return CounterMetricFamily(PREFIX + name, doc, labels=["tier", *labels])
+
+    lookups = counter("tier_lookups", "Keys looked up, by tier and result.", ("result",))
+    jobs = counter("tier_jobs", "Tier jobs submitted, by kind.", ("kind",))
+    jobs_failed = counter("tier_jobs_failed", "Tier jobs that failed, by kind.", ("kind",))
+    promoted = counter("tier_promoted_keys", "Keys promoted from the tier into the host pool.")
+    cascaded = counter("tier_cascaded_keys", "Keys cascaded from the host pool to the tier.")
+    deferred = counter("tier_cascade_keys_deferred", "Cascade keys that waited in the backlog.")
+    resubmitted = counter("tier_cascade_keys_resubmitted", "Cascade keys sent again after a failure.")
+    dropped = counter("tier_cascade_dropped_keys", "Keys given up for the tier, by reason.", ("reason",))
+    evictions = counter("tier_evictions", "Blocks evicted from the tier.")
+    transfer = counter("tier_transfer_seconds", "Worker time spent on the tier's jobs.")
+    active = GaugeMetricFamily(PREFIX + "tier_active_jobs", "Tier jobs in flight.", labels=["tier"])
+    for tier, c in tiering["per_tier"].items():
+        for result in LOOKUP_RESULTS:
+            lookups.add_metric([tier, result], c[f"lookups_{result}"])
+        for kind in TIER_JOB_KINDS:
+            jobs.add_metric([tier, kind], c[f"{kind}_jobs"])
+            jobs_failed.add_metric([tier, kind], c[f"{kind}_jobs_failed"])
+        for reason in CASCADE_DROP_REASONS:
+            dropped.add_metric([tier, reason], c[f"cascade_dropped_{reason}"])
+        promoted.add_metric([tier], c["promoted_keys_ok"])
+        cascaded.add_metric([tier], c["cascaded_keys_ok"])
+        deferred.add_metric([tier], c["cascade_keys_deferred"])
+        resubmitted.add_metric([tier], c["cascade_keys_resubmitted"])
+        evictions.add_metric([tier], c["evictions"])
+        transfer.add_metric([tier], c["transfer_time_s"])
+        active.add_metric([tier], c["active_jobs"])
+    yield from (lookups, jobs, jobs_failed, promoted, cascaded, deferred, resubmitted, dropped)
+    yield from (evictions, transfer, active)
+
+    def gauge(name: str, doc: str) -> GaugeMetricFamily:
+        return GaugeMetricFamily(PREFIX + name, doc, labels=["tier"])
+
+    online = gauge("tier_online", "1 while the tier's worker is connected and its index announced.")
+    backlog = gauge("tier_cascade_backlog", "Keys waiting for a cascade to the tier.")
+    indexed = gauge("tier_indexed_keys", "Keys the manager knows the tier holds (indexed tiers).")
+    verdicts = gauge("tier_verdicts", "Cached probe verdicts (probed tiers).")
+    for tier, info in tiering["tiers"].items():
+        online.add_metric([tier], int(info["online"]))
+        backlog.add_metric([tier], info["cascade_backlog"])
+        indexed.add_metric([tier], info["indexed_keys"])
+        verdicts.add_metric([tier], info["verdicts"])
+    yield from (online, backlog, indexed, verdicts)
+
+
+def _worker_families(
+    workers: Mapping[str, Any], totals: Mapping[str, Mapping[str, float]]
+) -> Iterator[Metric]:
+    def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+        return GaugeMetricFamily(PREFIX + name, doc, labels=["worker", *labels])
+
+    up = gauge("worker_up", "1 for each connected worker.")
+    degraded = gauge("worker_degraded", "1 while the worker reports its medium degraded.")
+    inflight = gauge("worker_inflight", "Jobs the worker reports in flight.")
+    heartbeat = gauge("worker_last_heartbeat_seconds", "Seconds since the worker was last heard.")
+    breaker = gauge("worker_breaker_state", "Circuit breaker state of the worker's store (1).", ("state",))
+    stat_gauges: dict[str, GaugeMetricFamily] = {}
+    for name, info in workers.items():
+        up.add_metric([name], 1)
+        degraded.add_metric([name], int(info["degraded"]))
+        inflight.add_metric([name], info["inflight"])
+        heartbeat.add_metric([name], info["last_heartbeat_s"])
+        for stat, value in _flat_stats(info.get("stats") or {}):
+            if stat == "breaker_state":
+                breaker.add_metric([name, str(value)], 1)
+            elif stat in WORKER_GAUGE_STATS and (_is_number(value) or isinstance(value, bool)):
+                family = stat_gauges.setdefault(
+                    stat,
+                    gauge(f"worker_{_metric_name(stat)}", f"Worker heartbeat stat {stat}."),
+                )
+                family.add_metric([name], float(value))
+    yield from (up, degraded, inflight, heartbeat, breaker, *stat_gauges.values())
+    stat_counters: dict[str, CounterMetricFamily] = {}
+    for name, counters in totals.items():
+        for stat, value in counters.items():
+            family = stat_counters.setdefault(
+                stat,
+                CounterMetricFamily(
+                    f"{PREFIX}worker_{_metric_name(stat)}",
+                    f"Worker heartbeat counter {stat}, summed over the worker's restarts.",
+                    labels=["worker"],
+                ),
+            )
+            family.add_metric([name], value)
+    yield from stat_counters.values()
+
+
+def _warm_restart_families(warm: Mapping[str, Any] | None) -> Iterator[Metric]:
+    if not warm:
+        return
+    family = GaugeMetricFamily(
+        PREFIX + "warm_restart_slots",
+        "Slot headers the manager found at start and what became of them.",
+        labels=["outcome"],
+    )
+    for outcome, value in warm.items():
+        family.add_metric([outcome], value)
+    yield family
+
+
+def _label(value: Any) -> str:
+    return str(getattr(value, "value", value))
 
 
 class MetricsEndpoint:
+    """The manager's metrics and their HTTP endpoint (``/metrics`` on 127.0.0.1:``port``)."""
+
     def __init__(self, port: int, host: str = "127.0.0.1") -> None:
-        self._text = "# no data yet\n"
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server naming)
-                body = endpoint._text.encode()
-                self.send_response(200 if self.path == "/metrics" else 404)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:
-                return None
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
+        disable_created_metrics()  # no ``_created`` series: the manager's uptime says it
+        self.registry = CollectorRegistry()
+        self._collector = ManagerCollector()
+        self.registry.register(self._collector)
+        ProcessCollector(registry=self.registry)
+        self._calls = Histogram(
+            PREFIX + "client_call_duration_seconds",
+            "Time the manager spent on a client call, by call (lookup, store, ...); a long "
+            "poll's wait is not included.",
+            ["call"],
+            buckets=CALL_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._jobs = Histogram(
+            PREFIX + "job_duration_seconds",
+            "Worker jobs from their dispatch to their result, by worker and kind.",
+            ["worker", "kind"],
+            buckets=JOB_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._job_results = Counter(
+            PREFIX + "jobs",
+            "Worker job results, by worker, kind and outcome (ok, failed).",
+            ["worker", "kind", "outcome"],
+            registry=self.registry,
+        )
+        self._job_bytes = Counter(
+            PREFIX + "job_bytes",
+            "Bytes moved by worker jobs, by worker and kind.",
+            ["worker", "kind"],
+            registry=self.registry,
+        )
+        self._dispatched: dict[int, tuple[str, str, float]] = {}
+        self._worker_pids: dict[str, int] = {}
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
 
     @property
     def port(self) -> int:
         return self._server.server_address[1]
 
-    def publish(self, status: dict) -> None:
-        self._text = render(status)
+    def publish(self, status: Mapping[str, Any]) -> None:
+        """The manager's current status (``ManagerState.status``)."""
+        self._collector.publish(status)
+
+    def client_call(self, msg: Any, seconds: float) -> None:
+        """One client request handled in ``seconds``."""
+        self._calls.labels(type(msg).__struct_config__.tag).observe(seconds)
+
+    def job_sent(self, worker: str, msg: Any) -> None:
+        """A message handed to a worker; jobs are timed from here to their result."""
+        if isinstance(msg, p.Job):
+            self._dispatched[msg.job_id] = (worker, _label(msg.kind), time.monotonic())
+            if len(self._dispatched) > MAX_TRACKED_JOBS:
+                del self._dispatched[next(iter(self._dispatched))]
+
+    def worker_message(self, worker: str, msg: Any) -> None:
+        """A message from a worker: a job result is observed; a new incarnation's hello drops
+        the previous one's jobs (the manager fails them)."""
+        if isinstance(msg, p.JobDone):
+            dispatched = self._dispatched.pop(msg.job_id, None)
+            if dispatched is None or dispatched[0] != worker:
+                return
+            _, kind, sent_at = dispatched
+            self._jobs.labels(worker, kind).observe(time.monotonic() - sent_at)
+            self._job_results.labels(worker, kind, "ok" if msg.success else "failed").inc()
+            self._job_bytes.labels(worker, kind).inc(msg.nbytes)
+        elif isinstance(msg, p.WorkerHello) and self._worker_pids.get(worker) != msg.pid:
+            self._worker_pids[worker] = msg.pid
+            for job_id in [j for j, (w, _, _) in self._dispatched.items() if w == worker]:
+                del self._dispatched[job_id]
 
     def close(self) -> None:
         self._server.shutdown()

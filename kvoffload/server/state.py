@@ -17,6 +17,7 @@ from .. import protocol as p
 from ..config import Config
 from ..runspec import RunSpec
 from ..tiering import JobKind, JobResult, Locality, Medium, TieringManager, TierSpec
+from .metrics import MetricsEndpoint
 from .sessions import ClientSession
 from .sockets import bind_client_socket, bind_job_socket
 from .warmstart import WarmRestart
@@ -89,6 +90,7 @@ class ManagerState:
         self.pending_resets: list[tuple[bytes, int, float]] = []
         self.draining = False
         self.started_at = time.monotonic()
+        self.metrics = MetricsEndpoint(svc.metrics_port) if svc.metrics_port else None
 
     def idle(self) -> bool:
         """No device job and no tier job in flight."""
@@ -106,6 +108,8 @@ class ManagerState:
         self.clear_invalidated_slots()
         try:
             self.job_sock.send_multipart([name.encode(), p.encode(msg)], zmq.NOBLOCK)
+            if self.metrics is not None:
+                self.metrics.job_sent(name, msg)
             return True
         except zmq.ZMQError as exc:
             log.error("worker_send_failed", worker=name, kind=type(msg).__name__, error=str(exc))

@@ -19,7 +19,7 @@ from kvoffload.cuda_host import cuda_device_count
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.tiering import LookupResult
 
-from tests.service_process import shm_segments
+from tests.service_process import free_port, sample_value, scrape_metrics, shm_segments
 
 BLOCK = 65536
 
@@ -223,15 +223,10 @@ def test_shutdown_kills_children_that_ignore_sigterm_after_the_grace_period(star
     assert sorted(killed) == ["engine0", "engine1"]
 
 
-def test_status_cli_and_metrics_endpoint(start_service):
-    import socket
+def test_status_cli_and_metrics_endpoint(start_service, kv):
     import subprocess
-    import sys
-    import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     service = start_service(workers=("cpu", "disk"), service_options=f"metrics_port = {port}")
     out = subprocess.run(
         [sys.executable, "-m", "kvoffload.cli", "status", "--config", str(service.config)],
@@ -240,19 +235,75 @@ def test_status_cli_and_metrics_endpoint(start_service):
     assert out.returncode == 0, out.stderr
     assert "cpu" in out.stdout and "slots used" in out.stdout
     assert "retry bound" in out.stdout, "cascade drops are shown per reason"
-    deadline = time.monotonic() + 10
-    body = ""
-    while time.monotonic() < deadline and "kvoffload_worker_up" not in body:
-        try:
-            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-        except OSError:
-            pass
-        time.sleep(0.1)
-    assert 'kvoffload_worker_up{worker="cpu"} 1' in body
-    assert "kvoffload_tier_lookups_hit" in body
+
+    keys = keys_for("metrics", 4)
+    with service.client("engine") as c:
+        c.register_kv(kv.handle("kv"))
+        c.new_request("r")
+        assert store_and_wait(c, "r", keys, [0, 1, 2, 3]).success
+        assert c.lookup("r", keys + keys_for("absent", 2)).hit_prefix == 4
+        accepted = c.load("r", keys, [4, 5, 6, 7], "kv")
+        assert c.wait([accepted.job_id])[accepted.job_id].success
+        c.finish_request("r")
+
+    def traffic_seen(families) -> bool:
+        return (
+            sample_value(families, "kvoffload_tier_cascaded_keys", tier="disk") == 4
+            and sample_value(families, "kvoffload_worker_bytes_loaded", worker="cpu") == 4 * BLOCK
+            and sample_value(families, "kvoffload_worker_bytes_written", worker="disk") == 4 * BLOCK
+        )
+
+    families = scrape_metrics(port, traffic_seen)
+    expected_types = {
+        "kvoffload_tier_lookups": "counter",
+        "kvoffload_tier_jobs": "counter",
+        "kvoffload_tier_promoted_keys": "counter",
+        "kvoffload_tier_cascade_dropped_keys": "counter",
+        "kvoffload_worker_bytes_stored": "counter",
+        "kvoffload_worker_jobs_done": "counter",
+        "kvoffload_worker_restarts": "counter",
+        "kvoffload_job_bytes": "counter",
+        "kvoffload_jobs": "counter",
+        "kvoffload_client_call_duration_seconds": "histogram",
+        "kvoffload_job_duration_seconds": "histogram",
+        "kvoffload_pool_pinned_slots": "gauge",
+        "kvoffload_pool_used_slots": "gauge",
+        "kvoffload_device_jobs_in_flight": "gauge",
+        "kvoffload_tier_jobs_in_flight": "gauge",
+        "kvoffload_cascade_backlog": "gauge",
+        "kvoffload_tier_cascade_backlog": "gauge",
+        "kvoffload_worker_up": "gauge",
+        "kvoffload_worker_capacity_bytes": "gauge",
+        "process_resident_memory_bytes": "gauge",
+    }
+    assert {name: families[name].type for name in expected_types if name in families} == expected_types
+    for family in families.values():
+        assert family.documentation, f"{family.name} has no HELP text"
+
+    assert sample_value(families, "kvoffload_tier_lookups", tier="primary", result="hit") == 4
+    assert sample_value(families, "kvoffload_tier_lookups", tier="primary", result="miss") == 1
+    assert sample_value(families, "kvoffload_tier_lookups", tier="disk", result="miss") == 1
+    assert sample_value(families, "kvoffload_tier_jobs", tier="disk", kind="cascade") >= 1
     for reason in ("evicted", "tier_full", "retry_bound"):
-        assert f'kvoffload_tier_cascade_dropped_{reason}{{tier="disk"}} 0' in body
-    assert "kvoffload_cascade_backlog 0" in body
+        assert sample_value(families, "kvoffload_tier_cascade_dropped_keys", tier="disk", reason=reason) == 0
+    assert sample_value(families, "kvoffload_worker_bytes_stored", worker="cpu") == 4 * BLOCK
+    assert sample_value(families, "kvoffload_worker_up", worker="cpu") == 1
+    assert sample_value(families, "kvoffload_pool_pinned_slots") == 0
+    assert sample_value(families, "kvoffload_pool_used_slots") == 4
+    assert sample_value(families, "kvoffload_cascade_backlog") == 0
+    assert sample_value(families, "kvoffload_device_jobs_in_flight") == 0
+
+    calls = "kvoffload_client_call_duration_seconds"
+    assert sample_value(families, calls, calls + "_count", call="lookup") == 1
+    assert sample_value(families, calls, calls + "_bucket", call="lookup", le="+Inf") == 1
+    assert 0 < sample_value(families, calls, calls + "_sum", call="lookup") < 1
+    jobs = "kvoffload_job_duration_seconds"
+    for worker, kind in (("cpu", "device_store"), ("cpu", "device_load")):
+        assert sample_value(families, jobs, jobs + "_count", worker=worker, kind=kind) == 1
+        assert sample_value(families, "kvoffload_jobs", worker=worker, kind=kind, outcome="ok") == 1
+        assert sample_value(families, "kvoffload_job_bytes", worker=worker, kind=kind) == 4 * BLOCK
+    assert sample_value(families, jobs, jobs + "_count", worker="disk", kind="cascade") >= 1
+    assert sample_value(families, "kvoffload_job_bytes", worker="disk", kind="cascade") == 4 * BLOCK
 
 
 @pytest.mark.skipif(cuda_device_count() > 0, reason="needs a machine without a CUDA device")
