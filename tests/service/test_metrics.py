@@ -1,13 +1,20 @@
 """The manager's Prometheus endpoint as an operator sees it: counters that survive worker
-restarts."""
+restarts, and the shipped Grafana dashboard querying only exported metrics."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+from pathlib import Path
 
 from tests.service.test_service import BLOCK, keys_for, kv, store_and_wait  # noqa: F401 (kv: fixture)
 from tests.service_process import free_port, sample_value, scrape_metrics
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "kvoffload.json"
+METRIC_NAME = re.compile(r"\b(?:kvoffload|process)_[a-z0-9_]+\b")
+SAMPLE_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
 
 
 def test_worker_counters_survive_a_worker_restart(start_service, kv):
@@ -29,3 +36,40 @@ def test_worker_counters_survive_a_worker_restart(start_service, kv):
     assert sample_value(families, "kvoffload_worker_restarts") == 1
     assert sample_value(families, "kvoffload_worker_jobs_done", worker="cpu") == 2
     assert sample_value(families, "kvoffload_jobs", worker="cpu", kind="device_store", outcome="ok") == 2
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    panels = list(dashboard["panels"])
+    while panels:
+        panel = panels.pop()
+        panels.extend(panel.get("panels", []))
+        queries.extend(target["expr"] for target in panel.get("targets", []))
+    return queries
+
+
+def exported_names(families: dict) -> set[str]:
+    names = set()
+    for family in families.values():
+        names.update(family.name + suffix for suffix in SAMPLE_SUFFIXES.get(family.type, ("",)))
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+def test_grafana_dashboard_queries_only_exported_metrics(start_service):
+    port = free_port()
+    service = start_service(workers=("cpu", "disk"), service_options=f"metrics_port = {port}")
+    families = scrape_metrics(
+        port,
+        lambda f: "kvoffload_worker_used_bytes" in f and "kvoffload_worker_bytes_stored" in f,
+    )
+    queries = dashboard_queries()
+    assert len(queries) > 20
+    referenced: set[str] = set()
+    for query in queries:
+        names = set(METRIC_NAME.findall(query))
+        assert names, f"query references no kvoffload metric: {query}"
+        referenced |= names
+    assert sorted(referenced - exported_names(families)) == []
+    assert service.status()["workers"]["disk"]["alive"]
