@@ -3,13 +3,15 @@ resident prefix cache vs kvoffload's host pool vs kvoffload's disk tier (and vLL
 offloading where vLLM runs it), measured in one run (JSON out, table printed).
 
 For each prefix length (default 2k, 4k and 8k tokens) and each of ``--prompts`` random prefixes
-P, the prompts are P + s0 and P + s1 (two different 8-token suffixes); ``max_tokens=1``, so the
-time of one ``LLM.generate`` call is the TTFT. Per length the medians over the prefixes of:
+P, the prompts are P + s0, P + s1 and P + s2 (different 8-token suffixes); ``max_tokens=1``, so
+the time of one ``LLM.generate`` call is the TTFT. Per length the medians over the prefixes of:
 - recompute: vLLM without a connector, P + s0 (nothing cached: P is new);
 - resident: the same engine right after, P + s1: vLLM's own prefix cache serves P (the floor:
   no bytes move);
 - kvoffload cold: vLLM with ``KVOffloadConnector``, P + s0 (every lookup misses, P is stored);
 - kvoffload pool: ``reset_prefix_cache``, then P + s1: P is loaded from kvoffload's host pool;
+- kvoffload resident: then P + s2, served by vLLM's own prefix cache again: the floor measured in
+  the same engine and minute as the pool hit (other load on the machine shifts both alike);
 - kvoffload disk: after every block reached the disk tier, kvoffload ``reset_cache`` (host pool
   emptied) and ``reset_prefix_cache`` before each P + s1: P is promoted from disk and loaded;
 - vllm native: vLLM's ``OffloadingConnector`` with its CPU spec, P + s0, reset, P + s1. vLLM
@@ -301,18 +303,17 @@ class Service:
 # ---- measurement ----------------------------------------------------------------------------
 
 
-def prompts_for(lengths: list[int], count: int) -> dict[int, list[tuple[list[int], list[int]]]]:
-    """Per length, ``count`` pairs (P + s0, P + s1) with P random and new."""
+def prompts_for(lengths: list[int], count: int) -> dict[int, list[tuple[list[int], ...]]]:
+    """Per length, ``count`` triples (P + s0, P + s1, P + s2) with P random and new."""
     import numpy as np
 
     rng = np.random.default_rng(2026)
-    out: dict[int, list[tuple[list[int], list[int]]]] = {}
+    out: dict[int, list[tuple[list[int], ...]]] = {}
     for length in lengths:
         pairs = []
         for _ in range(count):
             prefix = rng.integers(3, VOCAB, size=length).tolist()
-            s0, s1 = (rng.integers(3, VOCAB, size=SUFFIX_TOKENS).tolist() for _ in range(2))
-            pairs.append((prefix + s0, prefix + s1))
+            pairs.append(tuple(prefix + rng.integers(3, VOCAB, size=SUFFIX_TOKENS).tolist() for _ in range(3)))
         out[length] = pairs
     return out
 
@@ -331,7 +332,7 @@ def expect_cached(run: dict[str, Any], tokens: int, what: str) -> None:
 def run_vllm(engine: Engine, prompts, runs: dict) -> None:
     warm_up(engine)
     for length, pairs in prompts.items():
-        for cold_prompt, hit_prompt in pairs:
+        for cold_prompt, hit_prompt, _ in pairs:
             cold = engine.generate(cold_prompt)
             expect_cached(cold, 0, f"recompute {length}")
             hit = engine.generate(hit_prompt)
@@ -345,7 +346,7 @@ def run_kvoffload(engine: Engine, service: Service, prompts, runs: dict) -> None
     service.wait_settled(0, 0)
     stored = service.tiering()["tiers"]["disk"]["indexed_keys"]
     for length, pairs in prompts.items():
-        for cold_prompt, hit_prompt in pairs:
+        for cold_prompt, hit_prompt, resident_prompt in pairs:
             cold = engine.generate(cold_prompt)
             expect_cached(cold, 0, f"kvoffload cold {length}")
             stored += length // BLOCK_TOKENS
@@ -353,11 +354,14 @@ def run_kvoffload(engine: Engine, service: Service, prompts, runs: dict) -> None
             engine.reset_prefix_cache()
             hit = engine.generate(hit_prompt)
             expect_cached(hit, length, f"kvoffload pool {length}")
+            resident = engine.generate(resident_prompt)
+            expect_cached(resident, length, f"resident with the connector {length}")
             runs["kvoffload_cold"][length].append(cold)
             runs["kvoffload_pool"][length].append(hit)
+            runs["kvoffload_resident"][length].append(resident)
     service.wait_settled(0, stored)
     for length, pairs in prompts.items():
-        for _, hit_prompt in pairs:
+        for _, hit_prompt, _ in pairs:
             service.client.reset_cache()
             engine.reset_prefix_cache()
             hit = engine.generate(hit_prompt)
@@ -368,7 +372,7 @@ def run_kvoffload(engine: Engine, service: Service, prompts, runs: dict) -> None
 def run_native(engine: Engine, prompts, runs: dict) -> None:
     warm_up(engine)
     for length, pairs in prompts.items():
-        for cold_prompt, hit_prompt in pairs:
+        for cold_prompt, hit_prompt, _ in pairs:
             engine.generate(cold_prompt)
             engine.reset_prefix_cache()
             hit = engine.generate(hit_prompt)
@@ -423,9 +427,9 @@ def _request_breakdown(events: list[dict[str, Any]], run: dict[str, Any]) -> dic
 
 
 def breakdown(events: list[dict[str, Any]], runs: dict) -> dict[str, Any]:
-    """Per mode (pool, disk) and length: the median of each milestone over the prompts."""
+    """Per mode (pool, disk, resident) and length: the median of each milestone over the prompts."""
     out: dict[str, Any] = {"fields": dict(BREAKDOWN_FIELDS)}
-    for mode in ("kvoffload_pool", "kvoffload_disk"):
+    for mode in ("kvoffload_pool", "kvoffload_disk", "kvoffload_resident"):
         out[mode] = {}
         for length, by_prompt in runs[mode].items():
             rows = [_request_breakdown(events, run) for run in by_prompt]
@@ -439,11 +443,11 @@ def breakdown(events: list[dict[str, Any]], runs: dict) -> dict[str, Any]:
 def print_breakdown(profile: dict[str, Any]) -> None:
     names = [name for name, _ in BREAKDOWN_FIELDS]
     print("kvoffload hit TTFT breakdown (medians; ms since generate(); see kvoffload_breakdown.fields)")
-    print(f"{'mode':>6}{'prefix':>7}" + "".join(f"{n.removesuffix('_ms'):>18}" for n in names))
-    for mode in ("kvoffload_pool", "kvoffload_disk"):
+    print(f"{'mode':>9}{'prefix':>7}" + "".join(f"{n.removesuffix('_ms'):>18}" for n in names))
+    for mode in ("kvoffload_pool", "kvoffload_disk", "kvoffload_resident"):
         for length, row in profile[mode].items():
             cells = "".join(f"{'-' if row[n] is None else format(row[n], '.1f'):>18}" for n in names)
-            print(f"{mode.removeprefix('kvoffload_'):>6}{length:>7}{cells}")
+            print(f"{mode.removeprefix('kvoffload_'):>9}{length:>7}{cells}")
 
 
 def summarize(lengths: list[int], runs: dict, native_ran: bool) -> list[dict[str, Any]]:
@@ -465,6 +469,7 @@ def summarize(lengths: list[int], runs: dict, native_ran: bool) -> list[dict[str
             "samples_s": {mode: [r["s"] for r in by_len[length]] for mode, by_len in runs.items() if by_len[length]},
             "first_token_same_as_resident": same,
             "pool_vs_resident": med["kvoffload_pool"] / med["resident"],
+            "pool_vs_resident_same_engine": med["kvoffload_pool"] / med["kvoffload_resident"],
             "recompute_vs_pool": med["recompute"] / med["kvoffload_pool"],
             "disk_vs_recompute": med["kvoffload_disk"] / med["recompute"],
             "cold_vs_recompute": med["kvoffload_cold"] / med["recompute"],
@@ -490,13 +495,15 @@ def print_table(rows: list[dict[str, Any]], native: dict[str, Any]) -> None:
         return f"{value * 1e3:.0f}" if value is not None else "-"
 
     head = (f"{'prefix':>7}{'MiB':>5}{'recompute':>11}{'resident':>10}{'kvo cold':>10}{'kvo pool':>10}"
-            f"{'kvo disk':>10}{'native':>8}{'pool/res':>10}{'rec/pool':>10}{'disk/rec':>10}  same token")
+            f"{'kvo res':>9}{'kvo disk':>10}{'native':>8}{'pool/res':>10}{'(same eng)':>11}{'rec/pool':>10}"
+            f"{'disk/rec':>10}  same token")
     print("TTFT, ms (medians)")
     print(head)
     for r in rows:
         print(f"{r['prefix_tokens']:>7}{r['prefix_bytes'] / 2**20:>5.0f}{ms(r, 'recompute'):>11}"
               f"{ms(r, 'resident'):>10}{ms(r, 'kvoffload_cold'):>10}{ms(r, 'kvoffload_pool'):>10}"
-              f"{ms(r, 'kvoffload_disk'):>10}{ms(r, 'vllm_native'):>8}{r['pool_vs_resident']:>10.2f}"
+              f"{ms(r, 'kvoffload_resident'):>9}{ms(r, 'kvoffload_disk'):>10}{ms(r, 'vllm_native'):>8}"
+              f"{r['pool_vs_resident']:>10.2f}{r['pool_vs_resident_same_engine']:>11.2f}"
               f"{r['recompute_vs_pool']:>10.1f}{r['disk_vs_recompute']:>10.2f}"
               f"  {'yes' if r['first_token_same_as_resident'] else 'NO'}")
     if native.get("skipped"):
@@ -511,7 +518,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     total_blocks = args.prompts * sum(lengths) // BLOCK_TOKENS
     kvcache_gib = max(1, -(-(2 * (longest + SUFFIX_TOKENS) // BLOCK_TOKENS + 64) * kv_block_bytes() // 2**30))
     prompts = prompts_for(lengths, args.prompts)
-    modes = ("recompute", "resident", "kvoffload_cold", "kvoffload_pool", "kvoffload_disk", "vllm_native")
+    modes = ("recompute", "resident", "kvoffload_cold", "kvoffload_pool", "kvoffload_resident", "kvoffload_disk",
+             "vllm_native")
     runs: dict[str, dict[int, list]] = {mode: {n: [] for n in lengths} for mode in modes}
     home = Path(tempfile.mkdtemp(prefix="kvo-bench-vllm-"))
     logs = Path(args.logs) if args.logs else home
