@@ -39,7 +39,22 @@ PREFIX = "kvoffload_"
 
 CALL_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1, 0.5)
 JOB_BUCKETS_S = (
-    1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    1e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
 )
 
 MAX_TRACKED_JOBS = 16384
@@ -66,8 +81,15 @@ GLOBAL_COUNTERS = {
 }
 WORKER_GAUGE_STATS = frozenset(
     {
-        "used_bytes", "capacity_bytes", "direct_io", "kv_handles", "queued", "releasing",
-        "pending_releases", "breaker_consecutive_failures", "breaker_cooldown_s",
+        "used_bytes",
+        "capacity_bytes",
+        "direct_io",
+        "kv_handles",
+        "queued",
+        "releasing",
+        "pending_releases",
+        "breaker_consecutive_failures",
+        "breaker_cooldown_s",
         "breaker_retry_in_s",
     }
 )
@@ -168,9 +190,19 @@ def _manager_families(status: Mapping[str, Any]) -> Iterator[Metric]:
         yield _gauge(f"pool_{name}", doc, tiering[name])
     yield _gauge("requests", "Open requests of all clients.", tiering["requests"])
     yield _gauge("clients", "Connected client sessions.", status["clients"])
-    yield _gauge("device_jobs_in_flight", "Device stores and loads in flight.", status["device_jobs_in_flight"])
-    yield _gauge("tier_jobs_in_flight", "Promotions, cascades and probes in flight.", tiering["jobs_in_flight"])
-    yield _gauge("cascade_backlog", "Keys waiting for a cascade, all tiers.", tiering["cascade_backlog"])
+    yield _gauge(
+        "device_jobs_in_flight",
+        "Device stores and loads in flight.",
+        status["device_jobs_in_flight"],
+    )
+    yield _gauge(
+        "tier_jobs_in_flight",
+        "Promotions, cascades and probes in flight.",
+        tiering["jobs_in_flight"],
+    )
+    yield _gauge(
+        "cascade_backlog", "Keys waiting for a cascade, all tiers.", tiering["cascade_backlog"]
+    )
     for name, doc in GLOBAL_COUNTERS.items():
         yield _counter(name, doc, tiering[name])
     amplification = tiering.get("promotion_amplification")
@@ -193,8 +225,12 @@ def _tier_families(tiering: Mapping[str, Any]) -> Iterator[Metric]:
     promoted = counter("tier_promoted_keys", "Keys promoted from the tier into the host pool.")
     cascaded = counter("tier_cascaded_keys", "Keys cascaded from the host pool to the tier.")
     deferred = counter("tier_cascade_keys_deferred", "Cascade keys that waited in the backlog.")
-    resubmitted = counter("tier_cascade_keys_resubmitted", "Cascade keys sent again after a failure.")
-    dropped = counter("tier_cascade_dropped_keys", "Keys given up for the tier, by reason.", ("reason",))
+    resubmitted = counter(
+        "tier_cascade_keys_resubmitted", "Cascade keys sent again after a failure."
+    )
+    dropped = counter(
+        "tier_cascade_dropped_keys", "Keys given up for the tier, by reason.", ("reason",)
+    )
     evictions = counter("tier_evictions", "Blocks evicted from the tier.")
     transfer = counter("tier_transfer_seconds", "Worker time spent on the tier's jobs.")
     active = GaugeMetricFamily(PREFIX + "tier_active_jobs", "Tier jobs in flight.", labels=["tier"])
@@ -241,7 +277,9 @@ def _worker_families(
     degraded = gauge("worker_degraded", "1 while the worker reports its medium degraded.")
     inflight = gauge("worker_inflight", "Jobs the worker reports in flight.")
     heartbeat = gauge("worker_last_heartbeat_seconds", "Seconds since the worker was last heard.")
-    breaker = gauge("worker_breaker_state", "Circuit breaker state of the worker's store (1).", ("state",))
+    breaker = gauge(
+        "worker_breaker_state", "Circuit breaker state of the worker's store (1).", ("state",)
+    )
     stat_gauges: dict[str, GaugeMetricFamily] = {}
     for name, info in workers.items():
         up.add_metric([name], 1)

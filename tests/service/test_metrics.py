@@ -9,20 +9,44 @@ import re
 import signal
 from pathlib import Path
 
-from tests.service.test_service import BLOCK, keys_for, kv, store_and_wait  # noqa: F401 (kv: fixture)
+from kvoffload.kvcache import SharedKVCache
+from tests.service.test_service import BLOCK, keys_for, store_and_wait
 from tests.service_process import free_port, sample_value, scrape_metrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "kvoffload.json"
 METRIC_NAME = re.compile(r"\b(?:kvoffload|process)_[a-z0-9_]+\b")
-SAMPLE_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+SAMPLE_SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_count", "_sum"),
+    "gauge": ("",),
+}
 
 
-def test_worker_counters_survive_a_worker_restart(start_service, kv):
+def test_worker_counters_survive_a_worker_restart(start_service):
     port = free_port()
     service = start_service(service_options=f"metrics_port = {port}")
     stored = "kvoffload_worker_bytes_stored"
+    cache = SharedKVCache.create(None, 4, [BLOCK // 2, BLOCK // 2])
+    try:
+        store_across_a_worker_restart(service, port, cache)
+    finally:
+        cache.close()
+        cache.unlink()
+
+    families = scrape_metrics(port, lambda f: sample_value(f, stored, worker="cpu") == 3 * BLOCK)
+    assert sample_value(families, "kvoffload_worker_restarts") == 1
+    assert sample_value(families, "kvoffload_worker_jobs_done", worker="cpu") == 2
+    assert (
+        sample_value(families, "kvoffload_jobs", worker="cpu", kind="device_store", outcome="ok")
+        == 2
+    )
+
+
+def store_across_a_worker_restart(service, port: int, cache: SharedKVCache) -> None:
+    """Two blocks stored, the cpu worker SIGKILLed and restarted, one more block stored."""
+    stored = "kvoffload_worker_bytes_stored"
     with service.client("engine") as c:
-        c.register_kv(kv.handle("kv"))
+        c.register_kv(cache.handle("kv"))
         c.new_request("r")
         assert store_and_wait(c, "r", keys_for("before", 2), [0, 1]).success
         scrape_metrics(port, lambda f: sample_value(f, stored, worker="cpu") == 2 * BLOCK)
@@ -31,11 +55,6 @@ def test_worker_counters_survive_a_worker_restart(start_service, kv):
         os.kill(old_pid, signal.SIGKILL)
         service.wait_workers(["cpu"], exclude_pids=[old_pid])
         assert store_and_wait(c, "r", keys_for("after", 1), [2]).success
-
-    families = scrape_metrics(port, lambda f: sample_value(f, stored, worker="cpu") == 3 * BLOCK)
-    assert sample_value(families, "kvoffload_worker_restarts") == 1
-    assert sample_value(families, "kvoffload_worker_jobs_done", worker="cpu") == 2
-    assert sample_value(families, "kvoffload_jobs", worker="cpu", kind="device_store", outcome="ok") == 2
 
 
 def dashboard_queries() -> list[str]:
