@@ -1,9 +1,9 @@
 """Engine-side client of the manager (one DEALER socket; not thread-safe: one per thread).
 
 Every call sends one request and waits for its reply (matched by call id) up to ``timeout_s``.
-Failures raise ``KVOffloadError`` carrying the manager's typed error code; a call that would
-exceed ``protocol.MAX_MESSAGE_BYTES`` raises ``KVOffloadError("message_too_large")`` before
-anything is sent; a missing reply raises ``ServiceUnavailable`` (also a ``TimeoutError``).
+Failures raise ``KVOffloadError`` carrying the manager's ``ErrorCode``; a call that would
+exceed ``protocol.MAX_MESSAGE_BYTES`` raises one with ``MESSAGE_TOO_LARGE`` before anything
+is sent; a missing reply raises ``ServiceUnavailable`` (also a ``TimeoutError``).
 Finished device jobs are delivered once each, by ``poll``/``wait``.
 
 A restarted manager answers ``not_connected``: ``reconnect`` starts a new session with what
@@ -21,12 +21,14 @@ from typing import Any, Iterable
 import zmq
 
 from . import protocol as p
-from .tiering.types import LookupResult, MissReason
+from .protocol import MUST_WAIT, ErrorCode, LookupResult, MissReason
 
 
 class KVOffloadError(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
+    """A failed call; ``code`` (an ``ErrorCode``, equal to its plain string) says why."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
         self.code = code
         self.message = message
 
@@ -36,15 +38,14 @@ class ServiceUnavailable(KVOffloadError, TimeoutError):
     ``unavailable``). Call ``reconnect`` once it is back."""
 
     def __init__(self, message: str) -> None:
-        super().__init__("unavailable", message)
+        super().__init__(ErrorCode.UNAVAILABLE, message)
 
 
-NOT_CONNECTED = "not_connected"
 LOST_JOB_ERROR = "lost: the manager restarted or dropped this client's session"
 
 
 class LookupOutcome:
-    """A lookup reply in the tiering library's types (results up to the first MISS)."""
+    """A lookup reply as ``LookupResult``/``MissReason`` values (results up to the first MISS)."""
 
     def __init__(self, reply: p.LookupReply) -> None:
         self.raw_results = reply.results
@@ -64,8 +65,8 @@ class LookupOutcome:
 
     @property
     def must_wait(self) -> bool:
-        raw = self.raw_results
-        return bytes([LookupResult.HIT_PENDING]) in raw or bytes([LookupResult.RETRY]) in raw
+        """Some key is HIT_PENDING or RETRY: wait, then look up again."""
+        return any(r in MUST_WAIT for r in self.raw_results)
 
     def __repr__(self) -> str:
         return f"LookupOutcome(hit_prefix={self.hit_prefix}, ready_prefix={self.ready_prefix}, results={[r.name for r in self.results]})"
@@ -94,7 +95,7 @@ class KVOffloadClient:
         self._events: deque[p.JobFinished] = deque()
         self._handles: dict[str, p.KVHandle] = {}
         self._requests: dict[str, dict] = {}
-        self._jobs: dict[int, tuple[str, str]] = {}  # accepted device jobs: id -> (req_id, kind)
+        self._jobs: dict[int, tuple[str, p.DeviceJobKind]] = {}  # accepted device jobs: id -> (req_id, kind)
         self._sock = self._open_socket()
         try:
             self.info = self._exchange(p.Connect, None, self._connect_fields())
@@ -119,7 +120,7 @@ class KVOffloadClient:
         try:
             return self._exchange(kind, timeout_s, fields)
         except KVOffloadError as exc:
-            if not (self.auto_reconnect and exc.code == NOT_CONNECTED and kind is not p.Disconnect):
+            if not (self.auto_reconnect and exc.code is ErrorCode.NOT_CONNECTED and kind is not p.Disconnect):
                 raise
         self.reconnect()
         return self._exchange(kind, timeout_s, fields)
@@ -131,7 +132,7 @@ class KVOffloadClient:
         frame = p.encode(kind(rid=rid, **fields))
         if len(frame) > p.MAX_MESSAGE_BYTES:
             raise KVOffloadError(
-                "message_too_large",
+                ErrorCode.MESSAGE_TOO_LARGE,
                 f"{kind.__name__} encodes to {len(frame)} bytes, over the "
                 f"{p.MAX_MESSAGE_BYTES}-byte message limit; it was not sent",
             )
@@ -224,14 +225,14 @@ class KVOffloadClient:
     def store(self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str) -> p.JobAccepted:
         """Offload device blocks; returns the accepted job (job_id None if nothing was new)."""
         accepted = self._call(p.Store, req_id=req_id, keys=keys, device_blocks=device_blocks, handle_id=handle_id)
-        return self._accepted(req_id, "store", accepted)
+        return self._accepted(req_id, p.DeviceJobKind.STORE, accepted)
 
     def load(self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str) -> p.JobAccepted:
         """Copy ready (HIT) keys into device blocks; the pins last until the job finishes."""
         accepted = self._call(p.Load, req_id=req_id, keys=keys, device_blocks=device_blocks, handle_id=handle_id)
-        return self._accepted(req_id, "load", accepted)
+        return self._accepted(req_id, p.DeviceJobKind.LOAD, accepted)
 
-    def _accepted(self, req_id: str, kind: str, accepted: p.JobAccepted) -> p.JobAccepted:
+    def _accepted(self, req_id: str, kind: p.DeviceJobKind, accepted: p.JobAccepted) -> p.JobAccepted:
         if accepted.job_id is not None:
             self._jobs[accepted.job_id] = (req_id, kind)
         return accepted

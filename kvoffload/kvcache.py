@@ -26,7 +26,7 @@ import numpy as np
 
 from kvoffload.logs import get_logger
 from kvoffload.shmseg import OwnedSegment, attach_segment, close_mapping, create_segment
-from kvoffload.protocol import KVHandle, TensorSpec
+from kvoffload.protocol import HandleKind, KVHandle, TensorSpec
 
 if TYPE_CHECKING:
     import torch
@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 log = get_logger()
 
 PAGE_BYTES = 4096
-SHM_KIND = "shm"
-CUDA_IPC_KIND = "cuda_ipc"
 MAX_KV_BLOCKS = 1 << 24
 """The most device blocks one handle may have."""
 MAX_HANDLE_ID_CHARS = 256
@@ -64,8 +62,8 @@ def handle_problem(handle: KVHandle, block_bytes: int) -> str:
     ``shm`` handle against its segment's size."""
     if not handle.handle_id or len(handle.handle_id) > MAX_HANDLE_ID_CHARS:
         return f"handle_id must be 1 to {MAX_HANDLE_ID_CHARS} characters, got {len(handle.handle_id)}"
-    if handle.kind not in (SHM_KIND, CUDA_IPC_KIND):
-        return f"unknown handle kind {handle.kind!r}; expected {SHM_KIND!r} or {CUDA_IPC_KIND!r}"
+    if handle.kind not in tuple(HandleKind):
+        return f"unknown handle kind {handle.kind!r}; expected one of {[k.value for k in HandleKind]}"
     if handle.num_blocks <= 0:
         return f"num_blocks must be > 0, got {handle.num_blocks}"
     if handle.num_blocks > MAX_KV_BLOCKS:
@@ -83,7 +81,7 @@ def handle_problem(handle: KVHandle, block_bytes: int) -> str:
             f"the tensors' row_bytes sum to {rows}; they must sum to the pool's block_bytes "
             f"{block_bytes}"
         )
-    if handle.kind == SHM_KIND:
+    if handle.kind == HandleKind.SHM:
         if not handle.shm_name:
             return "an shm handle needs shm_name"
         if any(t.ipc is not None for t in handle.tensors):
@@ -230,8 +228,8 @@ class SharedKVCache(OwnedSegment):
     def attach(cls, handle: KVHandle) -> SharedKVCache:
         """Map the segment of an ``shm`` handle. FileNotFoundError if it is gone; ValueError if
         the handle is not ``shm`` or a tensor lies outside the segment."""
-        if handle.kind != SHM_KIND:
-            raise ValueError(f"handle {handle.handle_id} is {handle.kind!r}, not {SHM_KIND!r}")
+        if handle.kind != HandleKind.SHM:
+            raise ValueError(f"handle {handle.handle_id} is {handle.kind!r}, not {HandleKind.SHM.value!r}")
         problem = handle_problem(handle, sum(t.row_bytes for t in handle.tensors))
         if problem:
             raise ValueError(f"handle {handle.handle_id}: {problem}")
@@ -284,7 +282,7 @@ class SharedKVCache(OwnedSegment):
         """The ``shm`` handle to send in ``RegisterKV`` / ``AttachKV``."""
         return KVHandle(
             handle_id=handle_id,
-            kind=SHM_KIND,
+            kind=HandleKind.SHM,
             num_blocks=self._num_blocks,
             tensors=[
                 TensorSpec(row_bytes=rb, offset=off)
@@ -427,4 +425,4 @@ def cuda_kv_handle(handle_id: str, tensors: Sequence[torch.Tensor]) -> KVHandle:
             )
         row_bytes = t[0].numel() * t.element_size()
         specs.append(TensorSpec(row_bytes=row_bytes, ipc=cuda_ipc_fields(t)))
-    return KVHandle(handle_id=handle_id, kind=CUDA_IPC_KIND, num_blocks=num_blocks, tensors=specs)
+    return KVHandle(handle_id=handle_id, kind=HandleKind.CUDA_IPC, num_blocks=num_blocks, tensors=specs)

@@ -11,9 +11,12 @@ Decoding is strict (``decode_client`` etc. accept only their channel's union) an
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Union
 
 import msgspec
+
+from .vocab import MUST_WAIT, ErrorCode, LookupResult, MissReason  # noqa: F401  (part of the protocol)
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -25,6 +28,41 @@ class ProtocolError(Exception):
 
 class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, omit_defaults=True):
     pass
+
+
+# ---- vocabulary ---------------------------------------------------------------------------------
+
+
+class JobKind(enum.StrEnum):
+    """What a ``Job`` asks of a worker."""
+
+    DEVICE_STORE = "device_store"  # engine KV cache -> pool slots (cpu worker)
+    DEVICE_LOAD = "device_load"  # pool slots -> engine KV cache (cpu worker)
+    PROMOTE = "promote"  # tier -> pool slots
+    CASCADE = "cascade"  # pool slots -> tier
+    PROBE = "probe"  # does the tier hold these keys (no slots)
+    VERIFY = "verify"  # check stamped slots against their bytes (cpu worker, warm restart)
+
+
+class DeviceJobKind(enum.StrEnum):
+    """A device job as its client sees it (``JobFinished.kind``)."""
+
+    STORE = "store"
+    LOAD = "load"
+
+
+class HandleKind(enum.StrEnum):
+    """How the cpu worker reaches an engine's KV cache."""
+
+    SHM = "shm"  # a POSIX shared-memory segment
+    CUDA_IPC = "cuda_ipc"  # CUDA memory shared through torch's IPC handles
+
+
+class ControlAction(enum.StrEnum):
+    DRAIN = "drain"  # finish in-flight jobs, accept no more
+    SHUTDOWN = "shutdown"
+    FAULTS = "faults"  # apply ``Control.faults``
+    HELLO = "hello"  # the manager restarted and does not know this worker: send the hello again
 
 
 # ---- shared pieces ------------------------------------------------------------------------------
@@ -47,7 +85,7 @@ class KVHandle(msgspec.Struct, forbid_unknown_fields=True):
     are the concatenation of each tensor's row for that block (sum of row_bytes == block_bytes)."""
 
     handle_id: str
-    kind: str  # "shm" | "cuda_ipc"
+    kind: HandleKind
     num_blocks: int
     tensors: list[TensorSpec]
     shm_name: str = ""
@@ -198,7 +236,7 @@ class Error(_Msg, tag="error"):
     """Typed failure of one call. ``rid`` is -1 when the request could not be decoded."""
 
     rid: int
-    code: str
+    code: ErrorCode
     message: str
 
 
@@ -229,7 +267,7 @@ class NewRequestReply(_Msg, tag="new_request_reply"):
 
 
 class LookupReply(_Msg, tag="lookup_reply"):
-    """``results``/``reasons``: one byte per evaluated key (tiering LookupResult / MissReason
+    """``results``/``reasons``: one byte per evaluated key (``LookupResult`` / ``MissReason``
     values), up to and including the first MISS. ``slots``: empty unless the lookup asked to
     ``pin``; then co-indexed with ``results``, the pinned slot of each HIT key and -1 for the
     others. ``checksums``: with ``slots``, the xxh3 of each pinned slot's block as recorded
@@ -267,7 +305,7 @@ class Slots(_Msg, tag="slots"):
 class JobFinished(msgspec.Struct, forbid_unknown_fields=True):
     job_id: int
     req_id: str
-    kind: str  # "load" | "store"
+    kind: DeviceJobKind
     success: bool
     successful_keys: list[bytes] | None = None
     error: str = ""
@@ -344,10 +382,10 @@ class HelloAck(_Msg, tag="hello_ack"):
 
 
 class Job(_Msg, tag="job"):
-    """kind: device_store / device_load (cpu worker), promote / cascade / probe (tiers)."""
+    """``device_*`` and ``verify`` jobs go to the cpu worker, the others to tier workers."""
 
     job_id: int
-    kind: str
+    kind: JobKind
     keys: list[bytes]
     slots: list[int] = []
     device_blocks: list[int] = []
@@ -382,10 +420,7 @@ class FaultSpec(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Control(_Msg, tag="control"):
-    """action: "drain" (finish in-flight jobs, accept no more), "shutdown", "faults",
-    "hello" (the manager restarted and does not know this worker: send the hello again)."""
-
-    action: str
+    action: ControlAction
     faults: FaultSpec | None = None
 
 

@@ -25,23 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from kvoffload.pool import HostPool
-from kvoffload.protocol import Job, KVHandle
+from kvoffload.protocol import Job, JobKind, KVHandle
 from workers.faults import FaultInjector
 
-DEVICE_STORE = "device_store"
-DEVICE_LOAD = "device_load"
-PROMOTE = "promote"
-CASCADE = "cascade"
-PROBE = "probe"
-VERIFY = "verify"
-"""Check stamped slots against their bytes (cpu worker, for a restarted manager)."""
-
-JOB_KINDS = frozenset({DEVICE_STORE, DEVICE_LOAD, PROMOTE, CASCADE, PROBE, VERIFY})
-SLOT_KINDS = frozenset({DEVICE_STORE, DEVICE_LOAD, PROMOTE, CASCADE, VERIFY})
+SLOT_KINDS = frozenset(JobKind) - {JobKind.PROBE}
 """Kinds whose ``Job.slots`` are co-indexed with ``Job.keys``."""
-DEVICE_KINDS = frozenset({DEVICE_STORE, DEVICE_LOAD})
+DEVICE_KINDS = frozenset({JobKind.DEVICE_STORE, JobKind.DEVICE_LOAD})
 """Kinds whose ``Job.device_blocks`` are co-indexed with ``Job.keys`` and need ``handle_id``."""
-URGENT_KINDS = frozenset({DEVICE_LOAD, PROMOTE, PROBE, VERIFY})
+URGENT_KINDS = frozenset({JobKind.DEVICE_LOAD, JobKind.PROMOTE, JobKind.PROBE, JobKind.VERIFY})
 """Kinds on the engine's critical path: run before stores and cascades when both are queued."""
 
 

@@ -38,11 +38,11 @@ import numpy as np
 
 from kvoffload.config import Config
 from kvoffload.cuda_host import cuda_device_count
-from kvoffload.kvcache import CUDA_IPC_KIND, SHM_KIND, SharedKVCache, rebuild_cuda_ipc_tensor
+from kvoffload.kvcache import SharedKVCache, rebuild_cuda_ipc_tensor
 from kvoffload.logs import get_logger
 from kvoffload.pool import HostPool
-from kvoffload.protocol import Job, KVHandle
-from workers.backend import DEVICE_LOAD, DEVICE_STORE, VERIFY, AttachRefused, JobOutcome, NoIndexBackend
+from kvoffload.protocol import HandleKind, Job, JobKind, KVHandle
+from workers.backend import AttachRefused, JobOutcome, NoIndexBackend
 from workers.faults import FaultInjector
 from workers.framework import worker_main
 from workers.slotheaders import SlotHeaders
@@ -221,9 +221,9 @@ class CpuBackend(NoIndexBackend):
     medium = "device"
 
     def __init__(self, cfg: Config | None = None) -> None:
-        self.capabilities = [DEVICE_STORE, DEVICE_LOAD, VERIFY, SHM_KIND]
+        self.capabilities = [JobKind.DEVICE_STORE, JobKind.DEVICE_LOAD, JobKind.VERIFY, HandleKind.SHM]
         if importlib.util.find_spec("torch") is not None and cuda_device_count() > 0:
-            self.capabilities.append(CUDA_IPC_KIND)
+            self.capabilities.append(HandleKind.CUDA_IPC)
         self.degraded = False
         self._pool: HostPool | None = None
         self._headers: SlotHeaders | None = None
@@ -265,12 +265,12 @@ class CpuBackend(NoIndexBackend):
                 f"handle {handle.handle_id}: rows sum to {block_bytes} bytes over "
                 f"{handle.num_blocks} blocks; the pool's blocks are {pool.block_bytes} bytes"
             )
-        if handle.kind == CUDA_IPC_KIND and CUDA_IPC_KIND not in self.capabilities:
+        if handle.kind == HandleKind.CUDA_IPC and HandleKind.CUDA_IPC not in self.capabilities:
             raise AttachRefused(f"handle {handle.handle_id}: this cpu worker has no CUDA device")
         try:
-            if handle.kind == SHM_KIND:
+            if handle.kind == HandleKind.SHM:
                 kv: _AttachedKV = _ShmKV(handle, pool)
-            elif handle.kind == CUDA_IPC_KIND:
+            elif handle.kind == HandleKind.CUDA_IPC:
                 kv = _CudaKV(handle, pool, self._streams)
             else:
                 raise AttachRefused(f"unknown handle kind {handle.kind!r}")
@@ -312,9 +312,9 @@ class CpuBackend(NoIndexBackend):
             kv.close()
 
     def run_job(self, job: Job) -> JobOutcome:
-        if job.kind == VERIFY:
+        if job.kind == JobKind.VERIFY:
             return self._verify(job)
-        if job.kind not in (DEVICE_STORE, DEVICE_LOAD):
+        if job.kind not in (JobKind.DEVICE_STORE, JobKind.DEVICE_LOAD):
             return JobOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
         kv = self._hold(job.handle_id)
         if kv is None:
@@ -387,7 +387,7 @@ class CpuBackend(NoIndexBackend):
         failures = [failure for _, part_failures in outcomes for failure in part_failures]
         nbytes = len(ok) * pool.block_bytes
         with self._lock:
-            self._counters["bytes_stored" if job.kind == DEVICE_STORE else "bytes_loaded"] += nbytes
+            self._counters["bytes_stored" if job.kind == JobKind.DEVICE_STORE else "bytes_loaded"] += nbytes
             self._counters["keys_failed"] += len(failures)
         error = (
             f"{len(failures)} of {count} keys failed, first: {failures[0]}"
@@ -398,7 +398,7 @@ class CpuBackend(NoIndexBackend):
 
     def _copy_range(self, job: Job, kv: _AttachedKV, indices: range) -> tuple[list[bytes], list[str]]:
         """Copy keys ``indices`` of the job on this thread; (ok keys in order, failures)."""
-        store = job.kind == DEVICE_STORE
+        store = job.kind == JobKind.DEVICE_STORE
         num_slots = self._require_pool().num_slots
         faults = self._faults
         ok: list[bytes] = []

@@ -50,6 +50,7 @@ from kvoffload.protocol import (
     PROTOCOL_VERSION,
     AttachKV,
     Control,
+    ControlAction,
     DetachKV,
     FaultSpec,
     Heartbeat,
@@ -511,17 +512,16 @@ class _Worker:
         )
 
     def _control(self, msg: Control) -> None:
-        if msg.action == "drain":
+        """The action is one of ``ControlAction`` (decoding refused any other)."""
+        if msg.action is ControlAction.DRAIN:
             self._draining = True
             log.info("worker_draining", inflight=len(self._inflight))
-        elif msg.action == "shutdown":
+        elif msg.action is ControlAction.SHUTDOWN:
             self._begin_shutdown("control")
-        elif msg.action == "faults":
+        elif msg.action is ControlAction.FAULTS:
             self._faults.replace(msg.faults if msg.faults is not None else FaultSpec())
-        elif msg.action == "hello":
-            self._rehello()
         else:
-            self._bad_message(0, f"unknown control action {msg.action!r}")
+            self._rehello()
 
     def _begin_shutdown(self, reason: str) -> None:
         self._draining = True

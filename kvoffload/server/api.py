@@ -10,6 +10,7 @@ import time
 import structlog
 
 from .. import protocol as p
+from ..protocol import ErrorCode
 from ..tiering import LookupResult, ReqContext
 from ..tiering.types import TieringError
 from .handles import KVHandles
@@ -55,18 +56,18 @@ class ClientApi:
         state = self.state
         identity = frames[0]
         if len(frames) != 2:
-            state.reply(identity, p.Error(-1, "bad_message", f"expected one frame, got {len(frames) - 1}"))
+            state.reply(identity, p.Error(-1, ErrorCode.BAD_MESSAGE, f"expected one frame, got {len(frames) - 1}"))
             return
         frame = frames[1]
         try:
             msg = p.decode_client_request(frame)
         except p.ProtocolError as exc:
             log.warning("bad_client_message", error=str(exc)[:200])
-            state.reply(identity, p.Error(p.request_id_of(frame), "bad_message", str(exc)[:500]))
+            state.reply(identity, p.Error(p.request_id_of(frame), ErrorCode.BAD_MESSAGE, str(exc)[:500]))
             return
         session = state.sessions.get(identity)
         if session is None and not isinstance(msg, p.Connect):
-            state.reply(identity, p.Error(msg.rid, "not_connected", "send Connect first"))
+            state.reply(identity, p.Error(msg.rid, ErrorCode.NOT_CONNECTED, "send Connect first"))
             return
         if session is not None:
             session.last_seen = time.monotonic()
@@ -77,7 +78,7 @@ class ClientApi:
             reply = p.Error(msg.rid, exc.code, str(exc))
         except Exception as exc:
             log.exception("client_request_crashed", kind=type(msg).__name__)
-            reply = p.Error(msg.rid, "internal", f"{type(exc).__name__}: {exc}")
+            reply = p.Error(msg.rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         if reply is not None:
             state.reply(identity, reply)
         if state.metrics is not None:
@@ -98,27 +99,27 @@ class ClientApi:
 
     def _check_keys(self, keys: list[bytes]) -> None:
         if len(keys) > MAX_KEYS_PER_CALL:
-            raise RequestError("too_many_keys", f"{len(keys)} keys > {MAX_KEYS_PER_CALL}")
+            raise RequestError(ErrorCode.TOO_MANY_KEYS, f"{len(keys)} keys > {MAX_KEYS_PER_CALL}")
         lo, hi = self.state.cfg.pool.key_bytes_min, self.state.cfg.pool.key_bytes_max
         for key in keys:
             if not lo <= len(key) <= hi:
-                raise RequestError("bad_key", f"key of {len(key)} bytes outside {lo}..{hi}")
+                raise RequestError(ErrorCode.BAD_KEY, f"key of {len(key)} bytes outside {lo}..{hi}")
 
     def _check_writable(self) -> None:
         if self.state.draining:
-            raise RequestError("draining", "the service is shutting down")
+            raise RequestError(ErrorCode.DRAINING, "the service is shutting down")
 
     def _scoped(self, session: ClientSession, req_id: str) -> str:
         scoped = session.scoped(req_id)
         if scoped not in session.requests:
-            raise RequestError("unknown_request", f"unknown request {req_id!r}")
+            raise RequestError(ErrorCode.UNKNOWN_REQUEST, f"unknown request {req_id!r}")
         return scoped
 
     # ---- handlers -------------------------------------------------------------------------
 
     def _on_connect(self, identity, session, msg: p.Connect):
         if msg.version != p.PROTOCOL_VERSION:
-            return p.Error(msg.rid, "version_mismatch", f"client protocol {msg.version} != manager's {p.PROTOCOL_VERSION}")
+            return p.Error(msg.rid, ErrorCode.VERSION_MISMATCH, f"client protocol {msg.version} != manager's {p.PROTOCOL_VERSION}")
         if session is None:
             client_id = f"c{self._next_client}"
             self._next_client += 1
@@ -146,8 +147,7 @@ class ClientApi:
     def _on_new_request(self, identity, session: ClientSession, msg: p.NewRequest):
         scoped = session.scoped(msg.req_id)
         if self.tiering.has_request(scoped):
-            raise RequestError(
-                "duplicate_request", f"request {msg.req_id!r} is active or still finishing its stores"
+            raise RequestError(ErrorCode.DUPLICATE_REQUEST, f"request {msg.req_id!r} is active or still finishing its stores"
             )
         policy = self.tiering.on_new_request(ReqContext.from_params(scoped, msg.params))
         session.requests.add(scoped)
@@ -186,27 +186,27 @@ class ClientApi:
         scoped = self._scoped(session, msg.req_id)
         self.handles.owned(session.identity, msg.handle_id, msg.keys, msg.device_blocks)
         if self.state.registry.live(CPU_WORKER) is None:
-            raise RequestError("worker_unavailable", "the cpu worker is not connected")
+            raise RequestError(ErrorCode.WORKER_UNAVAILABLE, "the cpu worker is not connected")
         return scoped
 
     def _on_store(self, identity, session: ClientSession, msg: p.Store):
         scoped = self._device_request(session, msg)
         out = self.tiering.prepare_store(scoped, msg.keys)
         if out is None:
-            raise RequestError("no_space", "no primary slots can be freed for this store")
+            raise RequestError(ErrorCode.NO_SPACE, "no primary slots can be freed for this store")
         if not out.keys_to_store:
             return p.JobAccepted(msg.rid, None, [], out.evicted)
         block_of = dict(zip(reversed(msg.keys), reversed(msg.device_blocks)))
         blocks = [block_of[k] for k in out.keys_to_store]
-        job = p.Job(0, "device_store", out.keys_to_store, out.slots, blocks, msg.handle_id)
-        job_id = self.workers.submit_device_job(session, scoped, msg.req_id, "store", job)
+        job = p.Job(0, p.JobKind.DEVICE_STORE, out.keys_to_store, out.slots, blocks, msg.handle_id)
+        job_id = self.workers.submit_device_job(session, scoped, msg.req_id, p.DeviceJobKind.STORE, job)
         return p.JobAccepted(msg.rid, job_id, out.keys_to_store, out.evicted)
 
     def _on_load(self, identity, session: ClientSession, msg: p.Load):
         scoped = self._device_request(session, msg)
         slots = self.tiering.prepare_load(scoped, msg.keys)
-        job = p.Job(0, "device_load", msg.keys, slots, msg.device_blocks, msg.handle_id)
-        job_id = self.workers.submit_device_job(session, scoped, msg.req_id, "load", job)
+        job = p.Job(0, p.JobKind.DEVICE_LOAD, msg.keys, slots, msg.device_blocks, msg.handle_id)
+        job_id = self.workers.submit_device_job(session, scoped, msg.req_id, p.DeviceJobKind.LOAD, job)
         return p.JobAccepted(msg.rid, job_id, list(msg.keys))
 
     def _on_prepare_store(self, identity, session: ClientSession, msg: p.PrepareStore):
@@ -215,7 +215,7 @@ class ClientApi:
         scoped = self._scoped(session, msg.req_id)
         out = self.tiering.prepare_store(scoped, msg.keys)
         if out is None:
-            raise RequestError("no_space", "no primary slots can be freed for this store")
+            raise RequestError(ErrorCode.NO_SPACE, "no primary slots can be freed for this store")
         if out.keys_to_store:
             session.add_open_store(scoped, out.keys_to_store)
         return p.Slots(msg.rid, out.keys_to_store, out.slots, out.evicted)
@@ -225,9 +225,9 @@ class ClientApi:
         self._check_keys(msg.keys)
         scoped = session.scoped(msg.req_id)
         if msg.checksums is not None and len(msg.checksums) != len(msg.keys):
-            raise RequestError("bad_request", f"{len(msg.keys)} keys but {len(msg.checksums)} checksums")
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{len(msg.keys)} keys but {len(msg.checksums)} checksums")
         if not session.close_open_store(scoped, msg.keys):
-            raise RequestError("not_prepared", "no prepared store with these keys for this request")
+            raise RequestError(ErrorCode.NOT_PREPARED, "no prepared store with these keys for this request")
         self.tiering.complete_store(scoped, msg.keys, msg.success, msg.successful_keys)
         warm = self.state.warm
         if msg.checksums is not None and warm is not None:
@@ -249,7 +249,7 @@ class ClientApi:
     def _on_complete_load(self, identity, session: ClientSession, msg: p.CompleteLoad):
         self._check_keys(msg.keys)
         if not session.owns_pins(msg.keys):
-            raise RequestError("not_pinned", "these keys are not pinned by this client")
+            raise RequestError(ErrorCode.NOT_PINNED, "these keys are not pinned by this client")
         self.tiering.complete_load(msg.keys)
         session.drop_pins(msg.keys)
         return p.Ok(msg.rid)
@@ -297,7 +297,7 @@ class ClientApi:
             return
         for entry in [e for e in state.pending_resets if now >= e[2]]:
             state.pending_resets.remove(entry)
-            state.reply(entry[0], p.Error(entry[1], "reset_timeout", "jobs or cascades still in flight"))
+            state.reply(entry[0], p.Error(entry[1], ErrorCode.RESET_TIMEOUT, "jobs or cascades still in flight"))
 
     def _on_poll(self, identity, session: ClientSession, msg: p.Poll):
         if session.pending_poll is not None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import structlog
 
 from .. import protocol as p
-from ..kvcache import CUDA_IPC_KIND, SHM_KIND, handle_problem, segment_problem
+from ..protocol import ErrorCode
+from ..kvcache import handle_problem, segment_problem
 from ..rundir import is_run_segment
 from ..shmseg import stat_segment
 from .state import CPU_WORKER, ManagerState, RequestError
@@ -28,17 +29,16 @@ class KVHandles:
         """Check and record the handle, then ask a connected cpu worker to attach it."""
         owner = self.by_id.get(handle.handle_id)
         if owner is not None and owner[0] != identity:
-            raise RequestError("handle_taken", f"KV handle {handle.handle_id!r} belongs to another client")
-        if handle.kind not in (SHM_KIND, CUDA_IPC_KIND):
-            raise RequestError("bad_request", f"unknown KV handle kind {handle.kind!r}")
+            raise RequestError(ErrorCode.HANDLE_TAKEN, f"KV handle {handle.handle_id!r} belongs to another client")
+        if handle.kind not in tuple(p.HandleKind):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"unknown KV handle kind {handle.kind!r}")
         problem = handle_problem(handle, self.state.cfg.pool.block_bytes)
-        if not problem and handle.kind == SHM_KIND:
+        if not problem and handle.kind == p.HandleKind.SHM:
             problem = self._shm_problem(handle)
         if problem:
-            raise RequestError("bad_handle", f"KV handle {handle.handle_id!r}: {problem}")
+            raise RequestError(ErrorCode.BAD_HANDLE, f"KV handle {handle.handle_id!r}: {problem}")
         if not self.cpu_serves(handle):
-            raise RequestError(
-                "handle_unsupported",
+            raise RequestError(ErrorCode.HANDLE_UNSUPPORTED,
                 f"KV handle {handle.handle_id!r}: no worker can serve {handle.kind} handles "
                 "(the cpu worker has no CUDA device); register a shared-memory KV cache instead",
             )
@@ -53,13 +53,13 @@ class KVHandles:
         """The client's handle, once the device blocks are checked against it."""
         owner_handle = self.by_id.get(handle_id)
         if owner_handle is None or owner_handle[0] != identity:
-            raise RequestError("unknown_handle", f"KV handle {handle_id!r} is not registered by this client")
+            raise RequestError(ErrorCode.UNKNOWN_HANDLE, f"KV handle {handle_id!r} is not registered by this client")
         handle = owner_handle[1]
         if len(blocks) != len(keys):
-            raise RequestError("bad_request", f"{len(keys)} keys but {len(blocks)} device blocks")
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{len(keys)} keys but {len(blocks)} device blocks")
         for block in blocks:
             if not 0 <= block < handle.num_blocks:
-                raise RequestError("block_out_of_range", f"device block {block} outside 0..{handle.num_blocks - 1}")
+                raise RequestError(ErrorCode.BLOCK_OUT_OF_RANGE, f"device block {block} outside 0..{handle.num_blocks - 1}")
         return handle
 
     def cpu_serves(self, handle: p.KVHandle) -> bool:

@@ -43,7 +43,7 @@ class WorkerChannel:
         worker = self.state.registry.seen(name, now)
         if worker is None:
             log.warning("message_from_unknown_worker", worker=name, kind=type(msg).__name__)
-            self.state.send_worker(name, p.Control(action="hello"))
+            self.state.send_worker(name, p.Control(p.ControlAction.HELLO))
             return
         if isinstance(msg, p.JobDone):
             self._on_job_done(worker, msg)
@@ -60,7 +60,7 @@ class WorkerChannel:
             worker.inflight = msg.inflight
             worker.stats = msg.stats
 
-    def submit_device_job(self, session: ClientSession, scoped: str, req_id: str, kind: str, job: p.Job) -> int:
+    def submit_device_job(self, session: ClientSession, scoped: str, req_id: str, kind: p.DeviceJobKind, job: p.Job) -> int:
         """Track and send a device job; if it cannot be sent it finishes at once as failed
         (its event still reaches the client exactly once)."""
         state = self.state
@@ -80,7 +80,7 @@ class WorkerChannel:
 
     def shutdown_workers(self) -> None:
         for name in list(self.state.registry.workers):
-            self.state.send_worker(name, p.Control(action="shutdown"))
+            self.state.send_worker(name, p.Control(p.ControlAction.SHUTDOWN))
 
     def _fail_worker(self, name: str, reason: str) -> None:
         """Every job in flight on the worker fails: tier jobs through the tiering library, device
@@ -167,7 +167,7 @@ class WorkerChannel:
         state = self.state
         job = state.device_jobs.pop(job_id)
         try:
-            if job.kind == "store":
+            if job.kind is p.DeviceJobKind.STORE:
                 state.tiering.complete_store(job.scoped_req, job.keys, success, successful_keys)
             else:
                 state.tiering.complete_load(job.keys)

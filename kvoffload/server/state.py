@@ -26,7 +26,12 @@ from .workers import WorkerRegistry
 log = structlog.get_logger()
 
 CPU_WORKER = "cpu"
-JOB_KIND_NAMES = {JobKind.PROMOTION: "promote", JobKind.CASCADE: "cascade", JobKind.PROBE: "probe"}
+WIRE_JOB_KIND = {
+    JobKind.PROMOTION: p.JobKind.PROMOTE,
+    JobKind.CASCADE: p.JobKind.CASCADE,
+    JobKind.PROBE: p.JobKind.PROBE,
+}
+"""The job kind on the wire of each tiering-library job kind."""
 
 CASCADE_PIN_SHARE = 0.25
 """Share of the pool's slots that cascades in flight may pin, all tiers together; the other
@@ -36,7 +41,7 @@ keys to cascade wait unpinned, so the pool never fills with them."""
 class RequestError(Exception):
     """A client call that cannot be served; becomes a typed Error reply."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: p.ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
 
@@ -48,7 +53,7 @@ class DeviceJob:
     identity: bytes
     scoped_req: str
     req_id: str
-    kind: str  # "store" | "load"
+    kind: p.DeviceJobKind
     keys: list[bytes]
 
 
@@ -132,7 +137,7 @@ class ManagerState:
                 log.warning("tier_job_failed_no_worker", tier=tier, job_id=job.job_id)
                 self.tiering.apply_result(tier, JobResult(job.job_id, False))
                 continue
-            msg = p.Job(job.job_id, JOB_KIND_NAMES[job.kind], job.keys, job.slots)
+            msg = p.Job(job.job_id, WIRE_JOB_KIND[job.kind], job.keys, job.slots)
             if self.send_worker(tier, msg):
                 worker.jobs.add(job.job_id)
             else:

@@ -30,7 +30,6 @@ from ..tiering import TieringManager
 
 log = structlog.get_logger()
 
-VERIFY = "verify"
 VERIFY_BATCH_KEYS = 4096
 
 
@@ -113,7 +112,7 @@ class WarmRestart:
         jobs = []
         for start in range(0, len(todo), VERIFY_BATCH_KEYS):
             batch = todo[start : start + VERIFY_BATCH_KEYS]
-            job = p.Job(self._tiering.next_job_id(), VERIFY, [k for k, _ in batch], [s for _, s in batch])
+            job = p.Job(self._tiering.next_job_id(), p.JobKind.VERIFY, [k for k, _ in batch], [s for _, s in batch])
             self._verifying[job.job_id] = job.keys
             jobs.append(job)
         return jobs

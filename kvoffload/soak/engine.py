@@ -42,14 +42,17 @@ from ..client import KVOffloadClient, KVOffloadError, ServiceUnavailable
 from ..kvcache import SharedKVCache
 from ..logs import configure_logging
 from ..pool import HostPool
+from ..protocol import ErrorCode
 from .blocks import POISON, conversation_keys, expected_block, mismatch
 
 log = structlog.get_logger()
 
 STATS_INTERVAL_S = 1.0
 CALL_OVERRUN_SLACK_S = 2.0
-RECONNECT_CODES = frozenset({"not_connected", "unknown_request", "unknown_handle"})
-EXPECTED_CODES = frozenset({"no_space", "not_ready", "worker_unavailable", "draining"})
+RECONNECT_CODES = frozenset({ErrorCode.NOT_CONNECTED, ErrorCode.UNKNOWN_REQUEST, ErrorCode.UNKNOWN_HANDLE})
+EXPECTED_CODES = frozenset(
+    {ErrorCode.NO_SPACE, ErrorCode.NOT_READY, ErrorCode.WORKER_UNAVAILABLE, ErrorCode.DRAINING}
+)
 
 
 class JobLost(Exception):

@@ -19,10 +19,10 @@ from kvoffload.blockformat import HEADER_SIZE, CorruptBlock, decode_header, depl
 from kvoffload.config import Config, DiskConfig, PoolConfig
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.pool import HostPool
-from kvoffload.protocol import FaultSpec, Job
+from kvoffload.protocol import FaultSpec, Job, JobKind
 from kvoffload.tiering import LookupResult
 
-from workers.backend import CASCADE, PROMOTE, Backend, JobOutcome
+from workers.backend import Backend, JobOutcome
 from workers.disk.worker import DiskBackend
 from workers.faults import FaultInjector
 
@@ -121,17 +121,17 @@ def find_payload(root: Path, key: bytes) -> tuple[Path, int]:
 
 def test_backend_protocol_cascade_promote_and_restart(start_backend, pool: HostPool, tmp_path: Path) -> None:
     backend = start_backend()
-    assert isinstance(backend, Backend) and backend.capabilities == [PROMOTE, CASCADE]
+    assert isinstance(backend, Backend) and backend.capabilities == [JobKind.PROMOTE, JobKind.CASCADE]
     keys = keys_of("k", 8)
     originals = fill(pool, range(8), seed=1)
-    done = run(backend, CASCADE, keys, list(range(8)))
+    done = run(backend, JobKind.CASCADE, keys, list(range(8)))
     assert done.ok_keys == keys and done.nbytes == 8 * BLOCK and not done.error
     assert slot_bytes(pool, range(8)) == originals  # a cascade only reads its slots
     assert backend.take_index_changes() == (keys, [])
     assert backend.take_index_changes() == ([], [])
 
     untouched = fill(pool, range(16, SLOTS), seed=2)
-    done = run(backend, PROMOTE, keys, list(range(8, 16)))
+    done = run(backend, JobKind.PROMOTE, keys, list(range(8, 16)))
     assert done.ok_keys == keys and done.nbytes == 8 * BLOCK
     assert slot_bytes(pool, range(8, 16)) == originals
     assert slot_bytes(pool, range(16, SLOTS)) == untouched  # only the job's slots are written
@@ -145,7 +145,7 @@ def test_backend_protocol_cascade_promote_and_restart(start_backend, pool: HostP
     assert sorted(k for batch in batches for k in batch) == sorted(keys)
     assert restarted.take_index_changes() == ([], [])
     fill(pool, range(16, 24), seed=3)
-    done = run(restarted, PROMOTE, keys, list(range(16, 24)))
+    done = run(restarted, JobKind.PROMOTE, keys, list(range(16, 24)))
     assert done.ok_keys == keys
     assert slot_bytes(pool, range(16, 24)) == originals
 
@@ -156,7 +156,7 @@ def test_corrupt_and_torn_copies_fail_and_are_removed_transient_keeps(start_back
     backend = start_backend(faults)
     keys = keys_of("c", 3)
     originals = fill(pool, range(3), seed=4)
-    assert run(backend, CASCADE, keys, [0, 1, 2]).ok_keys == keys
+    assert run(backend, JobKind.CASCADE, keys, [0, 1, 2]).ok_keys == keys
     backend.take_index_changes()
     path, payload = find_payload(tmp_path / "disk", keys[1])
     with open(path, "r+b") as f:
@@ -169,23 +169,23 @@ def test_corrupt_and_torn_copies_fail_and_are_removed_transient_keeps(start_back
         f.seek(payload + BLOCK // 2)
         f.write(os.urandom(BLOCK // 2))
 
-    done = run(backend, PROMOTE, keys, [8, 9, 10])
+    done = run(backend, JobKind.PROMOTE, keys, [8, 9, 10])
     assert done.ok_keys == [keys[0]] and done.nbytes == BLOCK and "corrupt" in done.error
     assert done.absent_keys == [keys[1], keys[2]]
     assert pool.slot(8).tobytes() == originals[0]
     assert backend.take_index_changes() == ([], [keys[1], keys[2]])
     assert backend.stats()["corrupt_blocks"] == 2
-    done = run(backend, PROMOTE, [keys[1]], [9])
+    done = run(backend, JobKind.PROMOTE, [keys[1]], [9])
     assert done.ok_keys == [] and "absent" in done.error and done.absent_keys == [keys[1]]
     assert backend.take_index_changes() == ([], [keys[1]])
 
     faults.once[("read", keys[0])] = errno.EIO
     fill(pool, [11], seed=5)
-    done = run(backend, PROMOTE, [keys[0]], [11])
+    done = run(backend, JobKind.PROMOTE, [keys[0]], [11])
     assert done.ok_keys == [] and "transient" in done.error and done.absent_keys == []
     assert backend.take_index_changes() == ([], [])
     assert backend.stats()["transient_errors"] == 1
-    done = run(backend, PROMOTE, [keys[0]], [11])
+    done = run(backend, JobKind.PROMOTE, [keys[0]], [11])
     assert done.ok_keys == [keys[0]] and pool.slot(11).tobytes() == originals[0]
 
 
@@ -196,7 +196,7 @@ def test_enospc_fails_keys_and_degrades_until_a_put_succeeds(start_backend, pool
     originals = fill(pool, [0, 1], seed=6)
     for key in keys:
         faults.once[("write_payload", key)] = errno.ENOSPC
-    done = run(backend, CASCADE, keys, [0, 1])
+    done = run(backend, JobKind.CASCADE, keys, [0, 1])
     assert done.ok_keys == [] and "no_space" in done.error
     assert done.full_keys == keys, "keys refused for lack of room are reported as such"
     assert backend.degraded is True
@@ -205,10 +205,10 @@ def test_enospc_fails_keys_and_degrades_until_a_put_succeeds(start_backend, pool
     added, removed = backend.take_index_changes()
     assert added == [] and sorted(removed) == sorted(keys)
 
-    done = run(backend, CASCADE, keys, [0, 1])
+    done = run(backend, JobKind.CASCADE, keys, [0, 1])
     assert done.ok_keys == keys and backend.degraded is False and backend.stats()["degraded"] is False
     assert backend.take_index_changes() == (keys, [])
-    assert run(backend, PROMOTE, keys, [2, 3]).ok_keys == keys
+    assert run(backend, JobKind.PROMOTE, keys, [2, 3]).ok_keys == keys
     assert slot_bytes(pool, [2, 3]) == originals
 
 
@@ -216,18 +216,18 @@ def test_capacity_eviction_reports_removed_keys(start_backend, pool: HostPool) -
     backend = start_backend(capacity_records=8)
     first = keys_of("e", 8)
     fill(pool, range(8), seed=7)
-    assert run(backend, CASCADE, first, list(range(8))).ok_keys == first
+    assert run(backend, JobKind.CASCADE, first, list(range(8))).ok_keys == first
     assert backend.take_index_changes() == (first, [])
     backend.touch([first[0]])
     more = keys_of("f", 3)
     originals = fill(pool, range(8, 11), seed=8)
-    assert run(backend, CASCADE, more, [8, 9, 10]).ok_keys == more
+    assert run(backend, JobKind.CASCADE, more, [8, 9, 10]).ok_keys == more
     added, removed = backend.take_index_changes()
     assert sorted(added) == sorted(more) and sorted(removed) == sorted(first[1:4])
     assert backend.stats()["keys_evicted"] == 3
     stats = backend.stats()
     assert stats["used_bytes"] <= stats["capacity_bytes"] == 8 * RECORD
-    done = run(backend, PROMOTE, [first[1], first[0], more[2]], [12, 13, 14])
+    done = run(backend, JobKind.PROMOTE, [first[1], first[0], more[2]], [12, 13, 14])
     assert done.ok_keys == [first[0], more[2]]
     assert pool.slot(14).tobytes() == originals[2]
     assert backend.take_index_changes() == ([], [first[1]])
@@ -238,11 +238,11 @@ def test_a_failed_put_still_reports_the_key_it_evicted(start_backend, pool: Host
     backend = start_backend(faults, capacity_records=2)
     first = keys_of("v", 2)
     fill(pool, range(3), seed=9)
-    assert run(backend, CASCADE, first, [0, 1]).ok_keys == first
+    assert run(backend, JobKind.CASCADE, first, [0, 1]).ok_keys == first
     backend.take_index_changes()
     late = keys_of("w", 1)
     faults.once[("write_payload", late[0])] = errno.EIO
-    done = run(backend, CASCADE, late, [2])
+    done = run(backend, JobKind.CASCADE, late, [2])
     assert done.ok_keys == [] and done.full_keys == [] and "write_error" in done.error
     added, removed = backend.take_index_changes()
     assert added == [] and sorted(removed) == sorted([first[0], late[0]]), "the victim is gone too"
@@ -254,23 +254,23 @@ def test_configured_corruption_and_failures(start_backend, pool: HostPool) -> No
     backend = start_backend(faults)
     key = b"corrupted-on-purpose"
     original = fill(pool, [0], seed=9)[0]
-    assert run(backend, CASCADE, [key], [0]).ok_keys == [key]
+    assert run(backend, JobKind.CASCADE, [key], [0]).ok_keys == [key]
     assert pool.slot(0).tobytes() == original  # the pool slot is never the one corrupted
     assert backend.take_index_changes() == ([key], [])
-    done = run(backend, PROMOTE, [key], [1])
+    done = run(backend, JobKind.PROMOTE, [key], [1])
     assert done.ok_keys == [] and "corrupt" in done.error
     assert backend.take_index_changes() == ([], [key])
 
     faults.replace(FaultSpec(fail_fraction=1.0))
-    done = run(backend, CASCADE, [key], [0])
+    done = run(backend, JobKind.CASCADE, [key], [0])
     assert done.ok_keys == [] and "write_error" in done.error and not backend.degraded
     faults.replace(FaultSpec(enospc_fraction=1.0))
-    done = run(backend, CASCADE, [key], [0])
+    done = run(backend, JobKind.CASCADE, [key], [0])
     assert done.ok_keys == [] and "no_space" in done.error and backend.degraded
     assert backend.stats()["enospc_errors"] == 1
     faults.replace(FaultSpec())
-    assert run(backend, CASCADE, [key], [0]).ok_keys == [key] and not backend.degraded
-    assert run(backend, PROMOTE, [key], [1]).ok_keys == [key] and pool.slot(1).tobytes() == original
+    assert run(backend, JobKind.CASCADE, [key], [0]).ok_keys == [key] and not backend.degraded
+    assert run(backend, JobKind.PROMOTE, [key], [1]).ok_keys == [key] and pool.slot(1).tobytes() == original
 
 
 # ---- end to end ------------------------------------------------------------------------------

@@ -21,11 +21,11 @@ from kvoffload.blockformat import HEADER_SIZE
 from kvoffload.config import Config, ObjectConfig, PoolConfig
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.pool import HostPool
-from kvoffload.protocol import FaultSpec, Job
+from kvoffload.protocol import FaultSpec, Job, JobKind
 from kvoffload.tiering import LookupResult
 from tests.s3server import S3Server
 from tests.service_process import shm_segments
-from workers.backend import CASCADE, PROBE, PROMOTE, Backend
+from workers.backend import Backend
 from workers.faults import FaultInjector
 from workers.framework import EXIT_REFUSED, RunSpec
 from workers.object.breaker import CircuitBreaker
@@ -121,24 +121,24 @@ def test_cascade_probe_promote_and_cross_node_sharing(make_backend) -> None:
     keys = [key(i) for i in range(6)]
     written = {k: fill(pool_a, slot, rng) for slot, k in enumerate(keys)}
 
-    stored = node_a.run_job(job(1, CASCADE, keys, list(range(6))))
+    stored = node_a.run_job(job(1, JobKind.CASCADE, keys, list(range(6))))
     assert stored.ok_keys == keys and stored.error == "" and stored.release is None
     assert stored.nbytes == 6 * BLOCK
 
     asked = [key(0), key(100), key(3), key(101), key(5)]
-    probed = node_a.run_job(job(2, PROBE, asked))
+    probed = node_a.run_job(job(2, JobKind.PROBE, asked))
     assert probed.ok_keys == [key(0), key(3), key(5)]
     assert probed.absent_keys == [key(100), key(101)], "a probe confirms what it did not find"
-    assert node_a.run_job(job(3, PROBE, [key(102)])).ok_keys == []
+    assert node_a.run_job(job(3, JobKind.PROBE, [key(102)])).ok_keys == []
 
-    promoted = node_a.run_job(job(4, PROMOTE, keys, list(range(8, 14))))
+    promoted = node_a.run_job(job(4, JobKind.PROMOTE, keys, list(range(8, 14))))
     assert promoted.ok_keys == keys
     for slot, k in zip(range(8, 14), keys):
         assert slot_bytes(pool_a, slot) == written[k]
 
     node_b, pool_b = make_backend()
-    assert node_b.run_job(job(1, PROBE, keys)).ok_keys == keys
-    shared = node_b.run_job(job(2, PROMOTE, keys[::-1], list(range(6))))
+    assert node_b.run_job(job(1, JobKind.PROBE, keys)).ok_keys == keys
+    shared = node_b.run_job(job(2, JobKind.PROMOTE, keys[::-1], list(range(6))))
     assert shared.ok_keys == keys[::-1]
     for slot, k in enumerate(keys[::-1]):
         assert slot_bytes(pool_b, slot) == written[k]
@@ -156,7 +156,7 @@ def test_promote_partial_failure_absent_and_corrupt(make_backend, s3_server: S3S
     keys = [key(i, "partial") for i in range(3)]
     good, absent, corrupt = keys
     data = {k: fill(pool, slot, rng) for slot, k in enumerate(keys)}
-    assert backend.run_job(job(1, CASCADE, keys, [0, 1, 2])).ok_keys == keys
+    assert backend.run_job(job(1, JobKind.CASCADE, keys, [0, 1, 2])).ok_keys == keys
 
     raw = s3_server.client()
     raw.delete_object(Bucket=bucket, Key=backend.store.object_key(absent))
@@ -165,7 +165,7 @@ def test_promote_partial_failure_absent_and_corrupt(make_backend, s3_server: S3S
     body[HEADER_SIZE + 100] ^= 0xFF
     raw.put_object(Bucket=bucket, Key=name, Body=bytes(body))
 
-    outcome = backend.run_job(job(2, PROMOTE, keys, [5, 6, 7]))
+    outcome = backend.run_job(job(2, JobKind.PROMOTE, keys, [5, 6, 7]))
     assert outcome.ok_keys == [good]
     assert outcome.absent_keys == [absent, corrupt], "absent and corrupt are confirmed, not transient"
     assert outcome.nbytes == BLOCK
@@ -183,7 +183,7 @@ def test_release_failure_keeps_the_job_until_released(make_backend) -> None:
     k = key(1, "release")
     data = fill(pool, 0, rng)
 
-    outcome = backend.run_job(job(1, CASCADE, [k], [0]))
+    outcome = backend.run_job(job(1, JobKind.CASCADE, [k], [0]))
     assert outcome.ok_keys == [k]
     assert outcome.release is not None
     assert backend.stats()["pending_releases"] == 1
@@ -194,14 +194,14 @@ def test_release_failure_keeps_the_job_until_released(make_backend) -> None:
     outcome.release()
     assert backend.stats()["pending_releases"] == 0
 
-    loaded = backend.run_job(job(2, PROMOTE, [k], [3]))
+    loaded = backend.run_job(job(2, JobKind.PROMOTE, [k], [3]))
     assert loaded.ok_keys == [k] and loaded.release is None
     assert slot_bytes(pool, 3) == data
 
 
 def test_failed_transfer_with_failed_release_fails_the_key(make_backend) -> None:
     backend, pool = make_backend(FaultInjector(FaultSpec(release_failures=1)))
-    outcome = backend.run_job(job(1, PROMOTE, [key(1, "nowhere")], [0]))
+    outcome = backend.run_job(job(1, JobKind.PROMOTE, [key(1, "nowhere")], [0]))
     assert outcome.ok_keys == [] and "absent" in outcome.error
     assert outcome.release is not None
     outcome.release()
@@ -210,13 +210,13 @@ def test_failed_transfer_with_failed_release_fails_the_key(make_backend) -> None
 
 def test_fault_fail_fraction_fails_each_operation(make_backend) -> None:
     backend, pool = make_backend(FaultInjector(FaultSpec(fail_fraction=1.0)))
-    probed = backend.run_job(job(1, PROBE, [key(1)]))
+    probed = backend.run_job(job(1, JobKind.PROBE, [key(1)]))
     assert probed.ok_keys == [] and "injected probe failure" in probed.error
     assert probed.absent_keys == [], "a failed probe confirms nothing"
-    outcome = backend.run_job(job(2, CASCADE, [key(1), key(2)], [0, 1]))
+    outcome = backend.run_job(job(2, JobKind.CASCADE, [key(1), key(2)], [0, 1]))
     assert outcome.ok_keys == [] and "InjectedFault" in outcome.error
     assert backend.stats()["puts"] == 2 and backend.stats()["put_failures"] == 2
-    loaded = backend.run_job(job(3, PROMOTE, [key(1)], [0]))
+    loaded = backend.run_job(job(3, JobKind.PROMOTE, [key(1)], [0]))
     assert loaded.ok_keys == [] and loaded.absent_keys == [], "a transient GET failure confirms nothing"
 
 
@@ -225,13 +225,13 @@ def test_fault_corrupt_fraction_corrupts_what_puts_store_not_the_slot(make_backe
     backend, pool = make_backend(FaultInjector(FaultSpec(corrupt_fraction=1.0)))
     keys = [key(i, "corrupt-put") for i in range(2)]
     data = [fill(pool, slot, rng) for slot in range(2)]
-    stored = backend.run_job(job(1, CASCADE, keys, [0, 1]))
+    stored = backend.run_job(job(1, JobKind.CASCADE, keys, [0, 1]))
     assert stored.ok_keys == keys, "the PUTs themselves succeed"
     assert [slot_bytes(pool, slot) for slot in range(2)] == data, "the pool slots are never altered"
     assert backend.stats()["injected_corruptions"] == 2
-    loaded = backend.run_job(job(2, PROMOTE, keys, [4, 5]))
+    loaded = backend.run_job(job(2, JobKind.PROMOTE, keys, [4, 5]))
     assert loaded.ok_keys == [] and loaded.absent_keys == keys, "each stored copy fails its checksum"
-    assert backend.run_job(job(3, PROBE, keys)).absent_keys == keys, "the corrupt copies were deleted"
+    assert backend.run_job(job(3, JobKind.PROBE, keys)).absent_keys == keys, "the corrupt copies were deleted"
 
 
 def test_breaker_thresholds_come_from_the_object_config(make_backend) -> None:
@@ -258,13 +258,13 @@ def test_outage_opens_breaker_and_recovers(make_backend, s3_server: S3Server) ->
     backend, pool = make_backend(breaker=breaker, request_timeout_s=2.0, max_retries=1)
     before = fill(pool, 0, rng)
     k = key(1, "outage")
-    assert backend.run_job(job(1, CASCADE, [k], [0])).ok_keys == [k]
+    assert backend.run_job(job(1, JobKind.CASCADE, [k], [0])).ok_keys == [k]
 
     s3_server.kill()  # abrupt outage; a graceful stop of weed can take its full 20 s grace
     try:
         for attempt in range(5):
             started = time.monotonic()
-            probed = backend.run_job(job(10 + attempt, PROBE, [k, key(2, "outage")]))
+            probed = backend.run_job(job(10 + attempt, JobKind.PROBE, [k, key(2, "outage")]))
             assert probed.ok_keys == [] and "probe_failed" in probed.error
             assert time.monotonic() - started < 2 * 2.0 + 1.0
             if backend.degraded:
@@ -272,8 +272,8 @@ def test_outage_opens_breaker_and_recovers(make_backend, s3_server: S3Server) ->
         assert backend.degraded and backend.stats()["breaker"]["state"] == "open"
 
         started = time.monotonic()
-        dropped = backend.run_job(job(20, CASCADE, [key(3, "outage")], [1]))
-        probed = backend.run_job(job(21, PROBE, [k]))
+        dropped = backend.run_job(job(20, JobKind.CASCADE, [key(3, "outage")], [1]))
+        probed = backend.run_job(job(21, JobKind.PROBE, [k]))
         assert time.monotonic() - started < 0.2
         assert dropped.ok_keys == [] and "BreakerOpen" in dropped.error
         assert probed.ok_keys == [] and "breaker open" in probed.error
@@ -281,13 +281,13 @@ def test_outage_opens_breaker_and_recovers(make_backend, s3_server: S3Server) ->
         s3_server.start()
 
     deadline = time.monotonic() + 15.0
-    while backend.run_job(job(30, PROBE, [k])).ok_keys != [k]:
+    while backend.run_job(job(30, JobKind.PROBE, [k])).ok_keys != [k]:
         assert time.monotonic() < deadline, f"no recovery: {breaker.snapshot()}"
         time.sleep(0.1)
     assert not backend.degraded
     after = fill(pool, 1, rng)
-    assert backend.run_job(job(31, CASCADE, [key(3, "outage")], [1])).ok_keys == [key(3, "outage")]
-    assert backend.run_job(job(32, PROMOTE, [k, key(3, "outage")], [4, 5])).ok_keys == [k, key(3, "outage")]
+    assert backend.run_job(job(31, JobKind.CASCADE, [key(3, "outage")], [1])).ok_keys == [key(3, "outage")]
+    assert backend.run_job(job(32, JobKind.PROMOTE, [k, key(3, "outage")], [4, 5])).ok_keys == [k, key(3, "outage")]
     assert (slot_bytes(pool, 4), slot_bytes(pool, 5)) == (before, after)
     assert backend.stats()["breaker"]["opened_total"] >= 1
 

@@ -10,8 +10,8 @@ import posix_ipc
 import pytest
 import torch
 
-from kvoffload.kvcache import SHM_KIND, SharedKVCache, handle_problem, layout, segment_problem, unique_kv_name
-from kvoffload.protocol import AttachKV, KVHandle, TensorSpec, decode_manager_message, encode
+from kvoffload.kvcache import SharedKVCache, handle_problem, layout, segment_problem, unique_kv_name
+from kvoffload.protocol import AttachKV, HandleKind, KVHandle, TensorSpec, decode_manager_message, encode
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def test_handle_fields_and_wire_round_trip(kv):
     handle = kv.handle("engine-0")
     assert handle == KVHandle(
         handle_id="engine-0",
-        kind=SHM_KIND,
+        kind=HandleKind.SHM,
         num_blocks=8,
         tensors=[TensorSpec(row_bytes=1000, offset=0), TensorSpec(row_bytes=5000, offset=8192)],
         shm_name=kv.name,
@@ -78,7 +78,7 @@ def test_attach_rejects_bad_handles(kv):
         )
     too_far = KVHandle(
         handle_id="h",
-        kind=SHM_KIND,
+        kind=HandleKind.SHM,
         num_blocks=8,
         tensors=[TensorSpec(row_bytes=5000, offset=16384)],
         shm_name=kv.name,
@@ -86,7 +86,7 @@ def test_attach_rejects_bad_handles(kv):
     with pytest.raises(ValueError, match="outside"):
         SharedKVCache.attach(too_far)
     gone = KVHandle(
-        handle_id="h", kind=SHM_KIND, num_blocks=8, tensors=good.tensors, shm_name=unique_kv_name()
+        handle_id="h", kind=HandleKind.SHM, num_blocks=8, tensors=good.tensors, shm_name=unique_kv_name()
     )
     with pytest.raises(FileNotFoundError):
         SharedKVCache.attach(gone)

@@ -12,9 +12,9 @@ import pytest
 from kvoffload.blockformat import deployment_fingerprint, payload_checksum
 from kvoffload.config import Config, DiskConfig, PoolConfig
 from kvoffload.kvcache import SharedKVCache
-from kvoffload.protocol import Job
+from kvoffload.protocol import Job, JobKind
 from kvoffload.slottable import SlotTable
-from workers.backend import CASCADE, DEVICE_STORE, PROMOTE, VERIFY
+
 from workers.cpu import CpuBackend
 from workers.disk.worker import DiskBackend
 from workers.faults import FaultInjector
@@ -57,14 +57,14 @@ def cpu(make_pool, table):
 
 
 def store(backend: CpuBackend, job_id: int, keys: list[bytes], slots: list[int], blocks: list[int]):
-    job = Job(job_id=job_id, kind=DEVICE_STORE, keys=keys, slots=slots, device_blocks=blocks, handle_id="h")
+    job = Job(job_id=job_id, kind=JobKind.DEVICE_STORE, keys=keys, slots=slots, device_blocks=blocks, handle_id="h")
     outcome = backend.run_job(job)
     outcome.release()
     return outcome
 
 
 def verify(backend: CpuBackend, keys: list[bytes], slots: list[int]) -> list[bytes]:
-    return backend.run_job(Job(job_id=99, kind=VERIFY, keys=keys, slots=slots)).ok_keys
+    return backend.run_job(Job(job_id=99, kind=JobKind.VERIFY, keys=keys, slots=slots)).ok_keys
 
 
 def test_device_store_stamps_each_copied_slot_and_verify_accepts_it(cpu, table):
@@ -92,7 +92,7 @@ def test_verify_rejects_a_changed_byte_another_key_and_an_unstamped_slot(cpu):
 def test_verify_without_slot_headers_accepts_nothing(make_pool):
     backend = CpuBackend()
     backend.start(make_pool(SLOTS, BLOCK), FaultInjector())
-    outcome = backend.run_job(Job(job_id=1, kind=VERIFY, keys=keys_of(1), slots=[0]))
+    outcome = backend.run_job(Job(job_id=1, kind=JobKind.VERIFY, keys=keys_of(1), slots=[0]))
     assert outcome.ok_keys == [] and outcome.error
     backend.close()
 
@@ -107,9 +107,9 @@ def test_disk_promotion_stamps_the_slot_with_the_verified_checksum(make_pool, ta
     try:
         key, absent = keys_of(2, b"d")
         pool.slot_array(0)[:] = np.random.default_rng(5).integers(0, 256, BLOCK, dtype=np.uint8)
-        assert backend.run_job(Job(job_id=1, kind=CASCADE, keys=[key], slots=[0])).ok_keys == [key]
+        assert backend.run_job(Job(job_id=1, kind=JobKind.CASCADE, keys=[key], slots=[0])).ok_keys == [key]
         assert table.read_all(FP) == [], "a cascade only reads its slot"
-        outcome = backend.run_job(Job(job_id=77, kind=PROMOTE, keys=[key, absent], slots=[3, 4]))
+        outcome = backend.run_job(Job(job_id=77, kind=JobKind.PROMOTE, keys=[key, absent], slots=[3, 4]))
         assert outcome.ok_keys == [key]
         [(slot, header)] = table.read_all(FP)
         assert (slot, header.key, header.generation) == (3, key, 77)

@@ -40,8 +40,8 @@ from kvoffload.blockformat import CorruptBlock, deployment_fingerprint
 from kvoffload.config import Config
 from kvoffload.logs import get_logger
 from kvoffload.pool import HostPool
-from kvoffload.protocol import Job, KVHandle
-from workers.backend import CASCADE, PROMOTE, JobOutcome
+from kvoffload.protocol import Job, JobKind, KVHandle
+from workers.backend import JobOutcome
 from workers.disk.errors import StoreFull, TransientIOError
 from workers.disk.slab import DiskStore
 from workers.faults import FaultInjector
@@ -73,7 +73,7 @@ class DiskBackend:
     medium = "storage"
 
     def __init__(self, cfg: Config) -> None:
-        self.capabilities = [PROMOTE, CASCADE]
+        self.capabilities = [JobKind.PROMOTE, JobKind.CASCADE]
         self._cfg = cfg
         self._pool: HostPool | None = None
         self._headers: SlotHeaders | None = None
@@ -116,9 +116,9 @@ class DiskBackend:
     # ---- jobs ------------------------------------------------------------------------------
 
     def run_job(self, job: Job) -> JobOutcome:
-        if job.kind not in (PROMOTE, CASCADE):
+        if job.kind not in (JobKind.PROMOTE, JobKind.CASCADE):
             return JobOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
-        promote = job.kind == PROMOTE
+        promote = job.kind == JobKind.PROMOTE
         pool = self._require_pool()
         ok: list[bytes] = []
         absent: list[bytes] = []
@@ -149,8 +149,8 @@ class DiskBackend:
         finally:
             self._count("keys_evicted", len(evicted))
         nbytes = len(ok) * pool.block_bytes
-        self._count("bytes_read" if job.kind == PROMOTE else "bytes_written", nbytes)
-        self._count("keys_promoted" if job.kind == PROMOTE else "keys_cascaded", len(ok))
+        self._count("bytes_read" if job.kind == JobKind.PROMOTE else "bytes_written", nbytes)
+        self._count("keys_promoted" if job.kind == JobKind.PROMOTE else "keys_cascaded", len(ok))
         error = ""
         if failures:
             error = f"{sum(failures.values())} of {len(job.keys)} keys failed ({dict(failures)}), first: {first_error}"

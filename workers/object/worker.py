@@ -36,8 +36,8 @@ from kvoffload.blockformat import CorruptBlock, deployment_fingerprint
 from kvoffload.config import Config
 from kvoffload.logs import get_logger
 from kvoffload.pool import HostPool
-from kvoffload.protocol import Job
-from workers.backend import CASCADE, PROBE, PROMOTE, JobOutcome, NoIndexBackend
+from kvoffload.protocol import Job, JobKind
+from workers.backend import JobOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault
 from workers.object.breaker import CLOSED, BreakerOpen, CircuitBreaker
 from workers.object.errors import ObjectStoreError, ReleaseFailed
@@ -105,7 +105,7 @@ class ObjectBackend(NoIndexBackend):
     medium = "storage"
 
     def __init__(self, cfg: Config, *, breaker: CircuitBreaker | None = None) -> None:
-        self.capabilities = [PROBE, PROMOTE, CASCADE]
+        self.capabilities = [JobKind.PROBE, JobKind.PROMOTE, JobKind.CASCADE]
         self._faults = FaultInjector()
         self._store = store_from_config(cfg, breaker=breaker, release_hook=self._release_hook)
         self._io = ThreadPoolExecutor(max_workers=cfg.object.io_threads, thread_name_prefix="object-io")
@@ -150,9 +150,9 @@ class ObjectBackend(NoIndexBackend):
         self._faults = faults
 
     def run_job(self, job: Job) -> JobOutcome:
-        if job.kind == PROBE:
+        if job.kind == JobKind.PROBE:
             return self._probe(job)
-        if job.kind in (PROMOTE, CASCADE):
+        if job.kind in (JobKind.PROMOTE, JobKind.CASCADE):
             return self._transfer(job)
         return JobOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
 
@@ -170,7 +170,7 @@ class ObjectBackend(NoIndexBackend):
     def _probe(self, job: Job) -> JobOutcome:
         self._count(probes=1, keys_probed=len(job.keys))
         try:
-            self._faults.on_op(PROBE)
+            self._faults.on_op(JobKind.PROBE)
             found = self._store.exists_many(job.keys)
         except (ObjectStoreError, OSError) as exc:
             self._count(probe_failures=1)
@@ -181,7 +181,7 @@ class ObjectBackend(NoIndexBackend):
         return JobOutcome(ok_keys=ok, absent_keys=[key for key, present in zip(job.keys, found) if not present])
 
     def _transfer(self, job: Job) -> JobOutcome:
-        promote = job.kind == PROMOTE
+        promote = job.kind == JobKind.PROMOTE
         pairs = list(zip(job.keys, job.slots))
         results = list(self._io.map(lambda pair: self._one(job, promote, *pair), pairs))
         ok = [key for (key, _), (moved, _, _) in zip(pairs, results) if moved]

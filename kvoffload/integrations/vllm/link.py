@@ -22,14 +22,14 @@ from typing import TypeVar
 import zmq
 
 from kvoffload.client import KVOffloadClient, KVOffloadError
-from kvoffload.protocol import Connected
+from kvoffload.protocol import Connected, ErrorCode
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 # Error codes that mean "this session is gone", not "this call was wrong".
-_SESSION_LOST = frozenset({"not_connected", "unavailable", "draining"})
+_SESSION_LOST = frozenset({ErrorCode.NOT_CONNECTED, ErrorCode.UNAVAILABLE, ErrorCode.DRAINING})
 
 
 class ServiceDown(Exception):

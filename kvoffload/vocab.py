@@ -1,0 +1,76 @@
+"""Closed vocabularies shared by the wire protocol and the tiering library.
+
+A leaf module (standard library only): the tiering library imports it without importing the
+protocol, and the protocol re-exports it, so clients never import the tiering library.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class LookupResult(enum.IntEnum):
+    MISS = 0
+    HIT = 1
+    HIT_PENDING = 2
+    RETRY = 3
+
+
+class MissReason(enum.IntEnum):
+    """Why a key was not a hit (reported next to MISS and RETRY results)."""
+
+    NONE = 0
+    ABSENT = 1  # in no tier the request may read
+    EVICTED = 2  # was in the primary tier, evicted recently, absent elsewhere
+    FILTERED = 3  # only tiers the request's filter excludes could have it
+    PRIMARY_FULL = 4  # a secondary tier has it but no primary slot could be reserved
+    DEADLINE = 5  # stayed HIT_PENDING past the deadline for this request
+    FAILED_LOAD = 6  # an earlier load of it failed for this request
+    PROBING = 7  # RETRY: an existence probe is unresolved
+    AWAITING_PREFIX = 8  # RETRY: found, promotion deferred until earlier keys resolve
+    PROBE_FAILED = 9  # the existence probe this request waited on failed or timed out
+
+
+MUST_WAIT = frozenset({LookupResult.HIT_PENDING, LookupResult.RETRY})
+"""Results after which a caller waits and looks up again instead of computing the key."""
+
+
+class ErrorCode(enum.StrEnum):
+    """Every code an ``Error`` reply or a client-side failure carries (str-valued: a code
+    compares equal to its plain string)."""
+
+    # the call could not be read or is not allowed now
+    BAD_MESSAGE = "bad_message"
+    VERSION_MISMATCH = "version_mismatch"
+    NOT_CONNECTED = "not_connected"
+    DRAINING = "draining"
+    INTERNAL = "internal"
+    # the call's arguments
+    BAD_REQUEST = "bad_request"
+    TOO_MANY_KEYS = "too_many_keys"
+    BAD_KEY = "bad_key"
+    BLOCK_OUT_OF_RANGE = "block_out_of_range"
+    # requests, handles, pins and prepared stores
+    UNKNOWN_REQUEST = "unknown_request"
+    DUPLICATE_REQUEST = "duplicate_request"
+    REQUEST_FINISHED = "request_finished"
+    UNKNOWN_HANDLE = "unknown_handle"
+    HANDLE_TAKEN = "handle_taken"
+    BAD_HANDLE = "bad_handle"
+    HANDLE_UNSUPPORTED = "handle_unsupported"
+    NOT_PINNED = "not_pinned"
+    NOT_PREPARED = "not_prepared"
+    NOT_READY = "not_ready"
+    # capacity and workers: retry later
+    NO_SPACE = "no_space"
+    WORKER_UNAVAILABLE = "worker_unavailable"
+    RESET_TIMEOUT = "reset_timeout"
+    # rejected by the tiering library
+    TIERING_ERROR = "tiering_error"
+    UNKNOWN_JOB = "unknown_job"
+    WRONG_TIER = "wrong_tier"
+    PROTOCOL_VIOLATION = "protocol_violation"
+    JOBS_IN_FLIGHT = "jobs_in_flight"
+    # raised by the client without a reply
+    UNAVAILABLE = "unavailable"
+    MESSAGE_TOO_LARGE = "message_too_large"
