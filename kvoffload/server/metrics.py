@@ -38,24 +38,7 @@ from .. import protocol as p
 PREFIX = "kvoffload_"
 
 CALL_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1, 0.5)
-JOB_BUCKETS_S = (
-    1e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
+JOB_BUCKETS_S = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30)
 
 MAX_TRACKED_JOBS = 16384
 """Dispatched jobs whose result is awaited; past it the oldest are forgotten (their worker died
@@ -333,40 +316,40 @@ class MetricsEndpoint:
 
     def __init__(self, port: int, host: str = "127.0.0.1") -> None:
         disable_created_metrics()  # no ``_created`` series: the manager's uptime says it
-        self.registry = CollectorRegistry()
+        self._registry = CollectorRegistry()
         self._collector = ManagerCollector()
-        self.registry.register(self._collector)
-        ProcessCollector(registry=self.registry)
+        self._registry.register(self._collector)
+        ProcessCollector(registry=self._registry)
         self._calls = Histogram(
             PREFIX + "client_call_duration_seconds",
             "Time the manager spent on a client call, by call (lookup, store, ...); a long "
             "poll's wait is not included.",
             ["call"],
             buckets=CALL_BUCKETS_S,
-            registry=self.registry,
+            registry=self._registry,
         )
         self._jobs = Histogram(
             PREFIX + "job_duration_seconds",
             "Worker jobs from their dispatch to their result, by worker and kind.",
             ["worker", "kind"],
             buckets=JOB_BUCKETS_S,
-            registry=self.registry,
+            registry=self._registry,
         )
         self._job_results = Counter(
             PREFIX + "jobs",
             "Worker job results, by worker, kind and outcome (ok, failed).",
             ["worker", "kind", "outcome"],
-            registry=self.registry,
+            registry=self._registry,
         )
         self._job_bytes = Counter(
             PREFIX + "job_bytes",
             "Bytes moved by worker jobs, by worker and kind.",
             ["worker", "kind"],
-            registry=self.registry,
+            registry=self._registry,
         )
         self._dispatched: dict[int, tuple[str, str, float]] = {}
         self._worker_pids: dict[str, int] = {}
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, _ = start_http_server(port, addr=host, registry=self._registry)
 
     @property
     def port(self) -> int:
