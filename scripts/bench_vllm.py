@@ -38,6 +38,7 @@ import os
 import platform
 import re
 import select
+import signal
 import shutil
 import statistics
 import subprocess
@@ -46,6 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 VOCAB = 1024
 BLOCK_TOKENS = 32
@@ -152,7 +155,10 @@ class EngineFailed(RuntimeError):
 
 
 class Engine:
-    """An engine child process (its own process group, stopped by its pid)."""
+    """An engine child process in its own process group (vLLM's engine core and workers join
+    it), stopped by that group's id. vLLM can leave shared-memory segments behind when its
+    start fails or a process is killed: the segments the group maps are noted while it runs and
+    removed after it stopped if they are still there."""
 
     def __init__(self, model: Path, log_path: Path, max_model_len: int, kvcache_gib: int,
                  kv_transfer: dict[str, Any] | None, extra_env: dict[str, str] | None = None) -> None:
@@ -165,6 +171,7 @@ class Engine:
         env.update(ENGINE_ENV, VLLM_CPU_KVCACHE_SPACE=str(kvcache_gib), **(extra_env or {}))
         self.log_path = log_path
         self._log = open(log_path, "w")
+        self._shm: set[str] = set()
         started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
                                      pass_fds=(write_fd,), env=env, text=True, start_new_session=True)
@@ -178,7 +185,11 @@ class Engine:
         self.start_s = time.monotonic() - started
 
     def _read(self, timeout_s: float) -> dict[str, Any]:
-        ready, _, _ = select.select([self._replies], [], [], timeout_s)
+        deadline = time.monotonic() + timeout_s
+        ready: list = []
+        while not ready and time.monotonic() < deadline:
+            self._note_shm()
+            ready, _, _ = select.select([self._replies], [], [], min(1.0, max(0.0, deadline - time.monotonic())))
         line = self._replies.readline() if ready else ""
         if not line:
             text = self.log_path.read_text(errors="replace")
@@ -198,7 +209,35 @@ class Engine:
         if not self._send({"op": "reset_prefix_cache"})["ok"]:
             raise RuntimeError("vLLM refused to reset its prefix cache")
 
+    def _group(self) -> list[int]:
+        """Pids of the processes still in the engine's process group."""
+        pids = []
+        for pid in psutil.pids():
+            try:
+                if os.getpgid(pid) == self.proc.pid:
+                    pids.append(pid)
+            except ProcessLookupError:
+                continue
+        return pids
+
+    def _note_shm(self) -> None:
+        for pid in self._group():
+            try:
+                maps = Path(f"/proc/{pid}/maps").read_text()
+            except OSError:
+                continue
+            for line in maps.splitlines():
+                fields = line.split(maxsplit=5)
+                path = fields[5] if len(fields) == 6 else ""
+                if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
+                    name = path.removeprefix("/dev/shm/")
+                    if not name.startswith("kvoffload-"):
+                        self._shm.add(name)
+
     def stop(self) -> None:
+        """Quit, give the group 30 s to exit by itself, kill what is left of it, remove the
+        segments it left."""
+        self._note_shm()
         if self.proc.poll() is None and self.proc.stdin is not None:
             try:
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
@@ -206,11 +245,20 @@ class Engine:
                 self.proc.wait(60)
             except (OSError, subprocess.TimeoutExpired):
                 pass
+        deadline = time.monotonic() + 30
+        while self._group() and time.monotonic() < deadline:
+            time.sleep(0.2)
         try:
-            os.killpg(self.proc.pid, 9)
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait()
+        for name in sorted(self._shm):
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                continue
+            print(f"  removed /dev/shm/{name}, left by vLLM", flush=True)
         self._replies.close()
         self._log.close()
 
