@@ -6,9 +6,12 @@ import argparse
 import json
 import sys
 
+import msgspec
+
 from .config import Config, ConfigError, load_config
 from .discovery import NoServiceFound, find_endpoint
 from .logs import configure_logging
+from .protocol import ManagerStatus
 
 
 def _load(args) -> Config:
@@ -40,50 +43,50 @@ def cmd_status(args) -> int:
     with KVOffloadClient(endpoint, timeout_s=5.0, name="status") as client:
         status = client.status()
     if args.json:
-        print(json.dumps({"endpoint": endpoint, **status}, indent=2, sort_keys=True))
+        print(json.dumps({"endpoint": endpoint, **msgspec.to_builtins(status)}, indent=2, sort_keys=True))
     else:
         print(f"endpoint: {endpoint}")
         print(format_status(status))
     return 0
 
 
-def format_status(status: dict) -> str:
-    t = status["tiering"]
+def format_status(status: ManagerStatus) -> str:
+    t = status.tiering
     lines = [
-        f"uptime {status['uptime_s']:.1f}s  clients {status['clients']}  draining {status['draining']}",
-        f"pool {status['pool']['name']}: {t['used_slots']}/{t['slots']} slots used, "
-        f"{t['pinned_slots']} pinned, {t['writing_slots']} being written, "
-        f"{t['unread_promotion_pins']} unread promotions",
-        f"jobs in flight: tier {t['jobs_in_flight']}, device {status['device_jobs_in_flight']}; "
-        f"promotion amplification {t['promotion_amplification']}",
+        f"uptime {status.uptime_s:.1f}s  clients {status.clients}  draining {status.draining}",
+        f"pool {status.pool.name}: {t.used_slots}/{t.slots} slots used, "
+        f"{t.pinned_slots} pinned, {t.writing_slots} being written, "
+        f"{t.unread_promotion_pins} unread promotions",
+        f"jobs in flight: tier {t.jobs_in_flight}, device {status.device_jobs_in_flight}; "
+        f"promotion amplification {t.promotion_amplification}",
         "",
         f"{'tier':<10}{'hit':>10}{'pending':>10}{'retry':>10}{'miss':>10}{'jobs':>8}{'failed':>8}{'evicted':>9}",
     ]
-    for name, c in t["per_tier"].items():
-        jobs = c["promotion_jobs"] + c["cascade_jobs"] + c["probe_jobs"]
-        failed = c["promotion_jobs_failed"] + c["cascade_jobs_failed"] + c["probe_jobs_failed"]
+    for name, c in t.per_tier.items():
+        jobs = c.promotion_jobs + c.cascade_jobs + c.probe_jobs
+        failed = c.promotion_jobs_failed + c.cascade_jobs_failed + c.probe_jobs_failed
         lines.append(
-            f"{name:<10}{c['lookups_hit']:>10}{c['lookups_hit_pending']:>10}{c['lookups_retry']:>10}"
-            f"{c['lookups_miss']:>10}{jobs:>8}{failed:>8}{c['evictions']:>9}"
+            f"{name:<10}{c.lookups_hit:>10}{c.lookups_hit_pending:>10}{c.lookups_retry:>10}"
+            f"{c.lookups_miss:>10}{jobs:>8}{failed:>8}{c.evictions:>9}"
         )
     lines.append("")
     lines.append(
         f"{'cascades':<10}{'ok':>10}{'waiting':>10}{'retried':>10}"
         f"{'dropped: evicted':>18}{'tier full':>11}{'retry bound':>13}"
     )
-    for name, tier in t["tiers"].items():
-        c = t["per_tier"][name]
+    for name, tier in t.tiers.items():
+        c = t.per_tier[name]
         lines.append(
-            f"{name:<10}{c['cascaded_keys_ok']:>10}{tier['cascade_backlog']:>10}"
-            f"{c['cascade_keys_resubmitted']:>10}{c['cascade_dropped_evicted']:>18}"
-            f"{c['cascade_dropped_tier_full']:>11}{c['cascade_dropped_retry_bound']:>13}"
+            f"{name:<10}{c.cascaded_keys_ok:>10}{tier.cascade_backlog:>10}"
+            f"{c.cascade_keys_resubmitted:>10}{c.cascade_dropped_evicted:>18}"
+            f"{c.cascade_dropped_tier_full:>11}{c.cascade_dropped_retry_bound:>13}"
         )
     lines.append("")
     lines.append(f"{'worker':<10}{'pid':>8}{'heartbeat':>11}{'inflight':>10}{'degraded':>10}{'restarts':>10}")
-    for name, w in status["workers"].items():
+    for name, w in status.workers.items():
         lines.append(
-            f"{name:<10}{w['pid']:>8}{w['last_heartbeat_s']:>10.2f}s{w['inflight']:>10}"
-            f"{str(w['degraded']):>10}{w['incarnation'] - 1:>10}"
+            f"{name:<10}{w.pid:>8}{w.last_heartbeat_s:>10.2f}s{w.inflight:>10}"
+            f"{str(w.degraded):>10}{w.incarnation - 1:>10}"
         )
     return "\n".join(lines)
 

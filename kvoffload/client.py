@@ -277,7 +277,7 @@ class KVOffloadClient:
     def reset_cache(self, timeout_s: float = 60.0) -> None:
         self._call(p.ResetCache, timeout_s=timeout_s)
 
-    def status(self) -> dict:
+    def status(self) -> p.ManagerStatus:
         return self._call(p.Status).status
 
     def poll(self, wait_ms: int = 0) -> list[p.JobFinished]:

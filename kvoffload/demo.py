@@ -33,6 +33,7 @@ import numpy as np
 from .client import KVOffloadClient
 from .config import Config
 from .logs import configure_logging
+from .protocol import TierCounters
 
 LOGITS_ATOL = 1e-4
 POOL = frozenset({"pool"})
@@ -97,10 +98,13 @@ def format_row(r: Row, block_tokens: int) -> str:
 
 
 
-def _cascades_settled(counters: dict) -> int:
+def _cascades_settled(c: TierCounters) -> int:
     """Keys a tier stored or gave up (evicted first, tier full, retry bound)."""
-    return counters["cascaded_keys_ok"] + sum(
-        counters[f"cascade_dropped_{reason}"] for reason in ("evicted", "tier_full", "retry_bound")
+    return (
+        c.cascaded_keys_ok
+        + c.cascade_dropped_evicted
+        + c.cascade_dropped_tier_full
+        + c.cascade_dropped_retry_bound
     )
 
 
@@ -160,11 +164,11 @@ class Demo:
         (or was given up for a counted reason), and no tier job is in flight."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            tiering = self.engine.client.status()["tiering"]
+            tiering = self.engine.client.status().tiering
             done = all(
-                _cascades_settled(tiering["per_tier"][t]) >= self.stored_since_start for t in self.secondary_tiers
+                _cascades_settled(tiering.per_tier[t]) >= self.stored_since_start for t in self.secondary_tiers
             )
-            if done and tiering["jobs_in_flight"] == 0 and tiering["cascade_backlog"] == 0:
+            if done and tiering.jobs_in_flight == 0 and tiering.cascade_backlog == 0:
                 return
             time.sleep(0.05)
         print(f"  (cascades still running after {timeout_s:.0f} s; continuing)")
@@ -325,8 +329,8 @@ def _wait_ready(endpoint: str, workers: list[str], timeout_s: float = 60.0) -> N
     while time.monotonic() < deadline:
         try:
             with KVOffloadClient(endpoint, timeout_s=2.0, name="demo-wait") as c:
-                status = c.status()["workers"]
-            if all(w in status and status[w]["index_complete"] for w in workers):
+                status = c.status().workers
+            if all(w in status and status[w].index_complete for w in workers):
                 return
         except TimeoutError:
             pass

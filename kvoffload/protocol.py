@@ -316,9 +316,111 @@ class Events(_Msg, tag="events"):
     finished: list[JobFinished]
 
 
+class _Status(msgspec.Struct, forbid_unknown_fields=True):
+    pass
+
+
+class TierCounters(_Status):
+    """Counters of one tier since the manager started (the primary tier included)."""
+
+    lookups_hit: int = 0
+    lookups_hit_pending: int = 0
+    lookups_retry: int = 0
+    lookups_miss: int = 0
+    promotion_jobs: int = 0
+    promotion_jobs_failed: int = 0
+    promoted_keys_ok: int = 0
+    cascade_jobs: int = 0
+    cascade_jobs_failed: int = 0
+    cascaded_keys_ok: int = 0
+    cascade_keys_deferred: int = 0
+    cascade_keys_resubmitted: int = 0
+    cascade_dropped_evicted: int = 0
+    cascade_dropped_tier_full: int = 0
+    cascade_dropped_retry_bound: int = 0
+    probe_jobs: int = 0
+    probe_jobs_failed: int = 0
+    active_jobs: int = 0
+    evictions: int = 0
+    transfer_time_s: float = 0.0
+
+
+class TierState(_Status):
+    """What the manager knows of one secondary tier now."""
+
+    indexed_keys: int
+    verdicts: int
+    tracked_requests: int
+    online: bool
+    cascade_backlog: int
+
+
+class TieringStatus(_Status):
+    slots: int
+    used_slots: int
+    pinned_slots: int
+    writing_slots: int
+    unverified_slots: int
+    unread_promotion_pins: int
+    jobs_in_flight: int
+    cascade_backlog: int
+    requests: int
+    tiers: dict[str, TierState]
+    hit_pending_expired: int
+    promotion_allocation_failures: int
+    store_allocation_failures: int
+    promoted_keys: int
+    promoted_keys_consumed: int
+    promotion_amplification: float | None
+    per_tier: dict[str, TierCounters]
+
+
+class PoolStatus(_Status):
+    name: str
+    block_bytes: int
+
+
+class WorkerStatus(_Status):
+    """A connected worker; ``stats`` are its own counters, as its last heartbeat said."""
+
+    pid: int
+    medium: str
+    alive: bool
+    last_heartbeat_s: float
+    degraded: bool
+    index_complete: bool
+    inflight: int
+    incarnation: int
+    stats: dict[str, Any]
+
+
+class WarmRestartStatus(_Status):
+    """Blocks adopted from the slot headers after a manager restart, and their verification."""
+
+    headers_found: int
+    adopted: int
+    duplicates: int
+    verified: int
+    dropped: int
+    unverified: int
+
+
+class ManagerStatus(_Status):
+    pid: int
+    uptime_s: float
+    draining: bool
+    pool: PoolStatus
+    tiering: TieringStatus
+    device_jobs_in_flight: int
+    workers: dict[str, WorkerStatus]
+    worker_restarts_seen: int
+    clients: int
+    warm_restart: WarmRestartStatus | None
+
+
 class StatusReply(_Msg, tag="status_reply"):
     rid: int
-    status: dict[str, Any]
+    status: ManagerStatus
 
 
 ClientReply = Union[

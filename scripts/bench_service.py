@@ -195,7 +195,7 @@ class Service:
         while time.monotonic() < deadline:
             try:
                 with KVOffloadClient(self.spec.client_endpoint, timeout_s=2.0) as c:
-                    if "cpu" in c.status()["workers"]:
+                    if "cpu" in c.status().workers:
                         return self
             except TimeoutError:
                 pass

@@ -73,8 +73,8 @@ class Service:
         while time.monotonic() < deadline:
             try:
                 with KVOffloadClient(self.endpoint, timeout_s=2.0) as c:
-                    workers = c.status()["workers"]
-                if all(w in workers and workers[w]["index_complete"] for w in ("cpu", "disk")):
+                    workers = c.status().workers
+                if all(w in workers and workers[w].index_complete for w in ("cpu", "disk")):
                     return self
             except TimeoutError:
                 pass
@@ -90,8 +90,8 @@ def wait_cascades(client: KVOffloadClient, keys: int, timeout_s: float = 120.0) 
     """Until ``keys`` keys in total were cascaded to the disk tier and no tier job runs."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        tiering = client.status()["tiering"]
-        if tiering["per_tier"]["disk"]["cascaded_keys_ok"] >= keys and tiering["jobs_in_flight"] == 0:
+        tiering = client.status().tiering
+        if tiering.per_tier["disk"].cascaded_keys_ok >= keys and tiering.jobs_in_flight == 0:
             return
         time.sleep(0.05)
     raise TimeoutError("cascades to disk did not finish")

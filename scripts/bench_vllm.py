@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 
 VOCAB = 1024
@@ -316,8 +317,8 @@ class Service:
         while time.monotonic() < deadline:
             try:
                 self.client = KVOffloadClient(self.endpoint, timeout_s=30.0, name="bench")
-                workers = self.client.status()["workers"]
-                if all(w in workers and workers[w]["index_complete"] for w in ("cpu", "disk")):
+                workers = self.client.status().workers
+                if all(w in workers and workers[w].index_complete for w in ("cpu", "disk")):
                     return self
                 self.client.close()
             except TimeoutError:
@@ -331,7 +332,7 @@ class Service:
         self.supervisor.stop()
 
     def tiering(self) -> dict[str, Any]:
-        return self.client.status()["tiering"]
+        return self.client.status().tiering
 
     def wait_settled(self, ready_keys: int, disk_keys: int, timeout_s: float = 120.0) -> dict[str, Any]:
         """Until the pool holds ``ready_keys`` ready keys (0: any), the disk tier indexes
@@ -339,12 +340,12 @@ class Service:
         deadline = time.monotonic() + timeout_s
         while True:
             t = self.tiering()
-            ready = t["used_slots"] - t["writing_slots"]
-            if (ready >= ready_keys and t["writing_slots"] == 0 and t["jobs_in_flight"] == 0
-                    and t["cascade_backlog"] == 0 and t["tiers"]["disk"]["indexed_keys"] >= disk_keys):
+            ready = t.used_slots - t.writing_slots
+            if (ready >= ready_keys and t.writing_slots == 0 and t.jobs_in_flight == 0
+                    and t.cascade_backlog == 0 and t.tiers["disk"].indexed_keys >= disk_keys):
                 return t
             if time.monotonic() > deadline:
-                raise TimeoutError(f"kvoffload did not settle: {json.dumps(t)[:2000]}")
+                raise TimeoutError(f"kvoffload did not settle: {msgspec.json.encode(t)[:2000]!r}")
             time.sleep(0.05)
 
 
@@ -392,7 +393,7 @@ def run_vllm(engine: Engine, prompts, runs: dict) -> None:
 def run_kvoffload(engine: Engine, service: Service, prompts, runs: dict) -> None:
     warm_up(engine)
     service.wait_settled(0, 0)
-    stored = service.tiering()["tiers"]["disk"]["indexed_keys"]
+    stored = service.tiering().tiers["disk"].indexed_keys
     for length, pairs in prompts.items():
         for cold_prompt, hit_prompt, resident_prompt in pairs:
             cold = engine.generate(cold_prompt)
@@ -604,7 +605,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 run_kvoffload(engine, service, prompts, runs)
             if args.profile:
                 profile = breakdown(read_probe(probe_dir), runs)
-            service_status = service.client.status()
+            service_status = msgspec.to_builtins(service.client.status())
             if logs != home:
                 shutil.copy(service.log_path, logs / "service.log")
         step("vLLM with kvoffload done")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload import protocol as p
 from kvoffload.client import KVOffloadClient
 from kvoffload.rundir import live_runs
 
@@ -92,18 +93,18 @@ drain_timeout_s = 5.0
                 if time.monotonic() > deadline:
                     raise
 
-    def status(self) -> dict:
+    def status(self) -> p.ManagerStatus:
         with self.client("status") as c:
             return c.status()
 
     def wait_workers(self, names, timeout_s: float = 30.0, exclude_pids=()) -> dict:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            workers = self.status()["workers"]
-            if all(n in workers and workers[n]["index_complete"] and workers[n]["pid"] not in exclude_pids for n in names):
+            workers = self.status().workers
+            if all(n in workers and workers[n].index_complete and workers[n].pid not in exclude_pids for n in names):
                 return workers
             time.sleep(0.1)
-        raise TimeoutError(f"workers {names} not ready: {self.status()['workers']}\n{self.log_path.read_text()[-3000:]}")
+        raise TimeoutError(f"workers {names} not ready: {self.status().workers}\n{self.log_path.read_text()[-3000:]}")
 
     def log_events(self) -> list[dict]:
         import json

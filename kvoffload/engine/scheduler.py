@@ -274,8 +274,8 @@ class Engine:
         return outcome, rounds
 
     def _promoted_per_tier(self) -> Counter:
-        per_tier = self.client.status()["tiering"]["per_tier"]
-        return Counter({name: c["promoted_keys_ok"] for name, c in per_tier.items() if name != "primary"})
+        per_tier = self.client.status().tiering.per_tier
+        return Counter({name: c.promoted_keys_ok for name, c in per_tier.items() if name != "primary"})
 
     def _attribute(self, from_pool: int, reused: int, promoted_before: Counter | None) -> Counter:
         served = Counter({POOL_TIER: from_pool} if from_pool else {})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import time
 
+import msgspec
 import structlog
 import zmq
 
@@ -89,7 +90,7 @@ class ManagerServer:
         self.workers.kill_silent_workers(now)
         self.api.housekeeping(now)
         if self.metrics is not None:
-            self.metrics.publish(self.state.status(now))
+            self.metrics.publish(msgspec.to_builtins(self.state.status(now)))
 
     def _shutdown(self, idle: bool) -> None:
         state = self.state

@@ -10,6 +10,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 
+import msgspec
 import structlog
 import zmq
 
@@ -165,7 +166,11 @@ class ManagerState:
         session.pending_poll = None
         self.reply(session.identity, p.Events(poll.rid, events))
 
-    def status(self, now: float) -> dict:
+    def status(self, now: float) -> p.ManagerStatus:
+        """The manager's status; converting the parts' snapshots checks them field by field."""
+        return msgspec.convert(self._status_fields(now), p.ManagerStatus)
+
+    def _status_fields(self, now: float) -> dict:
         return {
             "pid": os.getpid(),
             "uptime_s": round(now - self.started_at, 3),

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import msgspec
 import psutil
 import structlog
 
@@ -199,14 +200,15 @@ class ServiceHarness:
                     raise
 
     def status(self, timeout_s: float = 2.0) -> dict | None:
-        """The manager's status, or None when it does not answer within ``timeout_s``."""
+        """The manager's status as plain data (for invariants and JSON reports), or None when
+        it does not answer within ``timeout_s``."""
         with self._status_lock:
             try:
                 if self._status_client is None:
                     self._status_client = KVOffloadClient(
                         self.endpoint, timeout_s=timeout_s, name="soak-status", curve_keys=self.curve_keys
                     )
-                return self._status_client.status()
+                return msgspec.to_builtins(self._status_client.status())
             except (TimeoutError, KVOffloadError):
                 self._drop_status_client()
                 return None

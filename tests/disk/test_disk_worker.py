@@ -290,13 +290,13 @@ def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition"):
 
 
 def disk_indexed(service) -> int:
-    return service.status()["tiering"]["tiers"]["disk"]["indexed_keys"]
+    return service.status().tiering.tiers["disk"].indexed_keys
 
 
 def disk_worker_after(service, promoted: int) -> dict | None:
     """The disk worker's status once its heartbeat counts ``promoted`` promoted keys."""
-    disk = service.status()["workers"]["disk"]
-    return disk if disk["stats"].get("keys_promoted", 0) >= promoted else None
+    disk = service.status().workers["disk"]
+    return disk if disk.stats.get("keys_promoted", 0) >= promoted else None
 
 
 def randomize(kv: SharedKVCache, seed: int) -> None:
@@ -348,9 +348,9 @@ def test_end_to_end_through_the_service_with_worker_kill(start_service) -> None:
             promote_and_load(c, kv, "reader-1", keys, list(range(16, 24)))
             assert [kv.block(b) for b in range(16, 24)] == originals
             disk = wait_until(lambda: disk_worker_after(service, 8), what="disk stats")
-            assert disk["stats"]["used_bytes"] >= 8 * SERVICE_BLOCK and not disk["degraded"]
+            assert disk.stats["used_bytes"] >= 8 * SERVICE_BLOCK and not disk.degraded
 
-            old_pid = disk["pid"]
+            old_pid = disk.pid
             os.kill(old_pid, signal.SIGKILL)
             service.wait_workers(["disk"], exclude_pids=[old_pid])
             wait_until(lambda: disk_indexed(service) == 8, what="re-announced disk index")

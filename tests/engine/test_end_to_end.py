@@ -120,12 +120,12 @@ def test_prefix_from_the_disk_tier_after_reset(start_service, engines, model) ->
     written = write_prefix(writer, first)
 
     def on_disk() -> bool:
-        tiering = service.status()["tiering"]
-        return tiering["jobs_in_flight"] == 0 and tiering["tiers"]["disk"]["indexed_keys"] >= PREFIX_BLOCKS
+        tiering = service.status().tiering
+        return tiering.jobs_in_flight == 0 and tiering.tiers["disk"].indexed_keys >= PREFIX_BLOCKS
 
     wait_until(on_disk, 20.0, "the cascade to disk")
     writer.client.reset_cache()
-    assert service.status()["tiering"]["used_slots"] == 0
+    assert service.status().tiering.used_slots == 0
     reader = engines(service.endpoint, "reader")
     read = reader.generate(follow_up, NEW_TOKENS, keep_kv=True)
     assert read.served_by == {"disk": PREFIX_BLOCKS} and read.lookup_rounds > 1
@@ -180,8 +180,8 @@ verdict_timeout_s = 10.0
     written = write_prefix(writer, first)
 
     def in_s3() -> bool:
-        tiering = service.status()["tiering"]
-        return tiering["jobs_in_flight"] == 0 and tiering["per_tier"]["object"]["cascaded_keys_ok"] >= PREFIX_BLOCKS
+        tiering = service.status().tiering
+        return tiering.jobs_in_flight == 0 and tiering.per_tier["object"].cascaded_keys_ok >= PREFIX_BLOCKS
 
     wait_until(in_s3, 30.0, "the cascade to S3")
     writer.client.reset_cache()

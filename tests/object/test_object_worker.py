@@ -414,7 +414,7 @@ def test_second_node_hits_blocks_the_first_node_stored(start_service, s3_server:
         accepted = a.store("w", keys, list(range(6)), "kv-a")
         assert a.wait([accepted.job_id])[accepted.job_id].success
         a.finish_request("w")
-        wait_until(lambda: node_a.status()["tiering"]["jobs_in_flight"] == 0, 20.0, "the cascade to S3")
+        wait_until(lambda: node_a.status().tiering.jobs_in_flight == 0, 20.0, "the cascade to S3")
     with node_b.client("engine-b") as b:
         b.register_kv(kv.handle("kv-b"))
         b.new_request("r")
@@ -448,8 +448,8 @@ def test_blocks_come_back_from_s3_after_reset(
 
         def cascaded() -> bool:
             listed = raw.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("KeyCount", 0)
-            tiering = service.status()["tiering"]
-            return listed == len(keys) and tiering["jobs_in_flight"] == 0 and tiering["pinned_slots"] == 0
+            tiering = service.status().tiering
+            return listed == len(keys) and tiering.jobs_in_flight == 0 and tiering.pinned_slots == 0
 
         wait_until(cascaded, 20.0, "the cascade to S3")
         c.reset_cache()
@@ -467,10 +467,10 @@ def test_blocks_come_back_from_s3_after_reset(
     def reported(stats: dict) -> bool:  # heartbeat stats lag by up to one interval
         return stats.get("gets") == len(keys) and stats.get("jobs_done", 0) >= 3
 
-    wait_until(lambda: reported(service.status()["workers"]["object"]["stats"]), 5.0, "object heartbeat")
-    worker = service.status()["workers"]["object"]
-    assert worker["degraded"] is False
-    stats = worker["stats"]
+    wait_until(lambda: reported(service.status().workers["object"].stats), 5.0, "object heartbeat")
+    worker = service.status().workers["object"]
+    assert worker.degraded is False
+    stats = worker.stats
     assert (stats["puts"], stats["keys_found"], stats["jobs_failed"]) == (len(keys), len(keys), 0)
     assert stats["slot_release_failures"] == release_failures and stats["pending_releases"] == 0
     events = service.log_events()

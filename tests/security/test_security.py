@@ -104,7 +104,7 @@ def test_curve_admits_the_authorized_key_only(tmp_path, start_service):
         },
     )
     with KVOffloadClient(endpoint, curve_keys=client_keys, timeout_s=5.0) as client:
-        assert "cpu" in client.status()["workers"]
+        assert "cpu" in client.status().workers
     wrong_server = (*client_keys[:2], zmq.auth.load_certificate(client_public_file)[0])
     for keys_tried in (stranger_keys, None, wrong_server):
         started = time.monotonic()
@@ -265,4 +265,4 @@ def test_ipc_socket_files_are_0600(start_service):
     assert [s.name.split("-", 1)[1] for s in sockets] == ["client.sock", "jobs.sock"]
     assert [mode(s) for s in sockets] == [0o600, 0o600]
     with harness.client("after-chmod") as client:
-        assert "cpu" in client.status()["workers"]
+        assert "cpu" in client.status().workers

@@ -29,8 +29,8 @@ def test_client_guide_example_runs_against_a_service(start_service):
     assert "second request: loaded 4 blocks from the host pool" in lines
     assert "third request: loaded 4 blocks promoted from disk" in lines
     assert "direct path: stored and read back 2 blocks through pool slots" in lines
-    status = service.status()["tiering"]
-    assert status["pinned_slots"] == 0 and status["requests"] == 0
+    status = service.status().tiering
+    assert status.pinned_slots == 0 and status.requests == 0
 
 
 def test_client_guide_links_its_example():

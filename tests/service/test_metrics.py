@@ -51,7 +51,7 @@ def store_across_a_worker_restart(service, port: int, cache: SharedKVCache) -> N
         assert store_and_wait(c, "r", keys_for("before", 2), [0, 1]).success
         scrape_metrics(port, lambda f: sample_value(f, stored, worker="cpu") == 2 * BLOCK)
 
-        old_pid = service.status()["workers"]["cpu"]["pid"]
+        old_pid = service.status().workers["cpu"].pid
         os.kill(old_pid, signal.SIGKILL)
         service.wait_workers(["cpu"], exclude_pids=[old_pid])
         assert store_and_wait(c, "r", keys_for("after", 1), [2]).success
@@ -91,4 +91,4 @@ def test_grafana_dashboard_queries_only_exported_metrics(start_service):
         assert names, f"query references no kvoffload metric: {query}"
         referenced |= names
     assert sorted(referenced - exported_names(families)) == []
-    assert service.status()["workers"]["disk"]["alive"]
+    assert service.status().workers["disk"].alive

@@ -65,8 +65,8 @@ def test_store_lookup_load_round_trip(start_service, kv):
         for i in range(8):
             assert block_bytes(kv, 16 + i) == block_bytes(kv, i)
         c.finish_request("r1")
-    status = service.status()["tiering"]
-    assert status["pinned_slots"] == 0 and status["jobs_in_flight"] == 0
+    status = service.status().tiering
+    assert status.pinned_slots == 0 and status.jobs_in_flight == 0
 
 
 def test_two_clients_share_a_prefix(start_service, kv):
@@ -128,7 +128,7 @@ def test_malformed_frames_on_client_channel(start_service):
         assert p.decode_client_reply(raw.recv()).code == "not_connected"
     finally:
         raw.close()
-    assert service.status()["clients"] >= 0
+    assert service.status().clients >= 0
 
 
 def test_bad_worker_hello_is_refused(start_service):
@@ -151,7 +151,7 @@ def test_bad_worker_hello_is_refused(start_service):
             assert isinstance(ack, p.HelloAck) and not ack.accepted
         finally:
             sock.close()
-    assert "cpu" in service.status()["workers"]
+    assert "cpu" in service.status().workers
 
 
 def test_killed_worker_fails_its_jobs_and_is_restarted(start_service):
@@ -161,17 +161,17 @@ def test_killed_worker_fails_its_jobs_and_is_restarted(start_service):
         with service.client("engine") as c:
             c.register_kv(big.handle("big"))
             c.new_request("r")
-            old_pid = service.status()["workers"]["cpu"]["pid"]
+            old_pid = service.status().workers["cpu"].pid
             accepted = [c.store("r", keys_for(f"b{j}", 16), list(range(16 * j, 16 * j + 16)), "big") for j in range(4)]
             os.kill(old_pid, signal.SIGKILL)
             results = c.wait([a.job_id for a in accepted], timeout_s=30)
             assert len(results) == 4  # every job got its one result, none hung
             workers = service.wait_workers(["cpu"], exclude_pids=[old_pid])
-            assert workers["cpu"]["pid"] != old_pid
+            assert workers["cpu"].pid != old_pid
             deadline = time.monotonic() + 10
-            while service.status()["tiering"]["pinned_slots"] and time.monotonic() < deadline:
+            while service.status().tiering.pinned_slots and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert service.status()["tiering"]["pinned_slots"] == 0
+            assert service.status().tiering.pinned_slots == 0
             c.new_request("r2")
             done = store_and_wait(c, "r2", keys_for("after", 2), [0, 1], "big")
             assert done.success
@@ -309,7 +309,7 @@ def test_status_cli_and_metrics_endpoint(start_service, kv):
 @pytest.mark.skipif(cuda_device_count() > 0, reason="needs a machine without a CUDA device")
 def test_a_cuda_handle_is_refused_at_registration_when_no_worker_has_cuda(start_service, kv):
     service = start_service()
-    cpu_pid = service.status()["workers"]["cpu"]["pid"]
+    cpu_pid = service.status().workers["cpu"].pid
     ipc = {
         "size": [32, BLOCK // 2], "stride": [BLOCK // 2, 1], "tensor_offset": 0,
         "dtype": "torch.float16", "device": 0, "handle": b"\x01" * 64,
@@ -327,4 +327,4 @@ def test_a_cuda_handle_is_refused_at_registration_when_no_worker_has_cuda(start_
         c.register_kv(kv.handle("kv"))
         c.new_request("r")
         assert store_and_wait(c, "r", keys_for("after-cuda", 2), [0, 1]).success
-    assert service.status()["workers"]["cpu"]["pid"] == cpu_pid
+    assert service.status().workers["cpu"].pid == cpu_pid

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import msgspec
 import numpy as np
 import psutil
 import pytest
@@ -53,7 +54,7 @@ def store_all(client, req: str, keys: list[bytes]) -> None:
 
 def kill_manager(service) -> int:
     """SIGKILL the manager the service reports (checked to be the supervisor's child)."""
-    pid = service.status()["pid"]
+    pid = service.status().pid
     assert psutil.Process(pid).ppid() == service.proc.pid
     os.kill(pid, signal.SIGKILL)
     return pid
@@ -68,8 +69,8 @@ def wait_for_new_manager(service, old_pid: int, timeout_s: float = 20.0) -> dict
             status = service.status()
         except (TimeoutError, KVOffloadError):
             continue
-        warm = status["warm_restart"]
-        if status["pid"] != old_pid and "cpu" in status["workers"] and (warm is None or warm["unverified"] == 0):
+        warm = status.warm_restart
+        if status.pid != old_pid and "cpu" in status.workers and (warm is None or warm.unverified == 0):
             return status
         time.sleep(0.05)
     raise TimeoutError(f"no verified new manager:\n{service.log_path.read_text()[-3000:]}")
@@ -96,18 +97,18 @@ def test_ready_blocks_survive_a_manager_crash_and_nothing_unverified_is_served(s
     finally:
         pool.close()
     before = service.status()
-    assert (before["tiering"]["pinned_slots"], before["tiering"]["writing_slots"]) == (2, 1)
-    assert before["warm_restart"]["headers_found"] == 0, "a fresh run starts from an empty table"
+    assert (before.tiering.pinned_slots, before.tiering.writing_slots) == (2, 1)
+    assert before.warm_restart.headers_found == 0, "a fresh run starts from an empty table"
 
     old_pid = kill_manager(service)
     after = wait_for_new_manager(service, old_pid)
     old.close()
 
-    assert after["warm_restart"] == {
+    assert msgspec.to_builtins(after.warm_restart) == {
         "headers_found": 63, "adopted": 63, "duplicates": 0, "verified": 62, "dropped": 1, "unverified": 0,
     }
-    tiering = after["tiering"]
-    assert (tiering["used_slots"], tiering["pinned_slots"], tiering["writing_slots"]) == (62, 0, 0)
+    tiering = after.tiering
+    assert (tiering.used_slots, tiering.pinned_slots, tiering.writing_slots) == (62, 0, 0)
 
     with service.client("after") as new:
         new.register_kv(kv.handle("kv"))
@@ -128,7 +129,7 @@ def test_ready_blocks_survive_a_manager_crash_and_nothing_unverified_is_served(s
             source = keys.index(key) % SOURCE_BLOCKS
             assert block_bytes(kv, target) == block_bytes(kv, source), f"{key!r} not bit-exact"
         new.finish_request("r2")
-    assert service.status()["tiering"]["pinned_slots"] == 0
+    assert service.status().tiering.pinned_slots == 0
 
     events = service.log_events()
     rebuilt = [e for e in events if e.get("event") == "primary_index_rebuilt"]
@@ -152,7 +153,7 @@ def test_with_slot_headers_off_a_restarted_manager_starts_cold(start_service, kv
         store_all(old, "r", keys)
     old_pid = kill_manager(service)
     after = wait_for_new_manager(service, old_pid)
-    assert after["warm_restart"] is None and after["tiering"]["used_slots"] == 0
+    assert after.warm_restart is None and after.tiering.used_slots == 0
     with service.client("after") as new:
         new.new_request("r")
         assert new.lookup("r", keys).results == [MISS]
@@ -192,7 +193,7 @@ def test_a_client_reconnects_after_a_manager_restart_with_its_handles_and_reques
     finally:
         manual.close()
         auto.close()
-    assert service.status()["tiering"]["pinned_slots"] == 0
+    assert service.status().tiering.pinned_slots == 0
 
 
 def test_an_unreachable_service_raises_service_unavailable(tmp_path):

@@ -130,15 +130,15 @@ def reference(engines: Engines) -> Callable[[list[int], int], dict]:
 
 
 def stored_blocks(service: Service) -> int:
-    return service.status()["tiering"]["used_slots"]
+    return service.status().tiering.used_slots
 
 
 def primary_hits(service: Service) -> int:
-    return service.status()["tiering"]["per_tier"]["primary"]["lookups_hit"]
+    return service.status().tiering.per_tier["primary"].lookups_hit
 
 
 def on_disk(service: Service) -> int:
-    return service.status()["tiering"]["tiers"]["disk"]["indexed_keys"]
+    return service.status().tiering.tiers["disk"].indexed_keys
 
 
 def offload(engine: Engine, service: Service, prompt: list[int], cascaded: bool = False) -> dict:
@@ -235,13 +235,13 @@ def test_prefix_comes_back_from_disk_after_the_pool_is_emptied(engines, service,
     offload(engine, service, prompt, cascaded=True)
     with service.client("reset") as client:
         client.reset_cache()
-    promoted_before = service.status()["tiering"]["per_tier"]["disk"]["promoted_keys_ok"]
+    promoted_before = service.status().tiering.per_tier["disk"].promoted_keys_ok
     assert engine.reset_prefix_cache()
 
     out = engine.generate([prompt])[0]
 
     assert out["cached"] == FULL_TOKENS
-    promoted = service.status()["tiering"]["per_tier"]["disk"]["promoted_keys_ok"]
+    promoted = service.status().tiering.per_tier["disk"].promoted_keys_ok
     assert promoted - promoted_before == FULL_BLOCKS
     same_output(out, reference(prompt, FULL_TOKENS))
 
@@ -271,8 +271,8 @@ def test_a_killed_service_costs_a_recompute_and_hits_resume(engines, service, re
     kept = new_prompt()
     offload(engine, service, kept, cascaded=True)
     status = service.status()
-    manager_pid = status["pid"]
-    worker_pids = [w["pid"] for w in status["workers"].values()]
+    manager_pid = status.pid
+    worker_pids = [w.pid for w in status.workers.values()]
 
     os.kill(manager_pid, signal.SIGKILL)
     prompt = new_prompt()
@@ -301,7 +301,7 @@ def test_a_killed_service_costs_a_recompute_and_hits_resume(engines, service, re
 def test_a_hung_service_costs_a_timeout_and_hits_resume(engines, service, reference):
     engine = engines.get("a")
     engine.generate([new_prompt()])
-    manager_pid = service.status()["pid"]
+    manager_pid = service.status().pid
 
     os.kill(manager_pid, signal.SIGSTOP)
     try:
@@ -320,7 +320,7 @@ def test_a_hung_service_costs_a_timeout_and_hits_resume(engines, service, refere
 
 def _service_back(service: Service, dead_pid: int) -> bool:
     try:
-        return service.status()["pid"] != dead_pid
+        return service.status().pid != dead_pid
     except TimeoutError:
         return False
 

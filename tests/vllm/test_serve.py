@@ -232,8 +232,8 @@ def _wait_stored(client: KVOffloadClient, blocks: int, timeout_s: float = 30.0) 
     """Until kvoffload's host pool holds ``blocks`` ready blocks and writes nothing."""
     deadline = time.monotonic() + timeout_s
     while True:
-        tiering = client.status()["tiering"]
-        if tiering["used_slots"] - tiering["writing_slots"] >= blocks and tiering["writing_slots"] == 0:
+        tiering = client.status().tiering
+        if tiering.used_slots - tiering.writing_slots >= blocks and tiering.writing_slots == 0:
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"the prefix was not stored in kvoffload: {tiering}")
@@ -241,7 +241,7 @@ def _wait_stored(client: KVOffloadClient, blocks: int, timeout_s: float = 30.0) 
 
 
 def _pool_hits(client: KVOffloadClient) -> int:
-    return client.status()["tiering"]["per_tier"]["primary"]["lookups_hit"]
+    return client.status().tiering.per_tier["primary"].lookups_hit
 
 
 def _reset_prefix_cache(port: int, timeout_s: float = 30.0) -> None:
