@@ -20,13 +20,13 @@ import mmap
 import os
 import secrets
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvoffload.logs import get_logger
 from kvoffload.shmseg import OwnedSegment, attach_segment, close_mapping, create_segment
-from kvoffload.protocol import HandleKind, KVHandle, TensorSpec
+from kvoffload.protocol import CudaIpcFields, HandleKind, KVHandle, TensorSpec
 
 if TYPE_CHECKING:
     import torch
@@ -108,30 +108,23 @@ def segment_problem(handle: KVHandle, segment_bytes: int) -> str:
     return ""
 
 
-def _ipc_problem(ipc: dict[str, Any] | None, num_blocks: int, row_bytes: int) -> str:
+def _ipc_problem(ipc: CudaIpcFields | None, num_blocks: int, row_bytes: int) -> str:
     """What is wrong with one tensor's CUDA IPC fields ("" when they describe a contiguous
-    tensor of ``num_blocks`` rows of ``row_bytes`` inside its shared storage)."""
-    if not ipc:
+    tensor of ``num_blocks`` rows of ``row_bytes`` inside its shared storage). Their types
+    were checked by decoding."""
+    if ipc is None:
         return "a cuda_ipc tensor needs its ipc fields"
-    missing = [f for f in _IPC_FIELDS if f not in ipc]
-    if missing:
-        return f"ipc fields missing: {missing}"
-    size, stride = ipc["size"], ipc["stride"]
-    if not _int_list(size) or not _int_list(stride) or len(size) != len(stride) or any(d < 0 for d in size):
-        return "ipc size and stride must be lists of integers of the same length"
-    itemsize = _DTYPE_BYTES.get(str(ipc["dtype"]).removeprefix("torch."))
+    size, stride = ipc.size, ipc.stride
+    if len(size) != len(stride) or any(d < 0 for d in size):
+        return "ipc size and stride must be of the same length, sizes >= 0"
+    itemsize = _DTYPE_BYTES.get(ipc.dtype.removeprefix("torch."))
     if itemsize is None:
-        return f"unknown dtype {ipc['dtype']!r}"
+        return f"unknown dtype {ipc.dtype!r}"
     ints = ("tensor_offset", "device", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset")
-    if not all(_is_int(ipc[f]) and ipc[f] >= 0 for f in ints):
-        return f"ipc fields {list(ints)} must be integers >= 0"
-    blobs = ("handle", "ref_counter_handle")
-    if not all(isinstance(ipc[f], bytes) and ipc[f] for f in blobs) or not (
-        ipc["event_handle"] is None or isinstance(ipc["event_handle"], bytes)
-    ):
-        return "ipc handles must be bytes"
-    if not isinstance(ipc["event_sync_required"], bool):
-        return "event_sync_required must be a boolean"
+    if any(getattr(ipc, f) < 0 for f in ints):
+        return f"ipc fields {list(ints)} must be >= 0"
+    if not ipc.handle or not ipc.ref_counter_handle:
+        return "ipc handles must not be empty"
     if not size or size[0] != num_blocks:
         return f"its size {size} does not have {num_blocks} blocks first"
     elements = 1
@@ -144,18 +137,10 @@ def _ipc_problem(ipc: dict[str, Any] | None, num_blocks: int, row_bytes: int) ->
         if dim != 1 and dim_stride != step:
             return f"it is not contiguous (stride {stride} for size {size})"
         step *= dim
-    end = (ipc["tensor_offset"] + num_blocks * elements) * itemsize
-    if end > ipc["storage_size_bytes"]:
-        return f"it ends at byte {end}, past its {ipc['storage_size_bytes']}-byte storage"
+    end = (ipc.tensor_offset + num_blocks * elements) * itemsize
+    if end > ipc.storage_size_bytes:
+        return f"it ends at byte {end}, past its {ipc.storage_size_bytes}-byte storage"
     return ""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(_is_int(v) for v in value)
 
 
 def layout(num_blocks: int, row_bytes: Sequence[int]) -> tuple[list[int], int]:
@@ -320,25 +305,9 @@ class SharedKVCache(OwnedSegment):
 
 # ---- CUDA IPC --------------------------------------------------------------------------------
 
-_IPC_FIELDS = (
-    "size",
-    "stride",
-    "tensor_offset",
-    "dtype",
-    "device",
-    "handle",
-    "storage_size_bytes",
-    "storage_offset_bytes",
-    "ref_counter_handle",
-    "ref_counter_offset",
-    "event_handle",
-    "event_sync_required",
-)
-
-
-def cuda_ipc_fields(tensor: torch.Tensor) -> dict[str, Any]:
-    """torch's CUDA IPC sharing fields of ``tensor`` as plain msgpack-able values (the
-    ``TensorSpec.ipc`` dict; ``rebuild_cuda_ipc_tensor`` is the inverse)."""
+def cuda_ipc_fields(tensor: torch.Tensor) -> CudaIpcFields:
+    """torch's CUDA IPC sharing fields of ``tensor`` (``rebuild_cuda_ipc_tensor`` is the
+    inverse)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(tensor)
@@ -359,51 +328,47 @@ def cuda_ipc_fields(tensor: torch.Tensor) -> dict[str, Any]:
         event_handle,
         event_sync_required,
     ) = args
-    return {
-        "size": list(size),
-        "stride": list(stride),
-        "tensor_offset": int(tensor_offset),
-        "dtype": str(dtype),
-        "device": int(device),
-        "handle": bytes(handle),
-        "storage_size_bytes": int(storage_size_bytes),
-        "storage_offset_bytes": int(storage_offset_bytes),
-        "ref_counter_handle": bytes(ref_counter_handle),
-        "ref_counter_offset": int(ref_counter_offset),
-        "event_handle": None if event_handle is None else bytes(event_handle),
-        "event_sync_required": bool(event_sync_required),
-    }
+    return CudaIpcFields(
+        size=list(size),
+        stride=list(stride),
+        tensor_offset=int(tensor_offset),
+        dtype=str(dtype),
+        device=int(device),
+        handle=bytes(handle),
+        storage_size_bytes=int(storage_size_bytes),
+        storage_offset_bytes=int(storage_offset_bytes),
+        ref_counter_handle=bytes(ref_counter_handle),
+        ref_counter_offset=int(ref_counter_offset),
+        event_handle=None if event_handle is None else bytes(event_handle),
+        event_sync_required=bool(event_sync_required),
+    )
 
 
-def rebuild_cuda_ipc_tensor(ipc: dict[str, Any]) -> torch.Tensor:
+def rebuild_cuda_ipc_tensor(ipc: CudaIpcFields) -> torch.Tensor:
     """Open a tensor shared by ``cuda_ipc_fields`` (in another process than the producer).
-    ValueError for a malformed field dict."""
+    ValueError for an unknown dtype."""
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    missing = [f for f in _IPC_FIELDS if f not in ipc]
-    if missing:
-        raise ValueError(f"cuda ipc fields missing: {missing}")
-    dtype_name = str(ipc["dtype"]).removeprefix("torch.")
-    dtype = getattr(torch, dtype_name, None)
+    dtype = getattr(torch, ipc.dtype.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype {ipc['dtype']!r}")
+        raise ValueError(f"unknown torch dtype {ipc.dtype!r}")
     return rebuild_cuda_tensor(
         torch.Tensor,
-        torch.Size(ipc["size"]),
-        tuple(ipc["stride"]),
-        ipc["tensor_offset"],
+        torch.Size(ipc.size),
+        tuple(ipc.stride),
+        ipc.tensor_offset,
         torch.storage.TypedStorage,
         dtype,
-        ipc["device"],
-        ipc["handle"],
-        ipc["storage_size_bytes"],
-        ipc["storage_offset_bytes"],
+        ipc.device,
+        ipc.handle,
+        ipc.storage_size_bytes,
+        ipc.storage_offset_bytes,
         False,
-        ipc["ref_counter_handle"],
-        ipc["ref_counter_offset"],
-        ipc["event_handle"],
-        ipc["event_sync_required"],
+        ipc.ref_counter_handle,
+        ipc.ref_counter_offset,
+        ipc.event_handle,
+        ipc.event_sync_required,
     )
 
 

@@ -68,16 +68,34 @@ class ControlAction(enum.StrEnum):
 # ---- shared pieces ------------------------------------------------------------------------------
 
 
+class CudaIpcFields(msgspec.Struct, forbid_unknown_fields=True):
+    """torch's CUDA IPC sharing fields of one tensor (``torch.multiprocessing.reductions``):
+    its shape and element offset in the shared storage, its dtype name, and the handles that
+    open the storage, its ref counter and its event."""
+
+    size: list[int]
+    stride: list[int]
+    tensor_offset: int
+    dtype: str
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+
+
 class TensorSpec(msgspec.Struct, forbid_unknown_fields=True):
     """One KV tensor of the engine: ``num_blocks`` rows of ``row_bytes`` bytes (block-major).
 
-    For ``shm`` handles ``offset`` is the tensor's byte offset in the segment. For ``cuda_ipc``
-    handles ``ipc`` holds torch's CUDA IPC sharing fields (device, handle, storage size and
-    offset, ref-counter handle and offset, event handle, event sync flag)."""
+    For ``shm`` handles ``offset`` is the tensor's byte offset in the segment; ``cuda_ipc``
+    handles carry ``ipc``."""
 
     row_bytes: int
     offset: int = 0
-    ipc: dict[str, Any] | None = None
+    ipc: CudaIpcFields | None = None
 
 
 class KVHandle(msgspec.Struct, forbid_unknown_fields=True):

@@ -154,7 +154,7 @@ class _CudaKV(_AttachedKV):
             raise AttachRefused("a cuda_ipc handle needs a CUDA device in the cpu worker")
         rows = []
         for j, spec in enumerate(handle.tensors):
-            if not spec.ipc:
+            if spec.ipc is None:
                 raise AttachRefused(f"tensor {j} has no ipc fields")
             tensor = rebuild_cuda_ipc_tensor(spec.ipc)
             if not tensor.is_contiguous() or int(tensor.shape[0]) != self.num_blocks:

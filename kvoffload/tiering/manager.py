@@ -36,7 +36,9 @@ from .primary import PrimaryIndex
 from .secondary import PendingCascade, SecondaryTier, TierSpec
 from .stats import TieringStats
 from .types import (
+    Allocation,
     CascadeDrop,
+    Evicted,
     JobKind,
     JobResult,
     JobsInFlight,
@@ -129,7 +131,7 @@ class TieringManager:
         self._landed: set[Key] = set()
         self._waiters: dict[Key, set[str]] = {}
         self._unread_total = 0
-        self._events: list[tuple[str, list[Key]]] = []
+        self._events: list[Evicted] = []
         self.stats = TieringStats(["primary", *names])
 
     # ---- identity -------------------------------------------------------------------------
@@ -297,11 +299,11 @@ class TieringManager:
         self, tier_idx: int, state: RequestState, key: Key, protected: Collection[Key]
     ) -> bool:
         allocated = self._allocate([key], protected)
-        if allocated is None or not allocated[0]:
+        if allocated is None or not allocated.new_keys:
             self.stats.promotion_allocation_failures += 1
             return False
-        _, slots, evicted = allocated
-        self._record_evictions(evicted)
+        slots = allocated.slots
+        self._record_evictions(allocated.evicted)
         pending = self._pending_promotions[tier_idx].setdefault(
             state.ctx.req_id, PendingPromotion()
         )
@@ -463,7 +465,7 @@ class TieringManager:
 
     def _allocate(
         self, keys: Sequence[Key], protected: Collection[Key]
-    ) -> tuple[list[Key], list[int], list[Key]] | None:
+    ) -> Allocation | None:
         """``PrimaryIndex.allocate`` that evicts keys still waiting for a cascade only when
         nothing else can make room."""
         waiting = [k for tier in self.tiers for k in tier.backlog]
@@ -626,8 +628,8 @@ class TieringManager:
     def take_touched(self, tier_name: str) -> list[Key]:
         return self.tiers[self.tier_index(tier_name)].take_touched()
 
-    def take_events(self) -> list[tuple[str, list[Key]]]:
-        """("evicted", keys) events since the last call."""
+    def take_events(self) -> list[Evicted]:
+        """Evictions from the primary tier since the last call."""
         out, self._events = self._events, []
         return out
 
@@ -732,7 +734,7 @@ class TieringManager:
         if evicted:
             self._landed.difference_update(evicted)
             self.stats.tier(0).evictions += len(evicted)
-            self._events.append(("evicted", evicted))
+            self._events.append(Evicted(evicted))
             for tier_idx, tier in enumerate(self.tiers):
                 gone = [k for k in evicted if tier.backlog.pop(k, None) is not None]
                 self._drop_cascades(tier_idx, gone, CascadeDrop.EVICTED)

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from typing import Collection, Iterable, Sequence
 
 from .policies import make_policy
-from .types import Key, LookupResult, NotReady, ProtocolViolation
+from .types import Allocation, Key, LookupResult, NotReady, ProtocolViolation
 
 WRITING = -1
 
@@ -75,14 +75,13 @@ class PrimaryIndex:
 
     def allocate(
         self, keys: Iterable[Key], protected: Collection[Key]
-    ) -> tuple[list[Key], list[int], list[Key]] | None:
-        """Reserve slots (ref_cnt -1) for the keys not yet present.
-
-        Returns (new_keys, their_slots, evicted_keys), or None, changing nothing, when not enough
-        slots can be freed without evicting pinned, in-flight or protected keys."""
+    ) -> Allocation | None:
+        """Reserve slots (ref_cnt -1) for the keys not yet present; None, changing nothing,
+        when not enough slots can be freed without evicting pinned, in-flight or protected
+        keys."""
         new_keys = list(dict.fromkeys(k for k in keys if k not in self._refs))
         if not new_keys:
-            return [], [], []
+            return Allocation([], [], [])
         need = len(new_keys) - self.free_slots
         evicted: list[Key] = []
         if need > 0:
@@ -103,7 +102,7 @@ class PrimaryIndex:
             self._refs[key] = WRITING
             self.policy.insert(key)
             slots.append(slot)
-        return new_keys, slots, evicted
+        return Allocation(new_keys, slots, evicted)
 
     def complete_write(self, keys: Iterable[Key], success: bool) -> list[Key]:
         """Finish in-flight writes. Success: -1 -> 0. Failure: the key is removed, slot freed.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Collection, Mapping
+from typing import Any, Collection, Mapping, NamedTuple
 
 from ..logs import get_logger
 from ..vocab import ErrorCode, LookupResult, MissReason  # noqa: F401  (re-exported)
@@ -147,6 +147,22 @@ class JobResult:
     transfer_time_s: float | None = None
     absent_keys: Collection[Key] = ()
     full_keys: Collection[Key] = ()
+
+
+class Allocation(NamedTuple):
+    """Slots reserved by ``PrimaryIndex.allocate``: the keys that were not present yet, their
+    slots (co-indexed), and the keys evicted to make room."""
+
+    new_keys: list[Key]
+    slots: list[int]
+    evicted: list[Key]
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    """Keys that left the primary tier (``TieringManager.take_events``)."""
+
+    keys: list[Key]
 
 
 @dataclass(frozen=True, slots=True)

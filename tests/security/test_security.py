@@ -243,16 +243,16 @@ def test_register_kv_refuses_bad_handles_and_says_why(start_service):
                 "past the segment": (shm(blocks=9), "outside the"),
                 "rows too short": (shm(rows=[p.TensorSpec(row_bytes=half)]), f"sum to {half}"),
                 "no tensors": (p.KVHandle("h", "shm", 8, [], kv.name), "at least one tensor"),
-                "junk cuda fields": (
-                    p.KVHandle("h", "cuda_ipc", 8, [p.TensorSpec(row_bytes=info.block_bytes, ipc={"junk": 1})]),
-                    "ipc fields missing",
-                ),
                 "no handle id": (p.KVHandle("", "shm", 8, [p.TensorSpec(row_bytes=info.block_bytes)], kv.name), "handle_id"),
             }
             for case, (handle, reason) in cases.items():
                 with pytest.raises(KVOffloadError) as err:
                     attacker.register_kv(handle)
                 assert err.value.code == "bad_handle" and reason in err.value.message, (case, err.value)
+            junk = p.KVHandle("h", "cuda_ipc", 8, [p.TensorSpec(row_bytes=info.block_bytes, ipc={"junk": 1})])
+            with pytest.raises(KVOffloadError) as err:
+                attacker.register_kv(junk)
+            assert err.value.code == "bad_message" and "junk" in err.value.message, "refused by decoding"
             attacker.register_kv(kv.handle("same-cache"))
             assert harness.wait_status(lambda s: s["workers"]["cpu"]["stats"]["kv_handles"] == 2, 5)
     finally:

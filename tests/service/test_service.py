@@ -317,7 +317,7 @@ def test_a_cuda_handle_is_refused_at_registration_when_no_worker_has_cuda(start_
         "ref_counter_handle": b"\x02" * 16, "ref_counter_offset": 0, "event_handle": None,
         "event_sync_required": False,
     }
-    handle = p.KVHandle("gpu", "cuda_ipc", 32, [p.TensorSpec(row_bytes=BLOCK, ipc=ipc)])
+    handle = p.KVHandle("gpu", "cuda_ipc", 32, [p.TensorSpec(row_bytes=BLOCK, ipc=p.CudaIpcFields(**ipc))])
     with service.client("engine") as c:
         started = time.monotonic()
         with pytest.raises(KVOffloadError) as err:

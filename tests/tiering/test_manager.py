@@ -12,6 +12,7 @@ from kvoffload.tiering import (
     TieringManager,
 )
 from kvoffload.tiering.types import (
+    Evicted,
     JobsInFlight,
     NotReady,
     ProtocolViolation,
@@ -763,7 +764,7 @@ def test_eviction_in_primary_tier(h):
     out = h.m.prepare_store(r, [k(5), k(6)])
     assert out.keys_to_store == [k(5), k(6)]
     assert out.evicted == [k(0), k(1)]
-    assert h.m.take_events() == [("evicted", [k(0), k(1)])]
+    assert h.m.take_events() == [Evicted([k(0), k(1)])]
 
 
 def test_touch_propagates_to_all_tiers(h):

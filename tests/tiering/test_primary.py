@@ -19,9 +19,9 @@ def filled(policy, n=4):
 
 def test_allocation_order_unused_first_then_freed_lifo():
     p = PrimaryIndex(4)
-    assert p.allocate([k(1), k(2)], set())[1] == [0, 1]
+    assert p.allocate([k(1), k(2)], set()).slots == [0, 1]
     p.complete_write([k(1), k(2)], False)  # frees 0 then 1
-    assert p.allocate([k(3), k(4), k(5), k(6)], set())[1] == [2, 3, 1, 0]
+    assert p.allocate([k(3), k(4), k(5), k(6)], set()).slots == [2, 3, 1, 0]
 
 
 def test_states_and_lookup():
@@ -58,7 +58,7 @@ def test_pinned_and_in_flight_keys_block_eviction(policy):
     p.pin([k(0), k(1), k(2)])
     assert p.allocate([k(5)], set()) is None
     p.unpin([k(2)])
-    assert p.allocate([k(5)], set())[2] == [k(2)]
+    assert p.allocate([k(5)], set()).evicted == [k(2)]
     assert p.allocate([k(6)], set()) is None  # k5 in flight, others pinned
 
 
@@ -87,7 +87,7 @@ def test_lru_order_and_touch():
     p = filled("lru", 3)
     p.touch([k(0), k(1)])  # k0 becomes most recent
     assert p.policy.order() == [k(2), k(1), k(0)]
-    assert p.allocate([k(5)], set())[2] == [k(2)]
+    assert p.allocate([k(5)], set()).evicted == [k(2)]
 
 
 def test_arc_moves_to_t2_on_second_access_and_evicts_t1_first():

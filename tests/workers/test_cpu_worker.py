@@ -18,6 +18,7 @@ from kvoffload.cuda_host import cuda_device_count
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.protocol import (
     AttachKV,
+    CudaIpcFields,
     DetachKV,
     FaultSpec,
     Heartbeat,
@@ -275,7 +276,7 @@ def fake_cuda_handle(handle_id: str, blocks: int = 16) -> KVHandle:
         "ref_counter_handle": b"\x02" * 16, "ref_counter_offset": 0, "event_handle": None,
         "event_sync_required": False,
     }
-    return KVHandle(handle_id, "cuda_ipc", blocks, [TensorSpec(row_bytes=ROW, ipc=ipc)] * 2)
+    return KVHandle(handle_id, "cuda_ipc", blocks, [TensorSpec(row_bytes=ROW, ipc=CudaIpcFields(**ipc))] * 2)
 
 
 @pytest.mark.skipif(cuda_device_count() > 0, reason="needs a machine without a CUDA device")

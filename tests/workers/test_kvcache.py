@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from kvoffload.kvcache import SharedKVCache, handle_problem, layout, segment_problem, unique_kv_name
-from kvoffload.protocol import AttachKV, HandleKind, KVHandle, TensorSpec, decode_manager_message, encode
+from kvoffload.protocol import (
+    AttachKV,
+    CudaIpcFields,
+    HandleKind,
+    KVHandle,
+    TensorSpec,
+    decode_manager_message,
+    encode,
+)
 
 
 @pytest.fixture
@@ -133,7 +141,7 @@ def cuda_fields(size, stride, dtype="torch.float16", **over):
         "ref_counter_handle": b"r" * 16, "ref_counter_offset": 0, "event_handle": b"e" * 64,
         "event_sync_required": True,
     }
-    return {**fields, **over}
+    return CudaIpcFields(**{**fields, **over})
 
 
 def test_handle_problem_names_what_is_wrong(kv):
@@ -153,8 +161,7 @@ def test_handle_problem_names_what_is_wrong(kv):
     assert "rows are 131072 bytes, the handle says 65536" in cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1], "torch.float32"))
     assert "unknown dtype" in cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1], "torch.nope"))
     assert "past its" in cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1], tensor_offset=1))
-    assert "ipc fields missing" in cuda({"size": [16]})
-    assert "must be bytes" in cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1], handle=""))
+    assert "must not be empty" in cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1], handle=b""))
     assert "needs its ipc fields" in cuda(None)
     assert handle_problem(KVHandle("h", "shm", 8, good.tensors, ""), 6000) == "an shm handle needs shm_name"
     assert handle_problem(KVHandle("h", "rdma", 8, good.tensors, kv.name), 6000).startswith("unknown handle kind")
