@@ -21,7 +21,7 @@ from typing import Any, Iterable
 import zmq
 
 from . import protocol as p
-from .protocol import MUST_WAIT, ErrorCode, LookupResult, MissReason
+from .protocol import ErrorCode, LookupResult, MissReason, must_wait
 
 
 class KVOffloadError(Exception):
@@ -66,7 +66,7 @@ class LookupOutcome:
     @property
     def must_wait(self) -> bool:
         """Some key is HIT_PENDING or RETRY: wait, then look up again."""
-        return any(r in MUST_WAIT for r in self.raw_results)
+        return must_wait(self.raw_results)
 
     def __repr__(self) -> str:
         return f"LookupOutcome(hit_prefix={self.hit_prefix}, ready_prefix={self.ready_prefix}, results={[r.name for r in self.results]})"
@@ -92,7 +92,7 @@ class KVOffloadClient:
         self._curve_keys = curve_keys
         self._zctx = zmq.Context.instance()
         self._rids = itertools.count(1)
-        self._events: deque[p.JobFinished] = deque()
+        self._events: deque[p.DeviceJobFinished] = deque()
         self._handles: dict[str, p.KVHandle] = {}
         self._requests: dict[str, dict] = {}
         self._jobs: dict[int, tuple[str, p.DeviceJobKind]] = {}  # accepted device jobs: id -> (req_id, kind)
@@ -155,7 +155,7 @@ class KVOffloadClient:
         still queued for the old session are dropped), ``Connect`` (``info`` is renewed), then
         every KV handle registered and every request opened and not yet finished by this
         client are registered and opened again. Device jobs accepted before and not reported
-        yet end with one failed ``JobFinished`` each (error ``lost: ...``); pins and prepared
+        yet end with one failed ``DeviceJobFinished`` each (error ``lost: ...``); pins and prepared
         stores of the old session are gone. The old session, if its manager still has it, is
         told to end. Raises ServiceUnavailable when the manager does not answer within
         ``timeout_s`` (default: the client's ``timeout_s``)."""
@@ -172,7 +172,7 @@ class KVOffloadClient:
             self._exchange(p.NewRequest, None, {"req_id": req_id, "params": params})
         lost, self._jobs = self._jobs, {}
         for job_id, (req_id, kind) in lost.items():
-            self._events.append(p.JobFinished(job_id, req_id, kind, False, None, LOST_JOB_ERROR))
+            self._events.append(p.DeviceJobFinished(job_id, req_id, kind, False, None, LOST_JOB_ERROR))
 
     def close(self) -> None:
         """Tell the manager we leave (best effort: it finishes our requests and releases our
@@ -280,7 +280,7 @@ class KVOffloadClient:
     def status(self) -> p.ManagerStatus:
         return self._call(p.Status).status
 
-    def poll(self, wait_ms: int = 0) -> list[p.JobFinished]:
+    def poll(self, wait_ms: int = 0) -> list[p.DeviceJobFinished]:
         """Finished-job events not yet taken (each is returned exactly once)."""
         events = list(self._events)
         self._events.clear()
@@ -291,12 +291,12 @@ class KVOffloadClient:
             self._jobs.pop(event.job_id, None)
         return events
 
-    def wait(self, job_ids: Iterable[int], timeout_s: float | None = None) -> dict[int, p.JobFinished]:
+    def wait(self, job_ids: Iterable[int], timeout_s: float | None = None) -> dict[int, p.DeviceJobFinished]:
         """Block until every job id has finished; other events stay queued for ``poll``."""
         wanted = {j for j in job_ids if j is not None}
-        done: dict[int, p.JobFinished] = {}
+        done: dict[int, p.DeviceJobFinished] = {}
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        others: list[p.JobFinished] = []
+        others: list[p.DeviceJobFinished] = []
         while wanted - done.keys():
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -16,7 +16,7 @@ from typing import Any, Union
 
 import msgspec
 
-from .vocab import MUST_WAIT, ErrorCode, LookupResult, MissReason  # noqa: F401  (part of the protocol)
+from .vocab import ErrorCode, LookupResult, MissReason, must_wait  # noqa: F401  (part of the protocol)
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -45,7 +45,7 @@ class JobKind(enum.StrEnum):
 
 
 class DeviceJobKind(enum.StrEnum):
-    """A device job as its client sees it (``JobFinished.kind``)."""
+    """A device job as its client sees it (``DeviceJobFinished.kind``)."""
 
     STORE = "store"
     LOAD = "load"
@@ -301,7 +301,7 @@ class LookupReply(_Msg, tag="lookup_reply"):
 
 
 class JobAccepted(_Msg, tag="job_accepted"):
-    """A device job was submitted; its outcome arrives as a JobFinished event (exactly once).
+    """A device job was submitted; its outcome arrives as a DeviceJobFinished event (exactly once).
     ``job_id`` is None when there was nothing to do (every key already stored)."""
 
     rid: int
@@ -320,7 +320,7 @@ class Slots(_Msg, tag="slots"):
     evicted: list[bytes] = []
 
 
-class JobFinished(msgspec.Struct, forbid_unknown_fields=True):
+class DeviceJobFinished(msgspec.Struct, forbid_unknown_fields=True):
     job_id: int
     req_id: str
     kind: DeviceJobKind
@@ -331,7 +331,7 @@ class JobFinished(msgspec.Struct, forbid_unknown_fields=True):
 
 class Events(_Msg, tag="events"):
     rid: int
-    finished: list[JobFinished]
+    finished: list[DeviceJobFinished]
 
 
 class _Status(msgspec.Struct, forbid_unknown_fields=True):

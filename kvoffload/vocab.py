@@ -7,6 +7,7 @@ protocol, and the protocol re-exports it, so clients never import the tiering li
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
 
 class LookupResult(enum.IntEnum):
@@ -31,8 +32,13 @@ class MissReason(enum.IntEnum):
     PROBE_FAILED = 9  # the existence probe this request waited on failed or timed out
 
 
-MUST_WAIT = frozenset({LookupResult.HIT_PENDING, LookupResult.RETRY})
-"""Results after which a caller waits and looks up again instead of computing the key."""
+_WAIT_RESULTS = frozenset({LookupResult.HIT_PENDING, LookupResult.RETRY})
+
+
+def must_wait(results: Iterable[int]) -> bool:
+    """Some result is HIT_PENDING or RETRY: the caller waits and looks up again instead of
+    computing those keys."""
+    return any(r in _WAIT_RESULTS for r in results)
 
 
 class ErrorCode(enum.StrEnum):

@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from kvoffload.tiering import JobResult, Locality, Medium, ReqContext, TieringManager, TierSpec
+from kvoffload.tiering import TransferResult, Locality, Medium, ReqContext, TieringManager, TierSpec
 
 
 def keys_for(n: int, seed: int = 0) -> list[bytes]:
@@ -86,7 +86,7 @@ def bench_half_secondary(keys: list[bytes], repeat: int) -> dict:
         out = m.prepare_store("w", keys[:half])
         m.complete_store("w", out.keys_to_store)
         for job in m.take_submissions():
-            m.apply_result("disk", JobResult(job.job_id, True))
+            m.apply_result("disk", TransferResult(job.job_id, True))
         m.apply_index_update("disk", keys[half:], [])
         m.on_new_request(ReqContext("r"))
         t0 = time.perf_counter()
@@ -108,7 +108,7 @@ def bench_store(n_keys: int, batch: int) -> dict:
         out = m.prepare_store("r", stream[i : i + batch])
         m.complete_store("r", out.keys_to_store)
         for job in m.take_submissions():
-            m.apply_result("disk", JobResult(job.job_id, True))
+            m.apply_result("disk", TransferResult(job.job_id, True))
     seconds = time.perf_counter() - t0
     return {"keys": n_keys, "batch": batch, "keys_per_s": n_keys / seconds, "evictions": m.primary.evictions}
 

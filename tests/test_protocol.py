@@ -47,7 +47,7 @@ def test_manager_message_round_trip(msg):
 
 
 def test_reply_round_trip():
-    reply = p.Events(rid=3, finished=[p.JobFinished(1, "r", "load", False, [b"x" * 16], "boom")])
+    reply = p.Events(rid=3, finished=[p.DeviceJobFinished(1, "r", "load", False, [b"x" * 16], "boom")])
     assert p.decode_client_reply(p.encode(reply)) == reply
 
 
@@ -57,7 +57,7 @@ def test_reply_round_trip():
         (p.Job(job_id=1, kind="teleport", keys=[]), p.decode_manager_message),
         (p.Control(action="reboot"), p.decode_manager_message),
         (p.Error(rid=1, code="whatever", message=""), p.decode_client_reply),
-        (p.Events(rid=1, finished=[p.JobFinished(1, "r", "copy", True)]), p.decode_client_reply),
+        (p.Events(rid=1, finished=[p.DeviceJobFinished(1, "r", "copy", True)]), p.decode_client_reply),
         (p.RegisterKV(rid=1, handle=p.KVHandle("h", "nfs", 8, [p.TensorSpec(4096)])), p.decode_client_request),
     ],
     ids=["job_kind", "control_action", "error_code", "device_job_kind", "handle_kind"],

@@ -5,7 +5,7 @@ the job threads, validation, fault settings and the one-result-per-job rule. Thr
 ``run_job`` runs on the framework's job threads (several at once); every other method runs on
 the worker's main thread.
 
-Resource contract (seed 002): ``run_job`` returns a ``JobOutcome`` whose ``release`` drops
+Resource contract (seed 002): ``run_job`` returns a ``BackendOutcome`` whose ``release`` drops
 everything that could still touch the pool (or the engine's KV cache) for that job. The
 framework calls ``release`` on the main thread and publishes the job's ``JobDone`` only after it
 returned; if it raises, the job stays tracked and ``release`` is called again later, so it must
@@ -37,7 +37,7 @@ URGENT_KINDS = frozenset({JobKind.DEVICE_LOAD, JobKind.PROMOTE, JobKind.PROBE, J
 
 
 @dataclass
-class JobOutcome:
+class BackendOutcome:
     """What one job did.
 
     ``ok_keys``: the keys that succeeded, in job order (all of them means success).
@@ -86,7 +86,7 @@ class Backend(Protocol):
         re-batches). Empty for a backend without an index. Called after the first ack, and
         again on the main thread when a restarted manager asks for a new hello."""
 
-    def run_job(self, job: Job) -> JobOutcome:
+    def run_job(self, job: Job) -> BackendOutcome:
         """Run one validated job (blocking, on a job thread). Per-key failures are reported in
         the outcome, never raised; an exception fails the whole job and is logged."""
 

@@ -42,7 +42,7 @@ from kvoffload.kvcache import SharedKVCache, rebuild_cuda_ipc_tensor
 from kvoffload.logs import get_logger
 from kvoffload.pool import HostPool
 from kvoffload.protocol import HandleKind, Job, JobKind, KVHandle
-from workers.backend import AttachRefused, JobOutcome, NoIndexBackend
+from workers.backend import AttachRefused, BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector
 from workers.framework import worker_main
 from workers.slotheaders import SlotHeaders
@@ -311,15 +311,15 @@ class CpuBackend(NoIndexBackend):
         if idle:
             kv.close()
 
-    def run_job(self, job: Job) -> JobOutcome:
+    def run_job(self, job: Job) -> BackendOutcome:
         if job.kind == JobKind.VERIFY:
             return self._verify(job)
         if job.kind not in (JobKind.DEVICE_STORE, JobKind.DEVICE_LOAD):
-            return JobOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
+            return BackendOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
         kv = self._hold(job.handle_id)
         if kv is None:
             log.warning("job_unknown_handle", job_id=job.job_id, handle_id=job.handle_id)
-            return JobOutcome(ok_keys=[], error=UNKNOWN_HANDLE)
+            return BackendOutcome(ok_keys=[], error=UNKNOWN_HANDLE)
         released = False
 
         def release() -> None:
@@ -332,19 +332,19 @@ class CpuBackend(NoIndexBackend):
             kv.wait_ready()
         except AttachRefused as exc:
             release()
-            return JobOutcome(ok_keys=[], error=f"{UNKNOWN_HANDLE}: {exc}")
+            return BackendOutcome(ok_keys=[], error=f"{UNKNOWN_HANDLE}: {exc}")
         try:
             ok, nbytes, error = self._copy(job, kv)
         except BaseException:
             release()
             raise
-        return JobOutcome(ok_keys=ok, nbytes=nbytes, error=error, release=release)
+        return BackendOutcome(ok_keys=ok, nbytes=nbytes, error=error, release=release)
 
-    def _verify(self, job: Job) -> JobOutcome:
+    def _verify(self, job: Job) -> BackendOutcome:
         """Ok keys: the slots whose header names the key and matches the slot's bytes."""
         headers = self._headers
         if headers is None:
-            return JobOutcome(ok_keys=[], error="slot headers are off")
+            return BackendOutcome(ok_keys=[], error="slot headers are off")
         ok: list[bytes] = []
         for key, slot in zip(job.keys, job.slots):
             reason = headers.check(slot, key)
@@ -357,7 +357,7 @@ class CpuBackend(NoIndexBackend):
             self._counters["slots_verified"] += len(ok)
             self._counters["slots_verify_failed"] += failed
         error = f"{failed} of {len(job.keys)} slots failed verification" if failed else ""
-        return JobOutcome(ok_keys=ok, error=error)
+        return BackendOutcome(ok_keys=ok, error=error)
 
     def _stamp(self, job: Job, keys: list[bytes], slots: list[int]) -> None:
         """Stamp the slots a device store completely wrote; a failed stamp only costs the

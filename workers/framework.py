@@ -13,7 +13,7 @@ Every worker ``main`` calls ``worker_main`` (or ``run_worker``) with its ``Backe
    ``shutdown`` (drain, then exit; also SIGTERM/SIGINT), ``faults`` (replace the fault spec),
    ``hello`` (a restarted manager asks again: hello, and re-announce the index once acked).
 
-Results (seed 002): a finished job's ``JobOutcome.release`` is called on the main thread; only
+Results (seed 002): a finished job's ``BackendOutcome.release`` is called on the main thread; only
 after it returned is the one ``JobDone`` of that job sent. A release that raises keeps the job
 tracked (logged as ``job_release_failed``) and is retried every ``RELEASE_RETRY_S``. Secondary
 ``cleanup`` then runs best effort. Job threads never touch the socket: they push their result
@@ -71,7 +71,7 @@ from workers.backend import (
     URGENT_KINDS,
     AttachRefused,
     Backend,
-    JobOutcome,
+    BackendOutcome,
 )
 from workers.faults import FaultInjector, InjectedFault, spec_from_config
 from workers.slotheaders import SlotHeaders
@@ -155,7 +155,7 @@ def validate_job(job: Job, num_slots: int, kinds: Iterable[str]) -> str:
     return ""
 
 
-def job_done_of(job: Job, outcome: JobOutcome, transfer_s: float) -> JobDone:
+def job_done_of(job: Job, outcome: BackendOutcome, transfer_s: float) -> JobDone:
     """The one result of ``job``: success when every key succeeded; otherwise the succeeded
     keys (as the backend listed them, None when none), the failed keys confirmed absent or
     refused for lack of room, and an error summary. Keys the backend reports that are not in
@@ -183,11 +183,11 @@ def job_done_of(job: Job, outcome: JobOutcome, transfer_s: float) -> JobDone:
 
 
 @dataclass
-class _Finished:
+class _PendingRelease:
     """A job whose backend work is over and whose release may still be pending."""
 
     job: Job
-    outcome: JobOutcome
+    outcome: BackendOutcome
     transfer_s: float
     release_attempts: int = 0
 
@@ -228,9 +228,9 @@ class _Worker:
         self._queue: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
         self._seq = itertools.count()
         self._threads: list[threading.Thread] = []
-        self._finished: deque[_Finished] = deque()
+        self._finished: deque[_PendingRelease] = deque()
         self._inflight: set[int] = set()
-        self._releasing: dict[int, _Finished] = {}
+        self._releasing: dict[int, _PendingRelease] = {}
         self._outbox: deque[bytes] = deque()
 
         self.abandoned = False  # shutdown gave up on running jobs: their memory stays mapped
@@ -556,8 +556,8 @@ class _Worker:
                 outcome = self._backend.run_job(job)
             except Exception as exc:
                 log.exception("job_crashed", job_id=job.job_id, kind=job.kind)
-                outcome = JobOutcome(ok_keys=[], error=f"internal_error: {exc!r}")
-            self._finished.append(_Finished(job, outcome, time.perf_counter() - start))
+                outcome = BackendOutcome(ok_keys=[], error=f"internal_error: {exc!r}")
+            self._finished.append(_PendingRelease(job, outcome, time.perf_counter() - start))
             os.eventfd_write(self._wake_fd, 1)
 
     def _collect_finished(self) -> None:
@@ -574,7 +574,7 @@ class _Worker:
             self._cleanup(item)
             self._publish(item)
 
-    def _release(self, item: _Finished) -> bool:
+    def _release(self, item: _PendingRelease) -> bool:
         item.release_attempts += 1
         try:
             if self._faults.take_release_failure():
@@ -593,7 +593,7 @@ class _Worker:
             log.info("job_released", job_id=item.job.job_id, attempts=item.release_attempts)
         return True
 
-    def _cleanup(self, item: _Finished) -> None:
+    def _cleanup(self, item: _PendingRelease) -> None:
         if item.outcome.cleanup is None:
             return
         try:
@@ -602,7 +602,7 @@ class _Worker:
             self._counters["cleanup_failures"] += 1
             log.warning("job_cleanup_failed", job_id=item.job.job_id, error=repr(exc))
 
-    def _publish(self, item: _Finished) -> None:
+    def _publish(self, item: _PendingRelease) -> None:
         job = item.job
         done = job_done_of(job, item.outcome, item.transfer_s)
         self._inflight.discard(job.job_id)

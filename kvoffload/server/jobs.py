@@ -9,7 +9,7 @@ import time
 import structlog
 
 from .. import protocol as p
-from ..tiering import JobResult
+from ..tiering import TransferResult
 from ..tiering.types import TieringError
 from .handles import KVHandles
 from .sessions import ClientSession
@@ -151,7 +151,7 @@ class WorkerChannel:
         try:
             state.tiering.apply_result(
                 worker.name,
-                JobResult(
+                TransferResult(
                     done.job_id, done.success, done.successful_keys, done.transfer_s,
                     done.absent_keys, done.full_keys,
                 ),
@@ -180,5 +180,5 @@ class WorkerChannel:
             return
         session.device_jobs.discard(job_id)
         ok = None if success else list(successful_keys or [])
-        session.events.append(p.JobFinished(job_id, job.req_id, job.kind, success, ok, error))
+        session.events.append(p.DeviceJobFinished(job_id, job.req_id, job.kind, success, ok, error))
         state.answer_poll(session)

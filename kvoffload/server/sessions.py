@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from ..protocol import JobFinished
+from ..protocol import DeviceJobFinished
 
 
 @dataclass(slots=True)
@@ -27,7 +27,7 @@ class ClientSession:
     requests: set[str] = field(default_factory=set)
     pinned: Counter = field(default_factory=Counter)
     open_stores: dict[str, list[list[bytes]]] = field(default_factory=dict)
-    events: deque[JobFinished] = field(default_factory=deque)
+    events: deque[DeviceJobFinished] = field(default_factory=deque)
     pending_poll: PendingPoll | None = None
     handles: set[str] = field(default_factory=set)
     device_jobs: set[int] = field(default_factory=set)

@@ -17,7 +17,7 @@ import zmq
 from .. import protocol as p
 from ..config import Config
 from ..runspec import RunSpec
-from ..tiering import JobKind, JobResult, Locality, Medium, TieringManager, TierSpec
+from ..tiering import JobKind, TransferResult, Locality, Medium, TieringManager, TierSpec
 from .metrics import MetricsEndpoint
 from .sessions import ClientSession
 from .sockets import bind_client_socket, bind_job_socket
@@ -136,13 +136,13 @@ class ManagerState:
             worker = self.registry.live(tier)
             if worker is None:
                 log.warning("tier_job_failed_no_worker", tier=tier, job_id=job.job_id)
-                self.tiering.apply_result(tier, JobResult(job.job_id, False))
+                self.tiering.apply_result(tier, TransferResult(job.job_id, False))
                 continue
             msg = p.Job(job.job_id, WIRE_JOB_KIND[job.kind], job.keys, job.slots)
             if self.send_worker(tier, msg):
                 worker.jobs.add(job.job_id)
             else:
-                self.tiering.apply_result(tier, JobResult(job.job_id, False))
+                self.tiering.apply_result(tier, TransferResult(job.job_id, False))
         for tier in self.tiering.tiers:
             touched = self.tiering.take_touched(tier.name)
             if touched and self.registry.live(tier.name) is not None:

@@ -47,7 +47,7 @@ class ProbeEngine:
         self.client.new_request(req)
         return req
 
-    def store(self, req: str, keys: list[bytes], wait_s: float = 20.0) -> p.JobFinished | None:
+    def store(self, req: str, keys: list[bytes], wait_s: float = 20.0) -> p.DeviceJobFinished | None:
         """Write each key's block into device blocks 0.. and store them; the job's result."""
         for block, key in enumerate(keys):
             self.kv.tensors[0][block] = expected_block(key, self.block_bytes)
@@ -56,7 +56,7 @@ class ProbeEngine:
             return None
         return self.client.wait([accepted.job_id], timeout_s=wait_s)[accepted.job_id]
 
-    def load(self, req: str, keys: list[bytes], wait_s: float = 20.0) -> tuple[p.JobFinished, list[bytes]]:
+    def load(self, req: str, keys: list[bytes], wait_s: float = 20.0) -> tuple[p.DeviceJobFinished, list[bytes]]:
         """Load keys into poisoned device blocks 0..; (result, keys reported loaded whose
         bytes are wrong)."""
         self.kv.tensors[0][: len(keys)] = POISON

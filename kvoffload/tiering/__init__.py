@@ -5,31 +5,30 @@ from .primary import PrimaryIndex
 from .secondary import SecondaryTier, TierSpec
 from .types import (
     JobKind,
-    JobResult,
     Locality,
-    LookupReply,
     LookupResult,
     Medium,
     MissReason,
     OffloadPolicy,
+    PrefixResult,
     PrepareStoreOutput,
     ReqContext,
     TierFilter,
     TierMatcher,
     TieringError,
     TransferJob,
+    TransferResult,
     parse_tier_filter,
 )
 
 __all__ = [
     "JobKind",
-    "JobResult",
     "Locality",
-    "LookupReply",
     "LookupResult",
     "Medium",
     "MissReason",
     "OffloadPolicy",
+    "PrefixResult",
     "PrepareStoreOutput",
     "PrimaryIndex",
     "ReqContext",
@@ -41,5 +40,6 @@ __all__ = [
     "TieringError",
     "TieringManager",
     "TransferJob",
+    "TransferResult",
     "parse_tier_filter",
 ]

@@ -40,10 +40,10 @@ from .types import (
     CascadeDrop,
     Evicted,
     JobKind,
-    JobResult,
+    TransferResult,
     JobsInFlight,
     Key,
-    LookupReply,
+    PrefixResult,
     LookupResult,
     MissReason,
     OffloadPolicy,
@@ -201,7 +201,7 @@ class TieringManager:
 
     # ---- lookup ---------------------------------------------------------------------------
 
-    def lookup(self, req_id: str, keys: Sequence[Key]) -> LookupReply:
+    def lookup(self, req_id: str, keys: Sequence[Key]) -> PrefixResult:
         """Evaluate keys in order, stopping at the first MISS. A key found only in a secondary
         tier starts a promotion (HIT_PENDING) unless an earlier key is still uncertain (RETRY),
         in which case it answers RETRY and nothing is promoted past that point.
@@ -240,7 +240,7 @@ class TieringManager:
             if result is not HIT and result is not HIT_PENDING:
                 break
             hit_prefix += 1
-        return LookupReply(results, reasons, hit_prefix, leading_hits)
+        return PrefixResult(results, reasons, hit_prefix, leading_hits)
 
     def _pending_or_expired(self, state: RequestState, key: Key) -> tuple[LookupResult, MissReason]:
         if key in state.expired:
@@ -402,7 +402,7 @@ class TieringManager:
         successful_keys: Collection[Key] | None = None,
     ) -> None:
         """Finish a device store prepared by ``prepare_store`` (same partial-success rules as a
-        JobResult). Keys that landed are cascaded to every secondary tier."""
+        TransferResult). Keys that landed are cascaded to every secondary tier."""
         state = self.request(req_id)
         if state.pending_primary_stores <= 0:
             raise ProtocolViolation(f"request {req_id!r} has no pending store")
@@ -617,7 +617,7 @@ class TieringManager:
         ]
         for job_id in expired:
             log.warning("probe_timed_out", job_id=job_id, timeout_s=self.probe_timeout_s)
-            self._apply(self._jobs[job_id], JobResult(job_id, False))
+            self._apply(self._jobs[job_id], TransferResult(job_id, False))
         return expired
 
     def take_submissions(self) -> list[TransferJob]:
@@ -635,7 +635,7 @@ class TieringManager:
 
     # ---- results --------------------------------------------------------------------------
 
-    def apply_result(self, tier_name: str, result: JobResult) -> TransferJob:
+    def apply_result(self, tier_name: str, result: TransferResult) -> TransferJob:
         """Apply a tier's result. Unknown job id or a job of another tier -> error, no change."""
         job = self._jobs.get(result.job_id)
         if job is None:
@@ -654,7 +654,7 @@ class TieringManager:
         tier_idx = self.tier_index(tier_name)
         failed = [job for job in self._jobs.values() if job.tier == tier_idx]
         for job in failed:
-            self._apply(job, JobResult(job.job_id, False))
+            self._apply(job, TransferResult(job.job_id, False))
         return [job.job_id for job in failed]
 
     def jobs_of_tier(self, tier_name: str) -> list[int]:
@@ -668,7 +668,7 @@ class TieringManager:
     def apply_index_update(self, tier_name: str, added: Iterable[Key], removed: Iterable[Key]) -> None:
         self.tiers[self.tier_index(tier_name)].apply_index_update(added, removed)
 
-    def _apply(self, job: TransferJob, result: JobResult) -> None:
+    def _apply(self, job: TransferJob, result: TransferResult) -> None:
         ok, failed = _split_outcome(job.keys, result.success, result.successful_keys)
         if ok is None:
             log.error(
@@ -852,7 +852,7 @@ class TieringManager:
 def _split_outcome(
     keys: Sequence[Key], success: bool, successful_keys: Collection[Key] | None
 ) -> tuple[list[Key] | None, list[Key]]:
-    """(ok, failed) per the JobResult rules; ok is None when successful_keys is not a subset."""
+    """(ok, failed) per the TransferResult rules; ok is None when successful_keys is not a subset."""
     if success:
         return list(keys), []
     if not successful_keys:

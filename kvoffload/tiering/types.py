@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, NamedTuple
 
 from ..logs import get_logger
-from ..vocab import ErrorCode, LookupResult, MissReason  # noqa: F401  (re-exported)
+from ..vocab import ErrorCode, LookupResult, MissReason, must_wait  # noqa: F401  (re-exported)
 
 log = get_logger()
 
@@ -128,7 +128,7 @@ class TransferJob:
 
 
 @dataclass(frozen=True, slots=True)
-class JobResult:
+class TransferResult:
     """A tier's outcome for one job.
 
     ``success=True``: every key succeeded (``successful_keys`` ignored).
@@ -176,7 +176,7 @@ class PrepareStoreOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class LookupReply:
+class PrefixResult:
     """Per-key results, in order, up to and including the first MISS (later keys unevaluated).
 
     ``hit_prefix``: leading keys that are HIT or HIT_PENDING (the prefix the engine may count).
@@ -190,7 +190,7 @@ class LookupReply:
 
     @property
     def must_wait(self) -> bool:
-        return any(r in (LookupResult.HIT_PENDING, LookupResult.RETRY) for r in self.results)
+        return must_wait(self.results)
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from kvoffload.pool import HostPool
 from kvoffload.protocol import FaultSpec, Job, JobKind
 from kvoffload.tiering import LookupResult
 
-from workers.backend import Backend, JobOutcome
+from workers.backend import Backend, BackendOutcome
 from workers.disk.worker import DiskBackend
 from workers.faults import FaultInjector
 
@@ -77,7 +77,7 @@ def start_backend(tmp_path: Path, pool: HostPool):
         backend.close()
 
 
-def run(backend: DiskBackend, kind: str, keys: list[bytes], slots: list[int]) -> JobOutcome:
+def run(backend: DiskBackend, kind: str, keys: list[bytes], slots: list[int]) -> BackendOutcome:
     """Run one job, then release and clean it up as the framework does before publishing."""
     outcome = backend.run_job(Job(job_id=next(_job_ids), kind=kind, keys=keys, slots=slots))
     if outcome.release is not None:

@@ -3,7 +3,7 @@
 import pytest
 import structlog
 
-from kvoffload.tiering import JobKind, JobResult, Locality, Medium, ReqContext, TieringManager, TierSpec
+from kvoffload.tiering import JobKind, TransferResult, Locality, Medium, ReqContext, TieringManager, TierSpec
 
 
 def k(i: int) -> bytes:
@@ -56,9 +56,9 @@ class Harness:
             if job.kind is JobKind.PROBE:
                 present = [key for key in job.keys if key in (found or ())]
                 absent = [key for key in job.keys if key not in present]
-                self.m.apply_result(tier, JobResult(job.job_id, not absent, present or None, absent_keys=absent))
+                self.m.apply_result(tier, TransferResult(job.job_id, not absent, present or None, absent_keys=absent))
             else:
-                self.m.apply_result(tier, JobResult(job.job_id, success, successful_keys))
+                self.m.apply_result(tier, TransferResult(job.job_id, success, successful_keys))
 
     def drain(self):
         """Answer every job successfully until none is left."""

@@ -4,7 +4,7 @@ import pytest
 
 from kvoffload.tiering import (
     JobKind,
-    JobResult,
+    TransferResult,
     LookupResult,
     MissReason,
     OffloadPolicy,
@@ -148,12 +148,12 @@ def test_cascade_over_the_pin_bound_waits_unpinned_and_uses_no_job_id():
     assert m.next_job_id() == first[0].job_id + 1
     m.end_step()
     assert m.take_submissions() == [], "no room until the first cascade is done"
-    m.apply_result("disk", JobResult(first[0].job_id, True))
+    m.apply_result("disk", TransferResult(first[0].job_id, True))
     m.end_step()
     (later,) = m.take_submissions()
     assert later.kind is JobKind.CASCADE and later.keys == [k(3)]
     assert m.snapshot()["cascade_backlog"] == 1
-    m.apply_result("disk", JobResult(later.job_id, True))
+    m.apply_result("disk", TransferResult(later.job_id, True))
     assert m.snapshot()["cascade_backlog"] == 0 and m.tiers[0].index == {k(1), k(2), k(3)}
 
 
@@ -213,7 +213,7 @@ def test_a_failure_after_the_backlog_emptied_is_still_retried(h):
     h.m.end_step()
     h.store(r, [k(2)])
     for job in h.jobs():
-        h.m.apply_result(h.m.tiers[job.tier].name, JobResult(job.job_id, False))
+        h.m.apply_result(h.m.tiers[job.tier].name, TransferResult(job.job_id, False))
     h.clock.now += 1
     assert h.m.has_pending_work()
     h.m.end_step()
@@ -229,7 +229,7 @@ def test_failed_cascades_back_off_and_are_dropped_at_the_retry_bound(captured_lo
     (job,) = [j for j in jobs if h.m.tiers[j.tier].name == "disk"]
     waits = []
     for _ in range(2):
-        h.m.apply_result("disk", JobResult(job.job_id, False))  # an I/O error
+        h.m.apply_result("disk", TransferResult(job.job_id, False))  # an I/O error
         started = h.clock.now
         while True:
             h.m.end_step()
@@ -240,7 +240,7 @@ def test_failed_cascades_back_off_and_are_dropped_at_the_retry_bound(captured_lo
         waits.append(h.clock.now - started)
         (job,) = retried
     assert waits == [1.0, 2.0], "the backoff doubles"
-    h.m.apply_result("disk", JobResult(job.job_id, False))
+    h.m.apply_result("disk", TransferResult(job.job_id, False))
     assert dropped(captured_logs, "retry_bound") == [k(1).hex()]
     assert h.m.stats.tier(1).cascade_dropped_retry_bound == 1
     assert h.m.snapshot()["cascade_backlog"] == 0
@@ -255,7 +255,7 @@ def test_a_full_tier_drops_the_keys_without_retry(h, captured_logs):
     for job in h.jobs():
         tier = h.m.tiers[job.tier].name
         full = [k(2)] if tier == "disk" else []
-        h.m.apply_result(tier, JobResult(job.job_id, False, [k(1)] if full else None, full_keys=full))
+        h.m.apply_result(tier, TransferResult(job.job_id, False, [k(1)] if full else None, full_keys=full))
     assert dropped(captured_logs, "tier_full") == [k(2).hex()]
     assert h.m.stats.tier(1).cascade_dropped_tier_full == 1
     h.clock.now += 60
@@ -385,7 +385,7 @@ def test_promotion_result_not_subset_fails_job_as_whole(h):
     h.m.lookup(r, [k(1), k(2)])
     h.m.end_step()
     (job,) = h.jobs()
-    h.m.apply_result("disk", JobResult(job.job_id, False, [k(1), k(7)]))
+    h.m.apply_result("disk", TransferResult(job.job_id, False, [k(1), k(7)]))
     assert h.m.primary.lookup(k(1)) is MISS
     assert h.m.jobs_in_flight() == 0
 
@@ -521,7 +521,7 @@ def test_probe_timeout_resolves_to_miss():
     assert h.m.expire_probes() == [probe.job_id]
     assert h.m.lookup(r, [k(1)]).results == [MISS]
     with pytest.raises(UnknownJob):
-        h.m.apply_result("object", JobResult(probe.job_id, True))
+        h.m.apply_result("object", TransferResult(probe.job_id, True))
 
 
 def probed_and_promoting(h, *req_ids):
@@ -542,7 +542,7 @@ def test_transient_object_load_failure_misses_only_for_its_request_and_a_fresh_o
     h = Harness(probed=True)
     a = h.new("a")
     promo = probed_and_promoting(h, a)
-    h.m.apply_result("object", JobResult(promo.job_id, False))  # one GET timed out
+    h.m.apply_result("object", TransferResult(promo.job_id, False))  # one GET timed out
     reply = h.m.lookup(a, [k(1)])
     assert reply.results == [MISS] and reply.reasons == [MissReason.FAILED_LOAD]
     fresh = h.new("fresh")
@@ -559,7 +559,7 @@ def test_confirmed_absent_or_corrupt_object_is_a_shared_miss():
     h = Harness(probed=True)
     a = h.new("a")
     promo = probed_and_promoting(h, a)
-    h.m.apply_result("object", JobResult(promo.job_id, False, absent_keys=[k(1)]))
+    h.m.apply_result("object", TransferResult(promo.job_id, False, absent_keys=[k(1)]))
     fresh = h.new("fresh")
     reply = h.m.lookup(fresh, [k(1)])
     assert reply.results == [MISS] and reply.reasons == [MissReason.ABSENT]
@@ -574,7 +574,7 @@ def test_failed_probe_misses_only_for_the_requests_waiting_on_it():
     h.m.lookup(b, [k(1)])
     h.m.end_step()
     (probe,) = h.jobs()
-    h.m.apply_result("object", JobResult(probe.job_id, False))  # store unreachable
+    h.m.apply_result("object", TransferResult(probe.job_id, False))  # store unreachable
     for req in (a, b):
         reply = h.m.lookup(req, [k(1)])
         assert reply.results == [MISS] and reply.reasons == [MissReason.PROBE_FAILED]
@@ -613,7 +613,7 @@ def test_hit_pending_deadline_per_request_key_not_reset_by_failed_rounds():
         assert h.m.lookup(r, [k(1)]).results == [HIT_PENDING]
         h.m.end_step()
         for job in h.jobs():
-            h.m.apply_result("disk", JobResult(job.job_id, False))
+            h.m.apply_result("disk", TransferResult(job.job_id, False))
         h.clock.now += 3
     assert h.clock.now - 100.0 == 12  # past the 10 s armed at the first HIT_PENDING
     other = h.new("late")
@@ -924,7 +924,7 @@ def test_prepare_store_cascades_existing_blocks_to_request_level_tiers(new_keys)
     writer = h.new("w")
     h.store(writer, [k(1), k(2), k(3)])
     for job in h.jobs():  # the chunk-level cascades of the writer find the tiers full
-        h.m.apply_result(h.m.tiers[job.tier].name, JobResult(job.job_id, False, full_keys=job.keys))
+        h.m.apply_result(h.m.tiers[job.tier].name, TransferResult(job.job_id, False, full_keys=job.keys))
     r = h.new("r")
     fresh = [k(10 + i) for i in range(new_keys)]
     out = h.m.prepare_store(r, [k(1), k(2), k(3), *fresh])
@@ -968,9 +968,9 @@ def test_unknown_job_and_wrong_tier_are_rejected_without_change(h):
     h.store(r, [k(1)])
     jobs = h.jobs()
     with pytest.raises(UnknownJob):
-        h.m.apply_result("disk", JobResult(9999, True))
+        h.m.apply_result("disk", TransferResult(9999, True))
     with pytest.raises(WrongTier):
-        h.m.apply_result("mem2", JobResult(jobs[0].job_id, True))
+        h.m.apply_result("mem2", TransferResult(jobs[0].job_id, True))
     assert h.m.primary.ref_count(k(1)) == 2
     assert h.m.jobs_in_flight() == 2
 
@@ -979,9 +979,9 @@ def test_each_job_gets_exactly_one_result(h):
     r = h.new()
     h.store(r, [k(1)])
     job = h.jobs()[0]
-    h.m.apply_result("disk", JobResult(job.job_id, True))
+    h.m.apply_result("disk", TransferResult(job.job_id, True))
     with pytest.raises(UnknownJob):
-        h.m.apply_result("disk", JobResult(job.job_id, True))
+        h.m.apply_result("disk", TransferResult(job.job_id, True))
 
 
 def test_crashed_worker_jobs_fail_and_unpin(h):

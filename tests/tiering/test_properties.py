@@ -4,7 +4,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvoffload.tiering import JobKind, JobResult, Locality, Medium, ReqContext, TieringManager, TierSpec
+from kvoffload.tiering import JobKind, TransferResult, Locality, Medium, ReqContext, TieringManager, TierSpec
 from kvoffload.tiering.primary import WRITING
 from kvoffload.tiering.types import RequestFinishedError, UnknownJob
 
@@ -131,7 +131,7 @@ class TieringMachine(RuleBasedStateMachine):
         job_id = data.draw(st.sampled_from(sorted(self.jobs)))
         job = self.jobs.pop(job_id)
         success, ok_keys, ok = split(job.keys, outcome, data)
-        self.m.apply_result(self.m.tiers[job.tier].name, JobResult(job_id, success, ok_keys))
+        self.m.apply_result(self.m.tiers[job.tier].name, TransferResult(job_id, success, ok_keys))
         self.answered.add(job_id)
         if job.kind is JobKind.PROMOTION:
             self.ready.update(ok)
@@ -142,7 +142,7 @@ class TieringMachine(RuleBasedStateMachine):
     def duplicate_result_rejected(self, data):
         job_id = data.draw(st.sampled_from(sorted(self.answered)))
         try:
-            self.m.apply_result("disk", JobResult(job_id, True))
+            self.m.apply_result("disk", TransferResult(job_id, True))
         except UnknownJob:
             return
         raise AssertionError("a second result was accepted")
@@ -215,7 +215,7 @@ class TieringMachine(RuleBasedStateMachine):
             self.end_step()
             for job_id in list(self.jobs):
                 job = self.jobs.pop(job_id)
-                self.m.apply_result(self.m.tiers[job.tier].name, JobResult(job_id, True))
+                self.m.apply_result(self.m.tiers[job.tier].name, TransferResult(job_id, True))
         assert not self.jobs
         assert self.m.primary.pinned_count() == 0
         assert self.m.primary.writing_count() == 0

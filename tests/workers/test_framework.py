@@ -30,7 +30,7 @@ from kvoffload.protocol import (
     encode,
 )
 from tests.workers.conftest import FakeManager, write_spec
-from workers.backend import Backend, JobOutcome, NoIndexBackend
+from workers.backend import Backend, BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault
 from workers.framework import (
     EXIT_FAILED,
@@ -82,7 +82,7 @@ class EchoBackend(NoIndexBackend):
         for start in range(0, len(keys), 1000):
             yield keys[start : start + 1000]
 
-    def run_job(self, job: Job) -> JobOutcome:
+    def run_job(self, job: Job) -> BackendOutcome:
         assert self._pool is not None
         if any(k.startswith(b"boom") for k in job.keys):
             raise RuntimeError("backend exploded")
@@ -114,7 +114,7 @@ class EchoBackend(NoIndexBackend):
             if any(k.startswith(b"cleanfail") for k in job.keys):
                 raise OSError("secondary cleanup failed")
 
-        return JobOutcome(
+        return BackendOutcome(
             ok_keys=ok, nbytes=len(ok), error="some keys failed", release=release, cleanup=cleanup
         )
 
@@ -417,15 +417,15 @@ def test_loads_and_promotions_run_before_queued_stores(manager, make_pool, spawn
 
 def test_job_done_success_partial_and_none():
     job = Job(job_id=9, kind="cascade", keys=[b"a", b"b", b"c"], slots=[0, 1, 2])
-    assert job_done_of(job, JobOutcome(ok_keys=[b"a", b"b", b"c"], nbytes=3), 0.5) == JobDone(
+    assert job_done_of(job, BackendOutcome(ok_keys=[b"a", b"b", b"c"], nbytes=3), 0.5) == JobDone(
         job_id=9, success=True, transfer_s=0.5, nbytes=3
     )
-    partial = job_done_of(job, JobOutcome(ok_keys=[b"c", b"a", b"zz"], error="e"), 0.0)
+    partial = job_done_of(job, BackendOutcome(ok_keys=[b"c", b"a", b"zz"], error="e"), 0.0)
     assert not partial.success and partial.successful_keys == [b"c", b"a"] and partial.error == "e"
-    none = job_done_of(job, JobOutcome(ok_keys=[]), 0.0)
+    none = job_done_of(job, BackendOutcome(ok_keys=[]), 0.0)
     assert not none.success and none.successful_keys is None and none.error == "failed"
     assert none.absent_keys == []
-    gone = job_done_of(job, JobOutcome(ok_keys=[b"a"], absent_keys=[b"b", b"a", b"zz"]), 0.0)
+    gone = job_done_of(job, BackendOutcome(ok_keys=[b"a"], absent_keys=[b"b", b"a", b"zz"]), 0.0)
     assert gone.successful_keys == [b"a"] and gone.absent_keys == [b"b"], "only failed keys of the job"
 
 

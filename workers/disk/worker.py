@@ -41,7 +41,7 @@ from kvoffload.config import Config
 from kvoffload.logs import get_logger
 from kvoffload.pool import HostPool
 from kvoffload.protocol import Job, JobKind, KVHandle
-from workers.backend import JobOutcome
+from workers.backend import BackendOutcome
 from workers.disk.errors import StoreFull, TransientIOError
 from workers.disk.slab import DiskStore
 from workers.faults import FaultInjector
@@ -115,9 +115,9 @@ class DiskBackend:
 
     # ---- jobs ------------------------------------------------------------------------------
 
-    def run_job(self, job: Job) -> JobOutcome:
+    def run_job(self, job: Job) -> BackendOutcome:
         if job.kind not in (JobKind.PROMOTE, JobKind.CASCADE):
-            return JobOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
+            return BackendOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
         promote = job.kind == JobKind.PROMOTE
         pool = self._require_pool()
         ok: list[bytes] = []
@@ -156,7 +156,7 @@ class DiskBackend:
             error = f"{sum(failures.values())} of {len(job.keys)} keys failed ({dict(failures)}), first: {first_error}"
             log.warning("disk_keys_failed", job_id=job.job_id, kind=job.kind, keys=len(job.keys),
                         failures=dict(failures), error=first_error)
-        return JobOutcome(ok_keys=ok, nbytes=nbytes, error=error, absent_keys=absent, full_keys=full,
+        return BackendOutcome(ok_keys=ok, nbytes=nbytes, error=error, absent_keys=absent, full_keys=full,
                           cleanup=lambda: self._note_changed(changed))
 
     def _promote_one(self, key: bytes, slot: int, generation: int, changed: list[bytes]) -> str:

@@ -37,7 +37,7 @@ from kvoffload.config import Config
 from kvoffload.logs import get_logger
 from kvoffload.pool import HostPool
 from kvoffload.protocol import Job, JobKind
-from workers.backend import JobOutcome, NoIndexBackend
+from workers.backend import BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault
 from workers.object.breaker import CLOSED, BreakerOpen, CircuitBreaker
 from workers.object.errors import ObjectStoreError, ReleaseFailed
@@ -149,12 +149,12 @@ class ObjectBackend(NoIndexBackend):
         self._pool = pool
         self._faults = faults
 
-    def run_job(self, job: Job) -> JobOutcome:
+    def run_job(self, job: Job) -> BackendOutcome:
         if job.kind == JobKind.PROBE:
             return self._probe(job)
         if job.kind in (JobKind.PROMOTE, JobKind.CASCADE):
             return self._transfer(job)
-        return JobOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
+        return BackendOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -167,7 +167,7 @@ class ObjectBackend(NoIndexBackend):
 
     # ---- jobs ---------------------------------------------------------------------------------
 
-    def _probe(self, job: Job) -> JobOutcome:
+    def _probe(self, job: Job) -> BackendOutcome:
         self._count(probes=1, keys_probed=len(job.keys))
         try:
             self._faults.on_op(JobKind.PROBE)
@@ -175,12 +175,12 @@ class ObjectBackend(NoIndexBackend):
         except (ObjectStoreError, OSError) as exc:
             self._count(probe_failures=1)
             log.warning("object_probe_failed", job_id=job.job_id, keys=len(job.keys), error=str(exc))
-            return JobOutcome(ok_keys=[], error=f"probe_failed: {exc}")
+            return BackendOutcome(ok_keys=[], error=f"probe_failed: {exc}")
         ok = [key for key, present in zip(job.keys, found) if present]
         self._count(keys_found=len(ok))
-        return JobOutcome(ok_keys=ok, absent_keys=[key for key, present in zip(job.keys, found) if not present])
+        return BackendOutcome(ok_keys=ok, absent_keys=[key for key, present in zip(job.keys, found) if not present])
 
-    def _transfer(self, job: Job) -> JobOutcome:
+    def _transfer(self, job: Job) -> BackendOutcome:
         promote = job.kind == JobKind.PROMOTE
         pairs = list(zip(job.keys, job.slots))
         results = list(self._io.map(lambda pair: self._one(job, promote, *pair), pairs))
@@ -195,7 +195,7 @@ class ObjectBackend(NoIndexBackend):
         self._count(**{"bytes_read" if promote else "bytes_written": nbytes})
         error = f"{len(errors)} of {len(pairs)} keys failed, first: {errors[0]}" if errors else ""
         release = self._release_pending(job, pending) if pending else None
-        return JobOutcome(ok_keys=ok, nbytes=nbytes, error=error, release=release, absent_keys=absent)
+        return BackendOutcome(ok_keys=ok, nbytes=nbytes, error=error, release=release, absent_keys=absent)
 
     def _one(self, job: Job, promote: bool, key: bytes, slot: int) -> tuple[bool, SlotTransfer | None, str]:
         """(data moved, transfer still holding the slot or None, failure summary or "")."""
