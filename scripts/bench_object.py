@@ -1,7 +1,7 @@
 """PUT/GET throughput of the object tier: S3BlockStore vs plain boto3 vs plain obstore.
 
 Each cell PUTs ``--count`` objects of one block size with 1 or N client threads, then GETs them
-back, against the same S3 server: a SeaweedFS started here (tests/s3server.py) or ``--endpoint``.
+back, against the same S3 server: a SeaweedFS started here (kvoffload/soak/s3server.py) or ``--endpoint``.
 Plain clients move ``HEADER_SIZE + block`` bytes from a prebuilt buffer and read into a fresh
 buffer; S3BlockStore moves the same bytes from and into page-aligned host slots, including header
 build, checksum and copy. Writes JSON to ``--out``.
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     tmp = None
     if args.endpoint is None:
-        from tests.s3server import S3Server
+        from kvoffload.soak.s3server import S3Server
 
         tmp = tempfile.TemporaryDirectory(prefix="bench-object-")
         server = S3Server(tmp.name, access_key=args.access_key, secret_key=args.secret_key, region=args.region)

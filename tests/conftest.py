@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from tests.s3server import S3Server
+from kvoffload.soak.s3server import S3Server
 from tests.service_process import start_service  # noqa: F401 (a fixture for every test module)
 
 

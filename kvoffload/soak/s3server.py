@@ -1,4 +1,5 @@
-"""Start and stop a real SeaweedFS S3 server (`weed mini`) for tests and benchmarks.
+"""Start and stop a real SeaweedFS S3 server (`weed mini`) for ``kvoffload soak --s3``, tests
+and benchmarks.
 
 Contract:
 - every port weed mini opens (s3, master, volume, filer, admin and each one's grpc port) is chosen
