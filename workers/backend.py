@@ -12,21 +12,23 @@ returned; if it raises, the job stays tracked and ``release`` is called again la
 be safe to call again after a failure. ``cleanup`` is secondary best-effort work run once after
 a successful release; its failures are only logged and never hold back the result.
 
-Slot headers: a backend that writes pool slots may define ``use_slot_headers(headers)``; the
-framework calls it before ``start`` with the run's ``workers.slotheaders.SlotHeaders`` when slot
-headers are on, and the backend then stamps each slot it completely wrote before reporting the
-key as succeeded.
+Per-worker settings (job threads, CPU affinity) come from the backend, which reads its own
+config section; so does the use of slot headers (``use_slot_headers``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvoffload.pool import HostPool
 from kvoffload.protocol import Job, JobKind, KVHandle
 from workers.faults import FaultInjector
+
+if TYPE_CHECKING:
+    from kvoffload.config import Config
+    from workers.slotheaders import SlotHeaders
 
 SLOT_KINDS = frozenset(JobKind) - {JobKind.PROBE}
 """Kinds whose ``Job.slots`` are co-indexed with ``Job.keys``."""
@@ -76,6 +78,17 @@ class Backend(Protocol):
     medium: str
     capabilities: list[str]
     degraded: bool
+
+    def job_threads(self, cfg: Config) -> int:
+        """How many jobs the framework runs at once for this backend (from its config section)."""
+
+    def cpu_affinity(self, cfg: Config) -> tuple[int, ...]:
+        """Cores the worker process is pinned to (empty: not pinned), from its config section."""
+
+    def use_slot_headers(self, headers: SlotHeaders) -> None:
+        """Called before ``start`` when slot headers are on. A backend that writes pool slots
+        stamps each slot it completely wrote before reporting its key as succeeded; one that
+        writes none ignores it."""
 
     def start(self, pool: HostPool, faults: FaultInjector) -> None:
         """Open the medium; called once before the hello. ``faults`` stays the same object for

@@ -240,6 +240,12 @@ class CpuBackend(NoIndexBackend):
             else None
         )
 
+    def job_threads(self, cfg: Config) -> int:
+        return cfg.cpu.threads
+
+    def cpu_affinity(self, cfg: Config) -> tuple[int, ...]:
+        return cfg.cpu.cpu_affinity
+
     def use_slot_headers(self, headers: SlotHeaders) -> None:
         """Stamp the slots of device stores and answer verify jobs with ``headers``."""
         self._headers = headers

@@ -106,24 +106,6 @@ def load_runspec(path: str | Path) -> RunSpec:
     return msgspec.json.decode(Path(path).read_bytes(), type=RunSpec)
 
 
-def job_threads_of(cfg: Config, worker: str) -> int:
-    """Job threads for ``worker``: disk read+write threads, object io threads, else [cpu]."""
-    if worker == "disk":
-        return cfg.disk.read_threads + cfg.disk.write_threads
-    if worker == "object":
-        return cfg.object.io_threads
-    return cfg.cpu.threads
-
-
-def cpu_affinity_of(cfg: Config, worker: str) -> tuple[int, ...]:
-    """Core set for ``worker`` from its config section ([cpu] for any other name)."""
-    if worker == "disk":
-        return cfg.disk.cpu_affinity
-    if worker == "object":
-        return cfg.object.cpu_affinity
-    return cfg.cpu.cpu_affinity
-
-
 def pin_cpus(cores: Sequence[int]) -> None:
     """Pin this process to ``cores`` (no-op when empty); failures are logged, not raised."""
     if not cores:
@@ -680,7 +662,7 @@ def run_worker(
     """
     cfg = config if config is not None else spec.to_config()
     configure_logging(proc=backend.name, level=cfg.service.log_level)
-    pin_cpus(cpu_affinity_of(cfg, backend.name))
+    pin_cpus(backend.cpu_affinity(cfg))
     try:
         pool = HostPool.attach(spec.pool_name, cfg.pool.num_slots, cfg.pool.block_bytes)
     except Exception as exc:
@@ -691,11 +673,9 @@ def run_worker(
         log.warning("faults_enabled", **msgspec.structs.asdict(faults.spec))
     headers: SlotHeaders | None = None
     try:
-        use_slot_headers = getattr(backend, "use_slot_headers", None)
-        if use_slot_headers is not None:
-            headers = SlotHeaders.open(spec.slot_table_name, cfg, pool)
-            if headers is not None:
-                use_slot_headers(headers)
+        headers = SlotHeaders.open(spec.slot_table_name, cfg, pool)
+        if headers is not None:
+            backend.use_slot_headers(headers)
         backend.start(pool, faults)
     except Exception:
         log.exception("backend_start_failed", worker=backend.name)
@@ -704,7 +684,7 @@ def run_worker(
         pool.close()
         return EXIT_FAILED
     worker = _Worker(
-        backend, spec, cfg, pool, faults, job_threads_of(cfg, backend.name), hello_timeout_s
+        backend, spec, cfg, pool, faults, backend.job_threads(cfg), hello_timeout_s
     )
     previous = {
         sig: signal.signal(sig, lambda *_: worker.request_stop())

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvoffload.config import Config
 from kvoffload.pool import HostPool
 from kvoffload.protocol import (
     PROTOCOL_VERSION,
@@ -72,6 +73,15 @@ class EchoBackend(NoIndexBackend):
         self._index_keys = int(os.environ.get("TEST_INDEX_KEYS", "0"))
         self._pool: HostPool | None = None
         self._faults = FaultInjector()
+
+    def job_threads(self, cfg: Config) -> int:
+        return cfg.cpu.threads
+
+    def cpu_affinity(self, cfg: Config) -> tuple[int, ...]:
+        return cfg.cpu.cpu_affinity
+
+    def use_slot_headers(self, headers) -> None:
+        """Echo jobs stamp nothing."""
 
     def start(self, pool: HostPool, faults: FaultInjector) -> None:
         self._pool = pool

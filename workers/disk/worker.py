@@ -86,6 +86,13 @@ class DiskBackend:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
+    def job_threads(self, cfg: Config) -> int:
+        """Read and write threads together."""
+        return cfg.disk.read_threads + cfg.disk.write_threads
+
+    def cpu_affinity(self, cfg: Config) -> tuple[int, ...]:
+        return cfg.disk.cpu_affinity
+
     def use_slot_headers(self, headers: SlotHeaders) -> None:
         """Stamp the slot of every key a promotion lands."""
         self._headers = headers

@@ -139,6 +139,12 @@ class ObjectBackend(NoIndexBackend):
 
     # ---- Backend ------------------------------------------------------------------------------
 
+    def job_threads(self, cfg: Config) -> int:
+        return cfg.object.io_threads
+
+    def cpu_affinity(self, cfg: Config) -> tuple[int, ...]:
+        return cfg.object.cpu_affinity
+
     def use_slot_headers(self, headers: SlotHeaders) -> None:
         """Stamp the slot of every key a promotion lands."""
         self._headers = headers
