@@ -14,6 +14,12 @@ import msgspec
 
 from .config import Config
 
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_REFUSED = 2
+"""A child that exits with this code refused its configuration (bad credentials, missing bucket,
+protocol mismatch): restarting it cannot help, so it stays down and its tier's jobs fail."""
+
 
 class RunSpec(msgspec.Struct, forbid_unknown_fields=True):
     run_id: str
@@ -25,6 +31,7 @@ class RunSpec(msgspec.Struct, forbid_unknown_fields=True):
     """The slot header table's shm name; "" when ``pool.slot_headers`` is off."""
 
     def load_config(self) -> Config:
+        """``config`` as a typed ``Config`` (msgspec.ValidationError if it does not fit)."""
         return msgspec.convert(self.config, Config)
 
 
@@ -37,4 +44,5 @@ def write_runspec(path: Path, spec: RunSpec) -> None:
 
 
 def load_runspec(path: str | Path) -> RunSpec:
+    """Read a run spec JSON file (OSError, msgspec.DecodeError or msgspec.ValidationError)."""
     return msgspec.json.decode(Path(path).read_bytes(), type=RunSpec)

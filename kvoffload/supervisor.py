@@ -22,7 +22,7 @@ import structlog
 from .config import Config, resolve_runtime_dir
 from .pool import HostPool
 from .rundir import RunDir, cleanup_stale
-from .runspec import RunSpec, write_runspec
+from .runspec import EXIT_REFUSED, RunSpec, write_runspec
 from .slottable import SlotTable
 
 log = structlog.get_logger()
@@ -32,9 +32,6 @@ HEALTHY_AFTER_S = 30.0
 KILL_REAP_S = 5.0
 """How long ``stop`` waits for a SIGKILLed child to be reaped before it removes the segments
 anyway (a process stuck in the kernel may not die at once)."""
-EXIT_REFUSED = 2
-"""A child that exits with this code refused its configuration (bad credentials, missing bucket,
-protocol mismatch): restarting it cannot help, so it stays down and its tier's jobs fail."""
 
 
 @dataclass

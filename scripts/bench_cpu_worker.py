@@ -50,7 +50,7 @@ from kvoffload.protocol import (
 )
 from workers.cpu import CpuBackend
 from workers.faults import FaultInjector
-from workers.framework import RunSpec
+from kvoffload.runspec import RunSpec
 
 KEYS_PER_JOB = 16
 STRIDE = 7919  # prime: consecutive copies land far apart

@@ -35,7 +35,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -64,7 +63,7 @@ from kvoffload.protocol import (
     decode_manager_message,
     encode,
 )
-from kvoffload.runspec import RunSpec as SupervisorRunSpec
+from kvoffload.runspec import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, RunSpec, load_runspec
 from workers.backend import (
     DEVICE_KINDS,
     SLOT_KINDS,
@@ -78,10 +77,6 @@ from workers.slotheaders import SlotHeaders
 
 log = get_logger()
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_REFUSED = 2
-
 HELLO_RESEND_S = 1.0
 CONNECT_RETRY_S = 0.02
 RELEASE_RETRY_S = 0.01
@@ -89,21 +84,6 @@ INDEX_BATCH_KEYS = 4096
 MAX_FRAMES_PER_TURN = 1024
 CLOSE_LINGER_MS = 1000
 _STOP_PRIORITY = 2  # after every queued job (priorities 0 and 1)
-
-
-class RunSpec(SupervisorRunSpec):
-    """What the supervisor hands a worker (a JSON file written by ``kvoffload.runspec``): run
-    id, the manager's job endpoint, the client endpoint, the host pool's name, and the whole
-    configuration as a plain dict. Same fields and file format as the supervisor's struct."""
-
-    def to_config(self) -> Config:
-        """``config`` as a typed ``Config`` (msgspec.ValidationError if it does not fit)."""
-        return msgspec.convert(self.config, Config)
-
-
-def load_runspec(path: str | Path) -> RunSpec:
-    """Read a run spec JSON file (OSError, msgspec.DecodeError or msgspec.ValidationError)."""
-    return msgspec.json.decode(Path(path).read_bytes(), type=RunSpec)
 
 
 def pin_cpus(cores: Sequence[int]) -> None:
@@ -660,7 +640,7 @@ def run_worker(
     starts the backend, then runs the loop described in the module docstring. SIGTERM and
     SIGINT shut down like ``Control(shutdown)``.
     """
-    cfg = config if config is not None else spec.to_config()
+    cfg = config if config is not None else spec.load_config()
     configure_logging(proc=backend.name, level=cfg.service.log_level)
     pin_cpus(backend.cpu_affinity(cfg))
     try:
@@ -719,7 +699,7 @@ def worker_main(
     args = parser.parse_args(argv)
     try:
         spec = load_runspec(args.spec)
-        cfg = spec.to_config()
+        cfg = spec.load_config()
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         configure_logging(proc="worker")
         log.error("runspec_invalid", path=args.spec, error=str(exc))

@@ -27,7 +27,7 @@ from kvoffload.soak.s3server import S3Server
 from tests.service_process import shm_segments
 from workers.backend import Backend
 from workers.faults import FaultInjector
-from workers.framework import EXIT_REFUSED, RunSpec
+from kvoffload.runspec import EXIT_REFUSED, RunSpec
 from workers.object.breaker import CircuitBreaker
 from workers.object.worker import ObjectBackend
 

@@ -29,7 +29,7 @@ from kvoffload.protocol import (
     decode_worker_message,
     encode,
 )
-from workers.framework import RunSpec
+from kvoffload.runspec import RunSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -30,19 +30,11 @@ from kvoffload.protocol import (
     WorkerHello,
     encode,
 )
+from kvoffload.runspec import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, RunSpec, load_runspec
 from tests.workers.conftest import FakeManager, write_spec
 from workers.backend import Backend, BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault
-from workers.framework import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_REFUSED,
-    RunSpec,
-    job_done_of,
-    load_runspec,
-    validate_job,
-    worker_main,
-)
+from workers.framework import job_done_of, validate_job, worker_main
 
 MODULE = "tests.workers.test_framework"
 IDENTITY = b"test"
@@ -459,7 +451,7 @@ def test_runspec_round_trip_and_config(tmp_path):
     )
     spec = load_runspec(path)
     assert isinstance(spec, RunSpec) and spec.pool_name == "/p"
-    cfg = spec.to_config()
+    cfg = spec.load_config()
     assert cfg.cpu.threads == 3 and cfg.cpu.cpu_affinity == (0,)
     path.write_text('{"run_id": "r"}')
     assert worker_main(lambda cfg: EchoBackend(), ["--spec", str(path)]) == EXIT_REFUSED

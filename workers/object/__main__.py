@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import msgspec
 
 from kvoffload.logs import configure_logging, get_logger
-from workers.framework import EXIT_REFUSED, load_runspec, run_worker
+from kvoffload.runspec import EXIT_REFUSED, load_runspec
+from workers.framework import run_worker
 from workers.object.errors import ObjectStoreConfigError
 from workers.object.worker import ObjectBackend
 
@@ -29,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         spec = load_runspec(args.spec)
-        cfg = spec.to_config()
+        cfg = spec.load_config()
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         configure_logging(proc=ObjectBackend.name)
         log.error("runspec_invalid", path=args.spec, error=str(exc))
