@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from kvoffload.blockformat import MAX_KEY_BYTES
+from kvoffload.protocol import FaultSpec
 
 ENV_PREFIX = "KVOFFLOAD_"
 DEFAULTS_SOURCE = "defaults"
@@ -136,18 +137,6 @@ class EngineConfig(_Section):
     env: dict[str, str] = {}
 
 
-class FaultsConfig(_Section):
-    """Default fault injection for tier workers (all off)."""
-
-    fail_fraction: float = 0.0
-    delay_s: float = 0.0
-    delay_fraction: float = 0.0
-    corrupt_fraction: float = 0.0
-    release_failures: int = 0
-    seed: int = 0
-    enospc_fraction: float = 0.0
-
-
 class Config(_Section):
     """The whole configuration. Build it with ``load_config``."""
 
@@ -158,7 +147,8 @@ class Config(_Section):
     object: ObjectConfig = msgspec.field(default_factory=ObjectConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     engines: tuple[EngineConfig, ...] = ()
-    faults: FaultsConfig = msgspec.field(default_factory=FaultsConfig)
+    faults: FaultSpec = msgspec.field(default_factory=FaultSpec)
+    """Fault injection every tier worker starts with (all off); the wire's ``FaultSpec``."""
 
     def to_toml_dict(self, redact_secrets: bool = True) -> dict[str, Any]:
         """Plain nested dict (lists for arrays) in file layout, e.g. for ``status``. With
@@ -307,7 +297,7 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         if any(core < 0 for core in cores):
             fail(f"{section}.cpu_affinity", f"core ids must be >= 0, got {list(cores)}")
 
-    def fraction(section: str, struct: _Section, *names: str) -> None:
+    def fraction(section: str, struct: msgspec.Struct, *names: str) -> None:
         for name in names:
             if not 0.0 <= getattr(struct, name) <= 1.0:
                 fail(f"{section}.{name}", f"must be within [0, 1], got {getattr(struct, name)}")

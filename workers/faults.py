@@ -21,7 +21,6 @@ import signal
 import threading
 import time
 
-from kvoffload.config import FaultsConfig
 from kvoffload.logs import get_logger
 from kvoffload.protocol import FaultSpec
 
@@ -30,19 +29,6 @@ log = get_logger()
 
 class InjectedFault(OSError):
     """An operation that failed on purpose."""
-
-
-def spec_from_config(faults: FaultsConfig) -> FaultSpec:
-    """The start-up ``FaultSpec`` of ``[faults]`` (no crash: ``crash_after_ops`` is -1)."""
-    return FaultSpec(
-        fail_fraction=faults.fail_fraction,
-        delay_s=faults.delay_s,
-        delay_fraction=faults.delay_fraction,
-        corrupt_fraction=faults.corrupt_fraction,
-        release_failures=faults.release_failures,
-        seed=faults.seed,
-        enospc_fraction=faults.enospc_fraction,
-    )
 
 
 class FaultInjector:

@@ -72,7 +72,7 @@ from workers.backend import (
     Backend,
     BackendOutcome,
 )
-from workers.faults import FaultInjector, InjectedFault, spec_from_config
+from workers.faults import FaultInjector, InjectedFault
 from workers.slotheaders import SlotHeaders
 
 log = get_logger()
@@ -648,7 +648,7 @@ def run_worker(
     except Exception as exc:
         log.error("pool_attach_failed", pool=spec.pool_name, error=repr(exc))
         return EXIT_FAILED
-    faults = FaultInjector(spec_from_config(cfg.faults))
+    faults = FaultInjector(cfg.faults)
     if faults.active:
         log.warning("faults_enabled", **msgspec.structs.asdict(faults.spec))
     headers: SlotHeaders | None = None
