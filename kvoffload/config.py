@@ -15,11 +15,13 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 from kvoffload.blockformat import MAX_KEY_BYTES
 from kvoffload.protocol import FaultSpec
@@ -48,6 +50,13 @@ class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     pass
 
 
+# Single-field constraints, checked when a config is decoded (the error names key and source).
+Positive = Annotated[int, Meta(gt=0)]
+PositiveSeconds = Annotated[float, Meta(gt=0)]
+Fraction = Annotated[float, Meta(ge=0, le=1)]
+Cores = tuple[Annotated[int, Meta(ge=0)], ...]
+
+
 class ServiceConfig(_Section):
     """Manager and channels. Empty ``runtime_dir`` means ``$XDG_RUNTIME_DIR/kvoffload`` when set,
     else ``/tmp/kvoffload-<uid>``; empty ``client_endpoint`` means an ipc socket in the runtime
@@ -57,13 +66,13 @@ class ServiceConfig(_Section):
     client_endpoint: str = ""
     curve_server_secret_file: str = ""
     curve_authorized_dir: str = ""
-    metrics_port: int = 0
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     log_level: str = "info"
-    heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 5.0
-    request_lease_s: float = 300.0
-    hit_pending_deadline_s: float = 30.0
-    max_message_bytes: int = 16 * 1024 * 1024
+    heartbeat_interval_s: PositiveSeconds = 0.5
+    heartbeat_timeout_s: PositiveSeconds = 5.0
+    request_lease_s: PositiveSeconds = 300.0
+    hit_pending_deadline_s: PositiveSeconds = 30.0
+    max_message_bytes: Positive = 16 * 1024 * 1024
 
 
 class PoolConfig(_Section):
@@ -71,21 +80,21 @@ class PoolConfig(_Section):
     the slots. ``slot_headers``: workers stamp a checksummed header per ready slot, so a
     restarted manager rebuilds its primary index instead of starting cold."""
 
-    num_slots: int = 1024
-    block_bytes: int = 256 * 1024
-    eviction_policy: str = "lru"
-    unread_promotion_cap: float = 0.25
-    layout_id: str = "default"
-    key_bytes_min: int = 16
-    key_bytes_max: int = 64
+    num_slots: Positive = 1024
+    block_bytes: Annotated[int, Meta(gt=0, multiple_of=4096)] = 256 * 1024
+    eviction_policy: Literal["lru", "arc"] = "lru"
+    unread_promotion_cap: Fraction = 0.25
+    layout_id: Annotated[str, Meta(min_length=1)] = "default"
+    key_bytes_min: Positive = 16
+    key_bytes_max: Annotated[int, Meta(le=MAX_KEY_BYTES)] = 64
     slot_headers: bool = True
 
 
 class CpuConfig(_Section):
     """The cpu worker (device <-> pool copies). Empty ``cpu_affinity`` means no pinning."""
 
-    threads: int = 4
-    cpu_affinity: tuple[int, ...] = ()
+    threads: Positive = 4
+    cpu_affinity: Cores = ()
 
 
 class DiskConfig(_Section):
@@ -94,10 +103,10 @@ class DiskConfig(_Section):
     enabled: bool = True
     root: str = "kvoffload-data/disk"
     capacity_bytes: int = 8 * GiB
-    durability: str = "none"
-    read_threads: int = 4
-    write_threads: int = 2
-    cpu_affinity: tuple[int, ...] = ()
+    durability: Literal["none", "fsync"] = "none"
+    read_threads: Positive = 4
+    write_threads: Positive = 2
+    cpu_affinity: Cores = ()
 
 
 class ObjectConfig(_Section):
@@ -110,24 +119,24 @@ class ObjectConfig(_Section):
     region: str = "us-east-1"
     access_key_id: str = ""
     secret_access_key: str = ""
-    io_threads: int = 8
-    request_timeout_s: float = 10.0
-    max_retries: int = 3
-    verdict_timeout_s: float = 5.0
-    breaker_failure_threshold: int = 5
-    breaker_cooldown_s: float = 1.0
+    io_threads: Positive = 8
+    request_timeout_s: PositiveSeconds = 10.0
+    max_retries: Annotated[int, Meta(ge=0)] = 3
+    verdict_timeout_s: PositiveSeconds = 5.0
+    breaker_failure_threshold: Positive = 5
+    breaker_cooldown_s: PositiveSeconds = 1.0
     breaker_max_cooldown_s: float = 30.0
-    cpu_affinity: tuple[int, ...] = ()
+    cpu_affinity: Cores = ()
 
 
 class SupervisorConfig(_Section):
     """Process supervision: restart backoff, drain and grace period on shutdown."""
 
-    restart_backoff_initial_s: float = 0.5
-    restart_backoff_max_s: float = 10.0
-    drain_timeout_s: float = 10.0
-    stop_grace_s: float = 5.0
-    cpu_affinity: tuple[int, ...] = ()
+    restart_backoff_initial_s: PositiveSeconds = 0.5
+    restart_backoff_max_s: PositiveSeconds = 10.0
+    drain_timeout_s: PositiveSeconds = 10.0
+    stop_grace_s: PositiveSeconds = 5.0
+    cpu_affinity: Cores = ()
 
 
 class EngineConfig(_Section):
@@ -209,6 +218,8 @@ def _parse_env_value(raw: str, field_type: Any) -> Any:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
+    if typing.get_origin(field_type) is Annotated:
+        field_type = typing.get_args(field_type)[0]
     if field_type is str and not isinstance(value, str):
         return raw
     return value
@@ -285,22 +296,11 @@ def _with_aws_credentials(cfg: Config, env: Mapping[str, str]) -> Config:
 
 
 def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
+    """The checks that span fields or look outside the config (single-field constraints are
+    the types' ``Meta``)."""
+
     def fail(key: str, message: str) -> None:
         raise ConfigError(message, key, _source_of(key, sources))
-
-    def positive(section: str, struct: _Section, *names: str) -> None:
-        for name in names:
-            if not getattr(struct, name) > 0:
-                fail(f"{section}.{name}", f"must be > 0, got {getattr(struct, name)}")
-
-    def affinity(section: str, cores: tuple[int, ...]) -> None:
-        if any(core < 0 for core in cores):
-            fail(f"{section}.cpu_affinity", f"core ids must be >= 0, got {list(cores)}")
-
-    def fraction(section: str, struct: msgspec.Struct, *names: str) -> None:
-        for name in names:
-            if not 0.0 <= getattr(struct, name) <= 1.0:
-                fail(f"{section}.{name}", f"must be within [0, 1], got {getattr(struct, name)}")
 
     svc = cfg.service
     if svc.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
@@ -326,12 +326,6 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
                 "a tcp:// client_endpoint needs an existing directory of authorized client "
                 f"public keys, got {svc.curve_authorized_dir!r}",
             )
-    if not 0 <= svc.metrics_port <= 65535:
-        fail("service.metrics_port", f"must be within [0, 65535], got {svc.metrics_port}")
-    positive(
-        "service", svc, "heartbeat_interval_s", "heartbeat_timeout_s", "request_lease_s",
-        "hit_pending_deadline_s", "max_message_bytes",
-    )
     if svc.heartbeat_timeout_s <= svc.heartbeat_interval_s:
         fail(
             "service.heartbeat_timeout_s",
@@ -340,32 +334,14 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         )
 
     pool = cfg.pool
-    if pool.num_slots < 1:
-        fail("pool.num_slots", f"must be >= 1, got {pool.num_slots}")
-    if pool.block_bytes <= 0 or pool.block_bytes % 4096:
-        fail("pool.block_bytes", f"must be a positive multiple of 4096, got {pool.block_bytes}")
-    if pool.eviction_policy not in {"lru", "arc"}:
-        fail("pool.eviction_policy", f"must be 'lru' or 'arc', got {pool.eviction_policy!r}")
-    fraction("pool", pool, "unread_promotion_cap")
-    if not pool.layout_id:
-        fail("pool.layout_id", "must not be empty")
-    if not 1 <= pool.key_bytes_min <= pool.key_bytes_max:
+    if pool.key_bytes_min > pool.key_bytes_max:
         fail(
             "pool.key_bytes_min",
             f"must be within [1, pool.key_bytes_max={pool.key_bytes_max}], "
             f"got {pool.key_bytes_min}",
         )
-    if pool.key_bytes_max > MAX_KEY_BYTES:
-        fail("pool.key_bytes_max", f"must be <= {MAX_KEY_BYTES}, got {pool.key_bytes_max}")
-
-    positive("cpu", cfg.cpu, "threads")
-    affinity("cpu", cfg.cpu.cpu_affinity)
 
     disk = cfg.disk
-    if disk.durability not in {"none", "fsync"}:
-        fail("disk.durability", f"must be 'none' or 'fsync', got {disk.durability!r}")
-    positive("disk", disk, "read_threads", "write_threads")
-    affinity("disk", disk.cpu_affinity)
     if disk.enabled:
         if not disk.root:
             fail("disk.root", "must not be empty when disk.enabled")
@@ -382,42 +358,24 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
             fail("object.endpoint", "must be set when object.enabled is true")
         if not obj.bucket:
             fail("object.bucket", "must be set when object.enabled is true")
-    positive(
-        "object", obj, "io_threads", "request_timeout_s", "verdict_timeout_s",
-        "breaker_failure_threshold", "breaker_cooldown_s",
-    )
     if obj.breaker_max_cooldown_s < obj.breaker_cooldown_s:
         fail(
             "object.breaker_max_cooldown_s",
             f"must be >= object.breaker_cooldown_s ({obj.breaker_cooldown_s}), "
             f"got {obj.breaker_max_cooldown_s}",
         )
-    if obj.max_retries < 0:
-        fail("object.max_retries", f"must be >= 0, got {obj.max_retries}")
-    affinity("object", obj.cpu_affinity)
 
     sup = cfg.supervisor
-    positive(
-        "supervisor", sup, "restart_backoff_initial_s", "restart_backoff_max_s", "drain_timeout_s",
-        "stop_grace_s",
-    )
     if sup.restart_backoff_max_s < sup.restart_backoff_initial_s:
         fail(
             "supervisor.restart_backoff_max_s",
             f"must be >= supervisor.restart_backoff_initial_s ({sup.restart_backoff_initial_s}), "
             f"got {sup.restart_backoff_max_s}",
         )
-    affinity("supervisor", sup.cpu_affinity)
 
     for i, engine in enumerate(cfg.engines):
         if not engine.command or not engine.command[0]:
             fail(f"engines[{i}].command", "must name a program")
-
-    faults = cfg.faults
-    fraction("faults", faults, "fail_fraction", "delay_fraction", "corrupt_fraction", "enospc_fraction")
-    for name in ("delay_s", "release_failures"):
-        if getattr(faults, name) < 0:
-            fail(f"faults.{name}", f"must be >= 0, got {getattr(faults, name)}")
 
 
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:

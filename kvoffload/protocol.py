@@ -12,7 +12,7 @@ Decoding is strict (``decode_client`` etc. accept only their channel's union) an
 from __future__ import annotations
 
 import enum
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -524,19 +524,22 @@ class DetachKV(_Msg, tag="detach_kv"):
     handle_id: str
 
 
+_Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
+
+
 class FaultSpec(msgspec.Struct, forbid_unknown_fields=True):
     """Fault injection for soak tests: fractions of operations that fail (EIO) / are delayed /
     are corrupted, of medium writes that find the medium full (ENOSPC), release failures to
     inject, or a crash after ``crash_after_ops``."""
 
-    fail_fraction: float = 0.0
-    delay_s: float = 0.0
-    delay_fraction: float = 0.0
-    corrupt_fraction: float = 0.0
-    release_failures: int = 0
+    fail_fraction: _Fraction = 0.0
+    delay_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    delay_fraction: _Fraction = 0.0
+    corrupt_fraction: _Fraction = 0.0
+    release_failures: Annotated[int, msgspec.Meta(ge=0)] = 0
     crash_after_ops: int = -1
     seed: int = 0
-    enospc_fraction: float = 0.0
+    enospc_fraction: _Fraction = 0.0
 
 
 class Control(_Msg, tag="control"):
