@@ -18,7 +18,6 @@ MISS for them to that request: one recompute, never a load -> fail -> load loop.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from vllm.config import VllmConfig
@@ -36,14 +35,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
 
+from . import integration_logger
 from .keys import hashing_is_seed_dependent
 from .manager import KVOffloadManager
 from .spec import spec_defaults
 from .worker import KVOffloadWorker
 
-log = logging.getLogger(__name__)
+log = integration_logger(__name__)
 
 
 @dataclass
@@ -147,6 +149,35 @@ class KVOffloadConnector(OffloadingConnector):
         return out
 
     # ---- scheduler side -------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Ask kvoffload for the request's whole remaining prefix in one round trip before
+        vLLM looks its keys up one by one, so a hit is known in the step the request arrives
+        instead of the next one."""
+        manager = self.scheduler.manager
+        if isinstance(manager, KVOffloadManager):
+            keys = self._keys_from(request, num_computed_tokens)
+            if keys:
+                status = self.scheduler._req_status[request.request_id]
+                manager.ask_now(status.req_context, keys)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def _keys_from(self, request: Request, num_computed_tokens: int) -> list[OffloadKey]:
+        """The request's offload keys from ``num_computed_tokens`` on, read from vLLM's
+        per-request state (the keys vLLM is about to look up); empty when vLLM will not look
+        up this step or its state is not shaped as in the vLLM versions this was built for."""
+        try:
+            status = self.scheduler._req_status[request.request_id]
+            if status.transfer_jobs or request.skip_reading_prefix_cache:
+                return []
+            status.update_offload_keys()
+            (group,) = status.group_states
+            (group_config,) = self.scheduler.config.kv_group_configs
+            return group.offload_keys[num_computed_tokens // group_config.tokens_per_chunk :]
+        except (AttributeError, KeyError, ValueError):
+            return []
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

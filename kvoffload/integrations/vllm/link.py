@@ -14,7 +14,6 @@ freshly connected client under a lock.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -24,7 +23,9 @@ import zmq
 from kvoffload.client import KVOffloadClient, KVOffloadError
 from kvoffload.protocol import Connected, ErrorCode
 
-log = logging.getLogger(__name__)
+from . import integration_logger
+
+log = integration_logger(__name__)
 
 T = TypeVar("T")
 

@@ -20,7 +20,6 @@ raises into vLLM's scheduler loop; requests are registered again with a restarte
 
 from __future__ import annotations
 
-import logging
 from collections import Counter as Multiset
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -43,12 +42,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.client import KVOffloadClient, KVOffloadError
 
+from . import integration_logger
 from .blocks import NO_SLOT, PoolBlocks
 from .keys import namespaced, offload_key_of
 from .link import ServiceDown, ServiceLink
 from .metrics import Counter, StatsAccumulator
 
-log = logging.getLogger(__name__)
+log = integration_logger(__name__)
 
 RESET_TIMEOUT_S = 5.0
 """Bound of ``reset_cache`` (the service drains its jobs first, which takes milliseconds)."""
@@ -191,6 +191,22 @@ class KVOffloadManager(OffloadingManager):
             return LookupResult.MISS
         state.queued[nkey] = None
         return state.uncertain.get(nkey, LookupResult.RETRY)
+
+    def ask_now(self, req_context: ReqContext, keys: Iterable[OffloadKey]) -> None:
+        """Look ``keys`` up at once (one pinned round trip), so the lookups vLLM makes next in
+        this step are answered without waiting for the step's end. Keys already answered for
+        good are not asked again."""
+        self._sync_generation()
+        state = self._state(req_context)
+        if state.finished or not self._link.ready():
+            return
+        for key in keys:
+            nkey = self._key(key)
+            if nkey not in state.pinned and nkey not in state.missed and nkey not in state.failed:
+                state.queued[nkey] = None
+        if state.queued:
+            self._lookup_batch(state)
+            self._count_outage()
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         state = self._requests.get(req_context.req_id)

@@ -10,7 +10,6 @@ starts anyway and the integration connects when the service appears.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvoffload.discovery import find_endpoint
 from kvoffload.protocol import Connected
 
+from . import integration_logger
 from .keys import FINGERPRINT_BYTES, KVIdentity, model_digest
 from .layout import BlockLayout, GeometryError, check_fits
 from .link import ServiceLink
@@ -33,7 +33,7 @@ from .metrics import metric_definitions
 from .settings import ConnectorSettings
 from .worker import KVOffloadWorker
 
-log = logging.getLogger(__name__)
+log = integration_logger(__name__)
 
 LAYOUT_VERSION = "kvoffload-vllm-1"
 OFFLOAD_KEY_BYTES = 36  # vLLM's block hash (32) + KV cache group index (4)

@@ -15,11 +15,9 @@ connector does not support failed jobs). Instead:
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,10 +34,11 @@ from kvoffload.blockformat import payload_checksum
 from kvoffload.pool import HostPool
 from kvoffload.protocol import FaultSpec
 
+from . import integration_logger
 from .blocks import NO_SLOT, PoolBlocks
 from .layout import BlockLayout, CopyRow, load_rows, store_rows
 
-log = logging.getLogger(__name__)
+log = integration_logger(__name__)
 
 
 @dataclass
@@ -89,6 +88,7 @@ class KVOffloadWorker(OffloadingWorker):
         self._layout = layout
         self._offsets = layout.tensor_offsets
         self._device = self._tensors[0].device
+        self._arrays = [t.numpy() for t in self._tensors] if self._device.type == "cpu" else []
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         self._pools: dict[str, HostPool] = {}
         self._fenced = True
@@ -295,23 +295,20 @@ class KVOffloadWorker(OffloadingWorker):
         """Copy ``rows`` between the KV tensors and their keys' slots; returns bytes moved."""
         if self._stream is not None:
             return self._copy_cuda(pool, rows, slots, to_pool)
-        by_chunk_block: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
-        for row in rows:
-            blocks, row_slots = by_chunk_block[row.chunk_block]
-            blocks.append(row.block_id)
-            row_slots.append(slots[row.key_index])
+        # One memcpy per (block, tensor) through numpy views: torch's advanced indexing of
+        # int8 rows measured 0.36 GB/s here, row slices 4.5 GB/s.
+        host = pool.numpy()
         moved = 0
-        for chunk_block, (blocks, row_slots) in by_chunk_block.items():
-            base = self._layout.offset(chunk_block)
-            block_index = torch.tensor(blocks, dtype=torch.long)
-            slot_index = torch.tensor(row_slots, dtype=torch.long)
-            for tensor, page, offset in zip(self._tensors, self._pages, self._offsets, strict=True):
+        for row in rows:
+            base = self._layout.offset(row.chunk_block)
+            slot = host[slots[row.key_index]]
+            for array, page, offset in zip(self._arrays, self._pages, self._offsets, strict=True):
                 start = base + offset
                 if to_pool:
-                    pool[slot_index, start : start + page] = tensor[block_index, :page]
+                    slot[start : start + page] = array[row.block_id, :page]
                 else:
-                    tensor[block_index, :page] = pool[slot_index, start : start + page]
-                moved += len(blocks) * page
+                    array[row.block_id, :page] = slot[start : start + page]
+                moved += page
         return moved
 
     def _copy_cuda(
