@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 from kvoffload import protocol as p
 from kvoffload.client import KVOffloadClient
 from kvoffload.rundir import live_runs
+from kvoffload.soak.probe import log_events_in
 
 
 class Service:
@@ -107,16 +107,7 @@ drain_timeout_s = 5.0
         raise TimeoutError(f"workers {names} not ready: {self.status().workers}\n{self.log_path.read_text()[-3000:]}")
 
     def log_events(self) -> list[dict]:
-        import json
-
-        events = []
-        for line in self.log_path.read_text().splitlines():
-            if line.startswith("{"):
-                try:
-                    events.append(json.loads(line))
-                except ValueError:
-                    continue
-        return events
+        return log_events_in(self.log_path)
 
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -145,10 +136,6 @@ def start_service(tmp_path):
     yield start
     for service in started:
         service.stop()
-
-
-def shm_segments(run_id: str) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if run_id in n]
 
 
 def free_port() -> int:

@@ -122,8 +122,13 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float 
 
 def log_events(harness: ServiceHarness) -> list[dict]:
     """The JSON log events the service's processes wrote so far."""
+    return log_events_in(harness.log_path)
+
+
+def log_events_in(path: Path) -> list[dict]:
+    """The JSON log events (one object a line) in the log file at ``path``."""
     events = []
-    for line in harness.log_path.read_text(errors="replace").splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         if line.startswith("{"):
             try:
                 events.append(json.loads(line))

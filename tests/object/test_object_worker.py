@@ -24,7 +24,7 @@ from kvoffload.pool import HostPool
 from kvoffload.protocol import FaultSpec, Job, JobKind
 from kvoffload.tiering import LookupResult
 from kvoffload.soak.s3server import S3Server
-from tests.service_process import shm_segments
+from kvoffload.soak.service import shm_names_containing
 from workers.backend import Backend
 from workers.faults import FaultInjector
 from kvoffload.runspec import EXIT_REFUSED, RunSpec
@@ -483,4 +483,4 @@ def test_blocks_come_back_from_s3_after_reset(
     assert not [e for e in events if e["event"] in ("job_result_rejected", "device_job_result_rejected")]
     run_id = service.run_id
     assert service.stop() == 0
-    assert shm_segments(run_id) == []
+    assert shm_names_containing(run_id) == []

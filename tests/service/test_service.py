@@ -19,7 +19,8 @@ from kvoffload.cuda_host import cuda_device_count
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.tiering import LookupResult
 
-from tests.service_process import free_port, sample_value, scrape_metrics, shm_segments
+from kvoffload.soak.service import shm_names_containing
+from tests.service_process import free_port, sample_value, scrape_metrics
 
 BLOCK = 65536
 
@@ -188,7 +189,7 @@ def test_sigterm_with_jobs_in_flight_leaves_nothing_behind(start_service, kv):
         for j in range(3):
             c.store("r", keys_for(f"t{j}", 8), list(range(8)), "kv")
     assert service.stop() == 0
-    assert shm_segments(service.run_id) == []
+    assert shm_names_containing(service.run_id) == []
     assert [f for f in os.listdir(service.base) if service.run_id in f] == []
     events = {e["event"] for e in service.log_events()}
     assert {"manager_stopping", "service_stopped"} <= events
@@ -217,7 +218,7 @@ def test_shutdown_kills_children_that_ignore_sigterm_after_the_grace_period(star
     assert service.stop() == 0
     assert time.monotonic() - started < 4.0, "two stubborn children share one 1-second grace period"
     assert not [c for c in stubborn if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    assert shm_segments(service.run_id) == []
+    assert shm_names_containing(service.run_id) == []
     assert [f for f in os.listdir(service.base) if service.run_id in f] == []
     killed = [e["child"] for e in service.log_events() if e.get("event") == "child_killed_after_grace"]
     assert sorted(killed) == ["engine0", "engine1"]

@@ -18,7 +18,7 @@ from kvoffload.kvcache import SharedKVCache
 from kvoffload.pool import HostPool
 from kvoffload.tiering import LookupResult
 
-from tests.service_process import shm_segments
+from kvoffload.soak.service import shm_names_containing
 
 BLOCK = 65536
 SOURCE_BLOCKS = 32
@@ -139,13 +139,13 @@ def test_ready_blocks_survive_a_manager_crash_and_nothing_unverified_is_served(s
 
     run_id = service.run_id
     assert service.stop() == 0
-    assert shm_segments(run_id) == []
+    assert shm_names_containing(run_id) == []
 
 
 def test_with_slot_headers_off_a_restarted_manager_starts_cold(start_service, kv, monkeypatch):
     monkeypatch.setenv("KVOFFLOAD_POOL__SLOT_HEADERS", "false")
     service = start_service()
-    assert not [n for n in shm_segments(service.run_id) if n.endswith("-slots")]
+    assert not [n for n in shm_names_containing(service.run_id) if n.endswith("-slots")]
     keys = keys_for("cold", 4)
     with service.client("before") as old:
         old.register_kv(kv.handle("kv"))

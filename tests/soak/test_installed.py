@@ -18,7 +18,8 @@ SOURCES = ("kvoffload", "workers", "setup.cfg", "pyproject.toml", "README.md")
 
 def installed_venv(tmp_path: Path) -> Path:
     """A fresh venv holding a wheel built from a copy of the sources (no ``tests/``); the
-    dependencies come from this interpreter's site-packages, added after its own."""
+    dependencies come from this interpreter's site-packages, added after its own. Installed
+    with ``--ignore-installed``: pip must not uninstall this interpreter's own kvoffload."""
     src = tmp_path / "src"
     src.mkdir()
     for name in SOURCES:
@@ -37,7 +38,7 @@ def installed_venv(tmp_path: Path) -> Path:
     Path(env_site, "shared-deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     subprocess.run(
         [env_python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-warn-script-location", str(src)],
+         "--ignore-installed", "--no-warn-script-location", str(src)],
         cwd=tmp_path, check=True,
     )
     return env_dir
@@ -45,7 +46,13 @@ def installed_venv(tmp_path: Path) -> Path:
 
 def test_soak_with_local_s3_runs_from_a_non_editable_install(tmp_path):
     env_dir = installed_venv(tmp_path)
-    env = {**os.environ, "PATH": f"{env_dir / 'bin'}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    outer = subprocess.run(
+        [sys.executable, "-c", "import kvoffload; print(kvoffload.__file__)"],
+        cwd=tmp_path, capture_output=True, text=True,
+    )
+    assert outer.returncode == 0, "installing the wheel must leave this interpreter's kvoffload"
+    path = os.pathsep.join([str(env_dir / "bin"), str(Path(sys.executable).parent), os.environ["PATH"]])
+    env = {**os.environ, "PATH": path}
     env.pop("PYTHONPATH", None)
     where = subprocess.run(
         [env_dir / "bin" / "python", "-c", "import kvoffload.soak.s3server as m; print(m.__file__)"],
@@ -54,7 +61,8 @@ def test_soak_with_local_s3_runs_from_a_non_editable_install(tmp_path):
     assert Path(where).is_relative_to(env_dir), where
     out = tmp_path / "summary.json"
     run = subprocess.run(
-        [env_dir / "bin" / "kvoffload", "soak", "--s3", "--duration", "5", "--clients", "2", "--json-out", out],
+        [env_dir / "bin" / "kvoffload", "soak", "--s3", "--duration", "5", "--clients", "2",
+         "--json-out", out],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
