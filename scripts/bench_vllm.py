@@ -51,6 +51,8 @@ from typing import Any
 import msgspec
 import psutil
 
+from kvoffload.protocol import TieringStatus
+
 VOCAB = 1024
 BLOCK_TOKENS = 32
 SUFFIX_TOKENS = 8
@@ -331,10 +333,10 @@ class Service:
         self.client.close()
         self.supervisor.stop()
 
-    def tiering(self) -> dict[str, Any]:
+    def tiering(self) -> TieringStatus:
         return self.client.status().tiering
 
-    def wait_settled(self, ready_keys: int, disk_keys: int, timeout_s: float = 120.0) -> dict[str, Any]:
+    def wait_settled(self, ready_keys: int, disk_keys: int, timeout_s: float = 120.0) -> TieringStatus:
         """Until the pool holds ``ready_keys`` ready keys (0: any), the disk tier indexes
         ``disk_keys`` keys and no store, tier job or cascade is left in flight."""
         deadline = time.monotonic() + timeout_s
@@ -359,11 +361,11 @@ def prompts_for(lengths: list[int], count: int) -> dict[int, list[tuple[list[int
     rng = np.random.default_rng(2026)
     out: dict[int, list[tuple[list[int], ...]]] = {}
     for length in lengths:
-        pairs = []
+        triples = []
         for _ in range(count):
             prefix = rng.integers(3, VOCAB, size=length).tolist()
-            pairs.append(tuple(prefix + rng.integers(3, VOCAB, size=SUFFIX_TOKENS).tolist() for _ in range(3)))
-        out[length] = pairs
+            triples.append(tuple(prefix + rng.integers(3, VOCAB, size=SUFFIX_TOKENS).tolist() for _ in range(3)))
+        out[length] = triples
     return out
 
 
@@ -380,8 +382,8 @@ def expect_cached(run: dict[str, Any], tokens: int, what: str) -> None:
 
 def run_vllm(engine: Engine, prompts, runs: dict) -> None:
     warm_up(engine)
-    for length, pairs in prompts.items():
-        for cold_prompt, hit_prompt, _ in pairs:
+    for length, triples in prompts.items():
+        for cold_prompt, hit_prompt, _ in triples:
             cold = engine.generate(cold_prompt)
             expect_cached(cold, 0, f"recompute {length}")
             hit = engine.generate(hit_prompt)
@@ -394,8 +396,8 @@ def run_kvoffload(engine: Engine, service: Service, prompts, runs: dict) -> None
     warm_up(engine)
     service.wait_settled(0, 0)
     stored = service.tiering().tiers["disk"].indexed_keys
-    for length, pairs in prompts.items():
-        for cold_prompt, hit_prompt, resident_prompt in pairs:
+    for length, triples in prompts.items():
+        for cold_prompt, hit_prompt, resident_prompt in triples:
             cold = engine.generate(cold_prompt)
             expect_cached(cold, 0, f"kvoffload cold {length}")
             stored += length // BLOCK_TOKENS
@@ -409,8 +411,8 @@ def run_kvoffload(engine: Engine, service: Service, prompts, runs: dict) -> None
             runs["kvoffload_pool"][length].append(hit)
             runs["kvoffload_resident"][length].append(resident)
     service.wait_settled(0, stored)
-    for length, pairs in prompts.items():
-        for _, hit_prompt, _ in pairs:
+    for length, triples in prompts.items():
+        for _, hit_prompt, _ in triples:
             service.client.reset_cache()
             engine.reset_prefix_cache()
             hit = engine.generate(hit_prompt)
@@ -420,8 +422,8 @@ def run_kvoffload(engine: Engine, service: Service, prompts, runs: dict) -> None
 
 def run_native(engine: Engine, prompts, runs: dict) -> None:
     warm_up(engine)
-    for length, pairs in prompts.items():
-        for cold_prompt, hit_prompt, _ in pairs:
+    for length, triples in prompts.items():
+        for cold_prompt, hit_prompt, _ in triples:
             engine.generate(cold_prompt)
             engine.reset_prefix_cache()
             hit = engine.generate(hit_prompt)
