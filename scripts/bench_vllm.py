@@ -38,8 +38,8 @@ import os
 import platform
 import re
 import select
-import signal
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
