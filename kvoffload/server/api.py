@@ -93,7 +93,7 @@ class ClientApi:
         for session in self.state.sessions.values():
             if session.pending_poll is not None and now >= session.pending_poll.deadline:
                 self.state.answer_poll(session, force=True)
-        self._try_resets(now)
+        self.state.settle_resets(now)
 
     # ---- checks ---------------------------------------------------------------------------
 
@@ -278,26 +278,8 @@ class ClientApi:
         self.state.pending_resets.append((identity, msg.rid, deadline))
         self.tiering.flush_cascade_backlogs()
         self.state.run_tier_step()
-        self._try_resets(time.monotonic())
+        self.state.settle_resets(time.monotonic())
         return None
-
-    def _try_resets(self, now: float) -> None:
-        state = self.state
-        if not state.pending_resets:
-            return
-        if state.idle() and self.tiering.cascade_backlog(online_only=True) == 0:
-            self.tiering.reset_cache()
-            for session in state.sessions.values():
-                session.pinned.clear()
-                session.open_stores.clear()
-            log.info("cache_reset", callers=len(state.pending_resets))
-            for identity, rid, _ in state.pending_resets:
-                state.reply(identity, p.Ok(rid))
-            state.pending_resets.clear()
-            return
-        for entry in [e for e in state.pending_resets if now >= e[2]]:
-            state.pending_resets.remove(entry)
-            state.reply(entry[0], p.Error(entry[1], ErrorCode.RESET_TIMEOUT, "jobs or cascades still in flight"))
 
     def _on_poll(self, identity, session: ClientSession, msg: p.Poll):
         if session.pending_poll is not None:

@@ -156,6 +156,28 @@ class ManagerState:
         self.tiering.end_step()
         self.dispatch_tier_jobs()
 
+    def settle_resets(self, now: float) -> None:
+        """Answer the pending ``ResetCache`` calls: once no job is in flight and no online tier
+        has a waiting cascade the cache is reset and each gets ``Ok``; each one past its deadline
+        gets ``reset_timeout``."""
+        if not self.pending_resets:
+            return
+        if self.idle() and self.tiering.cascade_backlog(online_only=True) == 0:
+            self.tiering.reset_cache()
+            for session in self.sessions.values():
+                session.pinned.clear()
+                session.open_stores.clear()
+            log.info("cache_reset", callers=len(self.pending_resets))
+            for identity, rid, _ in self.pending_resets:
+                self.reply(identity, p.Ok(rid))
+            self.pending_resets.clear()
+            return
+        for entry in [e for e in self.pending_resets if now >= e[2]]:
+            self.pending_resets.remove(entry)
+            self.reply(
+                entry[0], p.Error(entry[1], p.ErrorCode.RESET_TIMEOUT, "jobs or cascades still in flight")
+            )
+
     def answer_poll(self, session: ClientSession, force: bool = False) -> None:
         """Answer the session's waiting poll with its queued events (or none, when forced)."""
         poll = session.pending_poll
