@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvoffload.logs import get_logger
-from kvoffload.shmseg import OwnedSegment, attach_segment, close_mapping, create_segment
 from kvoffload.protocol import CudaIpcFields, HandleKind, KVHandle, TensorSpec
+from kvoffload.shmseg import OwnedSegment, attach_segment, close_mapping, create_segment
 
 if TYPE_CHECKING:
     import torch

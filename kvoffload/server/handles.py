@@ -6,8 +6,8 @@ from __future__ import annotations
 import structlog
 
 from .. import protocol as p
-from ..protocol import ErrorCode
 from ..kvcache import handle_problem, segment_problem
+from ..protocol import ErrorCode
 from ..rundir import is_run_segment
 from ..shmseg import stat_segment
 from .state import CPU_WORKER, ManagerState, RequestError

@@ -17,7 +17,14 @@ import zmq
 from .. import protocol as p
 from ..config import Config
 from ..runspec import RunSpec
-from ..tiering import JobKind, TransferResult, Locality, Medium, TieringManager, TierSpec
+from ..tiering import (
+    JobKind,
+    Locality,
+    Medium,
+    TieringManager,
+    TierSpec,
+    TransferResult,
+)
 from .metrics import MetricsEndpoint
 from .sessions import ClientSession
 from .sockets import bind_client_socket, bind_job_socket

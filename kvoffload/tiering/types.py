@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, NamedTuple
 
 from ..logs import get_logger
-from ..vocab import ErrorCode, LookupResult, MissReason, must_wait  # noqa: F401  (re-exported)
+from ..vocab import ErrorCode, LookupResult, MissReason, must_wait
 
 log = get_logger()
 
