@@ -446,6 +446,7 @@ BREAKDOWN_FIELDS = (
     ("load_reported_ms", "the scheduler learns the load finished"),
     ("done_ms", "generate() returns with the first token"),
     ("steps", "scheduler steps the request lived through"),
+    ("match_ms", "time in the connector's get_num_new_matched_tokens (lookups answered at once)"),
     ("lookup_rtt_ms", "time in the step-end lookup batches (round trips to kvoffload)"),
     ("step_interval_ms", "mean time between two scheduler steps in the request's life"),
 )
@@ -472,6 +473,7 @@ def _request_breakdown(events: list[dict[str, Any]], run: dict[str, Any]) -> dic
         "load_reported_ms": ms(reported["t"]) if reported else None,
         "done_ms": ms(t1),
         "steps": len(steps),
+        "match_ms": sum(e["d"] for e in matches) * 1e3,
         "lookup_rtt_ms": sum(e["d"] for e in window if e["ev"] == "schedule_end") * 1e3,
         "step_interval_ms": ((steps[-1]["t"] - steps[0]["t"]) / (len(steps) - 1) * 1e3) if len(steps) > 1 else None,
     }
