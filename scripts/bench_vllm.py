@@ -16,8 +16,9 @@ the time of one ``LLM.generate`` call is the TTFT. Per length the medians over t
   emptied) and ``reset_prefix_cache`` before each P + s1: P is promoted from disk and loaded;
 - vllm native: vLLM's ``OffloadingConnector`` with its CPU spec, P + s0, reset, P + s1. vLLM
   refuses it on its CPU backend; the run records it as skipped with vLLM's reason.
-Every hit run must report ``num_cached_tokens`` = the prefix, and its first token must equal
-the resident run's (vLLM's prefix hit of the same tokens).
+Every hit run must report ``num_cached_tokens`` = the prefix (a run that does not is printed,
+listed under ``problems`` and kept as a sample: its TTFT is what a user got), and its first token
+must equal the resident run's (vLLM's prefix hit of the same tokens).
 
 Model: a random-weight Llama (4 layers, hidden 1024, SwiGLU 2816, 16 query / 8 KV heads x 64,
 vocab 1024, about 48 M parameters, bf16) written to a temp directory; one 32-token vLLM block is
@@ -288,9 +289,9 @@ def _error_line(log: str) -> str:
 
 class Service:
     """A kvoffload service (cpu and disk workers) in ``home``: host pool sized for
-    ``pool_blocks`` blocks, disk tier for ``disk_blocks``."""
+    ``pool_blocks`` blocks, disk tier for ``disk_blocks``; its children log to ``log_path``."""
 
-    def __init__(self, home: Path, pool_blocks: int, disk_blocks: int) -> None:
+    def __init__(self, home: Path, pool_blocks: int, disk_blocks: int, log_path: Path) -> None:
         import msgspec
 
         from kvoffload.config import load_config
@@ -308,7 +309,7 @@ class Service:
                                          unread_promotion_cap=1.0),
             disk=msgspec.structs.replace(cfg.disk, capacity_bytes=disk_blocks * (block_bytes + 4096)),
         )
-        self.log_path = home / "service.log"
+        self.log_path = log_path
         self.supervisor = Supervisor(self.cfg, log_path=self.log_path)
 
     def __enter__(self) -> Service:
@@ -375,38 +376,41 @@ def warm_up(engine: Engine) -> None:
         engine.generate([3 + (seed * k) % (VOCAB - 3) for k in range(300)])
 
 
-def expect_cached(run: dict[str, Any], tokens: int, what: str) -> None:
+def expect_cached(run: dict[str, Any], tokens: int, what: str, problems: list[str]) -> None:
+    """Note (and print) a run whose cached tokens are not ``tokens``; the run stays a sample:
+    its TTFT is what a user got."""
     if run["cached"] != tokens:
-        raise AssertionError(f"{what}: vLLM reports {run['cached']} cached tokens, expected {tokens}")
+        problems.append(f"{what}: vLLM reports {run['cached']} cached tokens, expected {tokens}")
+        print(f"  WARNING {problems[-1]}", flush=True)
 
 
-def run_vllm(engine: Engine, prompts, runs: dict) -> None:
+def run_vllm(engine: Engine, prompts, runs: dict, problems: list[str]) -> None:
     warm_up(engine)
     for length, triples in prompts.items():
         for cold_prompt, hit_prompt, _ in triples:
             cold = engine.generate(cold_prompt)
-            expect_cached(cold, 0, f"recompute {length}")
+            expect_cached(cold, 0, f"recompute {length}", problems)
             hit = engine.generate(hit_prompt)
-            expect_cached(hit, length, f"resident {length}")
+            expect_cached(hit, length, f"resident {length}", problems)
             runs["recompute"][length].append(cold)
             runs["resident"][length].append(hit)
 
 
-def run_kvoffload(engine: Engine, service: Service, prompts, runs: dict) -> None:
+def run_kvoffload(engine: Engine, service: Service, prompts, runs: dict, problems: list[str]) -> None:
     warm_up(engine)
     service.wait_settled(0, 0)
     stored = service.tiering().tiers["disk"].indexed_keys
     for length, triples in prompts.items():
         for cold_prompt, hit_prompt, resident_prompt in triples:
             cold = engine.generate(cold_prompt)
-            expect_cached(cold, 0, f"kvoffload cold {length}")
+            expect_cached(cold, 0, f"kvoffload cold {length}", problems)
             stored += length // BLOCK_TOKENS
             service.wait_settled(length // BLOCK_TOKENS, stored)
             engine.reset_prefix_cache()
             hit = engine.generate(hit_prompt)
-            expect_cached(hit, length, f"kvoffload pool {length}")
+            expect_cached(hit, length, f"kvoffload pool {length}", problems)
             resident = engine.generate(resident_prompt)
-            expect_cached(resident, length, f"resident with the connector {length}")
+            expect_cached(resident, length, f"resident with the connector {length}", problems)
             runs["kvoffload_cold"][length].append(cold)
             runs["kvoffload_pool"][length].append(hit)
             runs["kvoffload_resident"][length].append(resident)
@@ -416,18 +420,18 @@ def run_kvoffload(engine: Engine, service: Service, prompts, runs: dict) -> None
             service.client.reset_cache()
             engine.reset_prefix_cache()
             hit = engine.generate(hit_prompt)
-            expect_cached(hit, length, f"kvoffload disk {length}")
+            expect_cached(hit, length, f"kvoffload disk {length}", problems)
             runs["kvoffload_disk"][length].append(hit)
 
 
-def run_native(engine: Engine, prompts, runs: dict) -> None:
+def run_native(engine: Engine, prompts, runs: dict, problems: list[str]) -> None:
     warm_up(engine)
     for length, triples in prompts.items():
         for cold_prompt, hit_prompt, _ in triples:
             engine.generate(cold_prompt)
             engine.reset_prefix_cache()
             hit = engine.generate(hit_prompt)
-            expect_cached(hit, length, f"vllm native offload {length}")
+            expect_cached(hit, length, f"vllm native offload {length}", problems)
             runs["vllm_native"][length].append(hit)
 
 
@@ -509,10 +513,12 @@ def summarize(lengths: list[int], runs: dict, native_ran: bool) -> list[dict[str
         med = {mode: statistics.median(r["s"] for r in by_len[length])
                for mode, by_len in runs.items() if by_len[length]}
         reference = runs["resident"][length]
+        hit_modes = ("kvoffload_pool", "kvoffload_disk", *(("vllm_native",) if native_ran else ()))
         same = all(
             run["token"] == ref["token"]
-            for mode in ("kvoffload_pool", "kvoffload_disk", *(("vllm_native",) if native_ran else ()))
+            for mode in hit_modes
             for run, ref in zip(runs[mode][length], reference, strict=True)
+            if run["cached"] == ref["cached"] == length
         )
         row = {
             "prefix_tokens": length,
@@ -521,6 +527,7 @@ def summarize(lengths: list[int], runs: dict, native_ran: bool) -> list[dict[str
             **{f"{mode}_ttft_s": value for mode, value in med.items()},
             "samples_s": {mode: [r["s"] for r in by_len[length]] for mode, by_len in runs.items() if by_len[length]},
             "first_token_same_as_resident": same,
+            "full_hits": {mode: sum(r["cached"] == length for r in runs[mode][length]) for mode in hit_modes},
             "pool_vs_resident": med["kvoffload_pool"] / med["resident"],
             "pool_vs_resident_same_engine": med["kvoffload_pool"] / med["kvoffload_resident"],
             "recompute_vs_pool": med["recompute"] / med["kvoffload_pool"],
@@ -531,13 +538,14 @@ def summarize(lengths: list[int], runs: dict, native_ran: bool) -> list[dict[str
     return rows
 
 
-def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def targets(rows: list[dict[str, Any]], problems: list[str]) -> dict[str, Any]:
     longest = max(rows, key=lambda r: r["prefix_tokens"])
     met = {
         "pool_within_1_5x_of_resident": all(r["pool_vs_resident"] <= POOL_VS_RESIDENT_MAX for r in rows),
         "pool_5x_faster_than_recompute_at_longest": longest["recompute_vs_pool"] >= RECOMPUTE_VS_POOL_MIN,
         "disk_never_slower_than_recompute": all(r["disk_vs_recompute"] <= DISK_VS_RECOMPUTE_MAX for r in rows),
         "same_first_token": all(r["first_token_same_as_resident"] for r in rows),
+        "every_hit_run_hit": not problems,
     }
     return {"met": met, "all_met": all(met.values())}
 
@@ -582,6 +590,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     native: dict[str, Any] = {}
     service_status: dict[str, Any] = {}
     profile: dict[str, Any] = {}
+    problems: list[str] = []
+    link_downs = 0
 
     def step(what: str) -> None:
         print(f"  {what} ({time.monotonic() - started:.0f} s)", flush=True)
@@ -591,9 +601,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         step("model written")
         with Engine(model, logs / "engine-vllm.log", max_model_len, kvcache_gib, None) as engine:
             engines["vllm"] = {"start_s": engine.start_s}
-            run_vllm(engine, prompts, runs)
+            run_vllm(engine, prompts, runs, problems)
         step("vLLM without connector done")
-        with Service(home, 2 * longest_blocks + 64, total_blocks + 2 * longest_blocks) as service:
+        with Service(home, 2 * longest_blocks + 64, total_blocks + 2 * longest_blocks,
+                     logs / "service.log") as service:
             connector = {**KVOFFLOAD_CONNECTOR, "kv_connector_extra_config": {"endpoint": service.endpoint}}
             probe_env = None
             if args.profile:
@@ -606,12 +617,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             with Engine(model, logs / "engine-kvoffload.log", max_model_len, kvcache_gib, connector,
                         probe_env) as engine:
                 engines["kvoffload"] = {"start_s": engine.start_s, "connector": connector["kv_connector"]}
-                run_kvoffload(engine, service, prompts, runs)
+                run_kvoffload(engine, service, prompts, runs, problems)
+            link_downs = engine.log_path.read_text(errors="replace").count("kvoffload_link_down")
             if args.profile:
                 profile = breakdown(read_probe(probe_dir), runs)
             service_status = msgspec.to_builtins(service.client.status())
-            if logs != home:
-                shutil.copy(service.log_path, logs / "service.log")
         step("vLLM with kvoffload done")
         native_cfg = {
             "kv_connector": "OffloadingConnector",
@@ -624,7 +634,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 with Engine(model, logs / "engine-native.log", max_model_len, kvcache_gib, native_cfg) as engine:
                     engines["vllm_native"] = {"start_s": engine.start_s}
-                    run_native(engine, prompts, runs)
+                    run_native(engine, prompts, runs, problems)
                 native = {"skipped": False}
             except EngineFailed as exc:
                 native = {"skipped": True, "reason": exc.reason}
@@ -659,9 +669,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "pool_vs_resident_max": POOL_VS_RESIDENT_MAX,
             "recompute_vs_pool_min_at_longest": RECOMPUTE_VS_POOL_MIN,
             "disk_vs_recompute_max": DISK_VS_RECOMPUTE_MAX,
-            **targets(rows),
+            **targets(rows, problems),
         },
         "results": rows,
+        "problems": problems,
+        "kvoffload_link_downs": link_downs,
         "kvoffload_breakdown": profile,
         "runs": {mode: {str(n): v for n, v in by_len.items()} for mode, by_len in runs.items()},
         "seconds": time.monotonic() - started,
@@ -712,6 +724,11 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
+    for problem in report["problems"]:
+        print(f"problem: {problem}")
+    if report["kvoffload_link_downs"]:
+        print(f"the connector lost the service {report['kvoffload_link_downs']} time(s) (kvoffload_link_down "
+              "in the engine log): those requests were recomputed")
     met = report["targets"]["met"]
     print("targets: " + ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in met.items()))
     print(f"JSON in {out} ({report['seconds']:.0f} s)")
