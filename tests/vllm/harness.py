@@ -8,6 +8,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,20 +99,25 @@ class Engine:
             except OSError:
                 pass
 
-    def stop(self) -> None:
-        """Ask the engine to quit; after a grace period kill its process group (the engine
-        core and worker processes it started), by the group of the pid this harness started."""
+    def stop(self, grace_s: float = 30.0) -> None:
+        """Ask the engine to quit and give its whole process group (the engine core and
+        worker processes it started, which remove their shared-memory segments on the way
+        out) ``grace_s`` to exit; then kill the group, by the pid this harness started."""
         self.request_quit()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            pass
-        if self.proc.poll() is None:
+        deadline = time.monotonic() + grace_s
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            self.proc.poll()
+            time.sleep(0.1)
+        if _group_alive(self.proc.pid):
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        self.proc.wait()
         self._replies.close()
         self._log.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -84,7 +84,7 @@ class Engines:
 
     def get(self, name: str, model: Path | None = None, **connector: Any) -> Engine:
         if name not in self._started:
-            # A call bound above the default 0.25 s keeps a loaded 2-core CI machine from
+            # A call bound above the default 0.5 s keeps a loaded 2-core CI machine from
             # reading a slow answer as an outage; the outage tests stay bounded by it.
             config = (
                 None

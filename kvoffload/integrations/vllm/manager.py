@@ -195,13 +195,17 @@ class KVOffloadManager(OffloadingManager):
     def ask_now(self, req_context: ReqContext, keys: Iterable[OffloadKey]) -> None:
         """Look ``keys`` up at once (one pinned round trip), so the lookups vLLM makes next in
         this step are answered without waiting for the step's end. Keys already answered for
-        good are not asked again."""
+        good, or still pending from an earlier answer (asked again at the step's end), are
+        left out, so a request costs one lookup per step."""
         self._sync_generation()
         state = self._state(req_context)
         if state.finished or not self._link.ready():
             return
         for key in keys:
             nkey = self._key(key)
+            if nkey in state.uncertain:
+                # Asked before and still pending: vLLM's lookups queue it for the step's end.
+                continue
             if nkey not in state.pinned and nkey not in state.missed and nkey not in state.failed:
                 state.queued[nkey] = None
         if state.queued:

@@ -3,7 +3,7 @@
 | key | default | meaning |
 |---|---|---|
 | ``endpoint`` | ``KVOFFLOAD_ENDPOINT``, else the local run | client endpoint of the service |
-| ``call_timeout_s`` | 0.25 | bound of one call; then the service counts as down |
+| ``call_timeout_s`` | 0.5 | bound of one call; then the service counts as down |
 | ``connect_timeout_s`` | 0.5 | bound of one connection attempt |
 | ``max_backoff_s`` | 2.0 | longest wait between reconnection attempts |
 | ``namespace`` | ``""`` | extra text in the key fingerprint (keeps deployments apart) |
@@ -26,7 +26,7 @@ from kvoffload.protocol import FaultSpec
 @dataclass(frozen=True)
 class ConnectorSettings:
     endpoint: str = ""
-    call_timeout_s: float = 0.25
+    call_timeout_s: float = 0.5
     connect_timeout_s: float = 0.5
     max_backoff_s: float = 2.0
     namespace: str = ""
