@@ -197,8 +197,8 @@ class TieringMachine(RuleBasedStateMachine):
             assert tier.inflight_cascade_keys >= 0
             for key, entry in tier.backlog.items():
                 assert entry.in_flight or self.m.primary.lookup(key).name == "HIT", "backlog keys are ready"
-        for key in self.m.take_events():
-            self._forget(key[1])
+        for event in self.m.take_events():
+            self._forget(event.keys)
 
     def teardown(self):
         for req in list(self.requests):
