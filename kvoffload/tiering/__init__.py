@@ -1,14 +1,13 @@
 """Tiering semantics as a pure library: no sockets, threads or processes (see TIERING contract)."""
 
+from ..vocab import LookupResult, MissReason
 from .manager import RequestState, TieringManager
 from .primary import PrimaryIndex
 from .secondary import SecondaryTier, TierSpec
 from .types import (
     JobKind,
     Locality,
-    LookupResult,
     Medium,
-    MissReason,
     OffloadPolicy,
     PrefixResult,
     PrepareStoreOutput,

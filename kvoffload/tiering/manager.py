@@ -29,9 +29,10 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 from ..logs import get_logger
+from ..vocab import LookupResult, MissReason
 from .primary import PrimaryIndex
 from .secondary import PendingCascade, SecondaryTier, TierSpec
 from .stats import TieringStats
@@ -42,8 +43,6 @@ from .types import (
     JobKind,
     JobsInFlight,
     Key,
-    LookupResult,
-    MissReason,
     OffloadPolicy,
     PrefixResult,
     PrepareStoreOutput,
@@ -408,7 +407,7 @@ class TieringManager:
             raise ProtocolViolation(f"request {req_id!r} has no pending store")
         ok, failed = _split_outcome(keys, success, successful_keys)
         violation = ok is None
-        if violation:
+        if ok is None:
             log.error("store_result_rejected", req_id=req_id, error="successful_keys not a subset")
             ok, failed = [], list(keys)
         self.primary.complete_write(failed, False)
@@ -823,7 +822,7 @@ class TieringManager:
         self._adopting.clear()
         self.primary.reset()
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """Gauges and counters for status and metrics."""
         return {
             "slots": self.primary.num_slots,

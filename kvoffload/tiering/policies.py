@@ -9,7 +9,7 @@ nothing.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Collection, Iterable
+from typing import Callable, Collection, Iterable, Iterator
 
 from .types import Key
 
@@ -158,7 +158,7 @@ class ARCPolicy(CachePolicy):
         self._trim_ghosts()
         return [key for key, _ in chosen]
 
-    def _candidates(self, lst: OrderedDict[Key, None], protected: Collection[Key]):
+    def _candidates(self, lst: OrderedDict[Key, None], protected: Collection[Key]) -> Iterator[Key]:
         return (key for key in lst if self._evictable(key, protected))
 
     def _trim_ghosts(self) -> None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Collection, Iterable, Sequence
 
+from ..vocab import LookupResult
 from .policies import make_policy
-from .types import Allocation, Key, LookupResult, NotReady, ProtocolViolation
+from .types import Allocation, Key, NotReady, ProtocolViolation
 
 WRITING = -1
 

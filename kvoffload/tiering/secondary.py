@@ -14,7 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Collection, Iterable
 
-from .types import Key, Locality, LookupResult, Medium, MissReason, OffloadPolicy
+from ..vocab import LookupResult, MissReason
+from .types import Key, Locality, Medium, OffloadPolicy
 from .verdicts import VerdictCache
 
 

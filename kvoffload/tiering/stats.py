@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
-from .types import CascadeDrop, JobKind, LookupResult
+from ..vocab import LookupResult
+from .types import CascadeDrop, JobKind
 
 
 @dataclass(slots=True)
@@ -103,7 +104,7 @@ class TieringStats:
             return None
         return self.promoted_keys / self.promoted_keys_consumed
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "hit_pending_expired": self.hit_pending_expired,
             "promotion_allocation_failures": self.promotion_allocation_failures,

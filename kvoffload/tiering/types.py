@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Collection, Mapping, NamedTuple
+from typing import Any, ClassVar, Collection, Mapping, NamedTuple, TypeVar
 
 from ..logs import get_logger
 from ..vocab import ErrorCode, LookupResult, MissReason, must_wait
@@ -12,6 +12,7 @@ from ..vocab import ErrorCode, LookupResult, MissReason, must_wait
 log = get_logger()
 
 Key = bytes
+_E = TypeVar("_E", bound=enum.Enum)
 
 
 class JobKind(enum.IntEnum):
@@ -63,12 +64,13 @@ class TierFilter:
     An empty matcher tuple denies every secondary tier."""
 
     matchers: tuple[TierMatcher, ...]
+    ALL: ClassVar[TierFilter]  # set below: one unconstrained matcher
 
     def allows(self, medium: Medium | None, locality: Locality | None) -> bool:
         return any(m.matches(medium, locality) for m in self.matchers)
 
 
-TierFilter.ALL = TierFilter((TierMatcher(),))  # type: ignore[attr-defined]
+TierFilter.ALL = TierFilter((TierMatcher(),))
 
 
 def parse_tier_filter(value: Any) -> TierFilter:
@@ -77,10 +79,10 @@ def parse_tier_filter(value: Any) -> TierFilter:
     Fail-open rules: not a list -> ALL; bad entries are skipped with a warning; a non-empty list
     with no valid entry -> ALL; ``[]`` -> deny all secondary tiers; ``[{}]`` -> unconstrained."""
     if value is None:
-        return TierFilter.ALL  # type: ignore[attr-defined]
+        return TierFilter.ALL
     if not isinstance(value, list):
         log.warning("tier_filter_not_a_list", value=repr(value)[:200])
-        return TierFilter.ALL  # type: ignore[attr-defined]
+        return TierFilter.ALL
     if not value:
         return TierFilter(())
     matchers = []
@@ -91,7 +93,7 @@ def parse_tier_filter(value: Any) -> TierFilter:
         else:
             matchers.append(matcher)
     if not matchers:
-        return TierFilter.ALL  # type: ignore[attr-defined]
+        return TierFilter.ALL
     return TierFilter(tuple(matchers))
 
 
@@ -106,7 +108,7 @@ def _parse_matcher(entry: Any) -> TierMatcher | None:
     return TierMatcher(medium, locality)
 
 
-def _parse_enum(kind: type[enum.Enum], raw: Any):
+def _parse_enum(kind: type[_E], raw: Any) -> _E | None:
     if raw is None:
         return None
     if not isinstance(raw, str):
@@ -196,7 +198,7 @@ class PrefixResult:
 @dataclass(slots=True)
 class ReqContext:
     req_id: str
-    tier_filter: TierFilter = field(default_factory=lambda: TierFilter.ALL)  # type: ignore[attr-defined]
+    tier_filter: TierFilter = field(default_factory=lambda: TierFilter.ALL)
     params: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
