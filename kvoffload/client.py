@@ -90,7 +90,7 @@ class KVOffloadClient:
         self.name = name
         self.auto_reconnect = auto_reconnect
         self._curve_keys = curve_keys
-        self._zctx = zmq.Context.instance()
+        self._zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._rids = itertools.count(1)
         self._events: deque[p.DeviceJobFinished] = deque()
         self._handles: dict[str, p.KVHandle] = {}

@@ -47,7 +47,7 @@ class ConfigError(ValueError):
 
 
 class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    pass
+    """Base of the config sections; each repeats ``frozen=True`` for type checkers."""
 
 
 # Single-field constraints, checked when a config is decoded (the error names key and source).
@@ -57,7 +57,7 @@ Fraction = Annotated[float, Meta(ge=0, le=1)]
 Cores = tuple[Annotated[int, Meta(ge=0)], ...]
 
 
-class ServiceConfig(_Section):
+class ServiceConfig(_Section, frozen=True):
     """Manager and channels. Empty ``runtime_dir`` means ``$XDG_RUNTIME_DIR/kvoffload`` when set,
     else ``/tmp/kvoffload-<uid>``; empty ``client_endpoint`` means an ipc socket in the runtime
     dir; a ``tcp://`` endpoint needs both CURVE settings. ``metrics_port`` 0 turns metrics off."""
@@ -75,7 +75,7 @@ class ServiceConfig(_Section):
     max_message_bytes: Positive = 16 * 1024 * 1024
 
 
-class PoolConfig(_Section):
+class PoolConfig(_Section, frozen=True):
     """Host pool geometry and primary-tier policy. ``unread_promotion_cap`` is a fraction of
     the slots. ``slot_headers``: workers stamp a checksummed header per ready slot, so a
     restarted manager rebuilds its primary index instead of starting cold."""
@@ -90,14 +90,14 @@ class PoolConfig(_Section):
     slot_headers: bool = True
 
 
-class CpuConfig(_Section):
+class CpuConfig(_Section, frozen=True):
     """The cpu worker (device <-> pool copies). Empty ``cpu_affinity`` means no pinning."""
 
     threads: Positive = 4
     cpu_affinity: Cores = ()
 
 
-class DiskConfig(_Section):
+class DiskConfig(_Section, frozen=True):
     """The disk tier. A relative ``root`` is relative to the working directory."""
 
     enabled: bool = True
@@ -109,7 +109,7 @@ class DiskConfig(_Section):
     cpu_affinity: Cores = ()
 
 
-class ObjectConfig(_Section):
+class ObjectConfig(_Section, frozen=True):
     """The S3-compatible object tier; off until ``enabled`` and an ``endpoint`` are set."""
 
     enabled: bool = False
@@ -129,7 +129,7 @@ class ObjectConfig(_Section):
     cpu_affinity: Cores = ()
 
 
-class SupervisorConfig(_Section):
+class SupervisorConfig(_Section, frozen=True):
     """Process supervision: restart backoff, drain and grace period on shutdown."""
 
     restart_backoff_initial_s: PositiveSeconds = 0.5
@@ -139,14 +139,14 @@ class SupervisorConfig(_Section):
     cpu_affinity: Cores = ()
 
 
-class EngineConfig(_Section):
+class EngineConfig(_Section, frozen=True):
     """One inference worker the supervisor starts: argv and extra environment."""
 
     command: tuple[str, ...]
     env: dict[str, str] = {}
 
 
-class Config(_Section):
+class Config(_Section, frozen=True):
     """The whole configuration. Build it with ``load_config``."""
 
     service: ServiceConfig = msgspec.field(default_factory=ServiceConfig)

@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -34,6 +35,10 @@ from .client import KVOffloadClient
 from .config import Config
 from .logs import configure_logging
 from .protocol import TierCounters
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .supervisor import Supervisor
 
 LOGITS_ATOL = 1e-4
 POOL = frozenset({"pool"})
@@ -129,8 +134,8 @@ class Demo:
         self.stored_since_start = 0
         self.rows: list[Row] = []
         self.log_file = Path(tempfile.gettempdir()) / f"kvoffload-demo-{os.getpid()}.log"
-        self.supervisor = None
-        self.engine = None
+        self.supervisor: Supervisor | None = None
+        self.engine: Engine | None = None
         self.endpoint = ""
 
     # ---- service --------------------------------------------------------------------------
@@ -155,6 +160,12 @@ class Demo:
             if supervisor is not None:
                 supervisor.stop()
 
+    def _live(self) -> tuple[Supervisor, Engine, KVOffloadClient]:
+        """The running service's supervisor, the main engine and its client."""
+        if self.supervisor is None or self.engine is None or self.engine.client is None:
+            raise DemoFailed("the service is not running")
+        return self.supervisor, self.engine, self.engine.client
+
     @property
     def secondary_tiers(self) -> list[str]:
         return [name for name, on in (("disk", self.cfg.disk.enabled), ("object", self.cfg.object.enabled)) if on]
@@ -164,7 +175,7 @@ class Demo:
         (or was given up for a counted reason), and no tier job is in flight."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            tiering = self.engine.client.status().tiering
+            tiering = self._live()[2].status().tiering
             done = all(
                 _cascades_settled(tiering.per_tier[t]) >= self.stored_since_start for t in self.secondary_tiers
             )
@@ -181,9 +192,10 @@ class Demo:
 
     def main_turn(self, phase: str, conversation: int, turn: int, expect: frozenset[str] | None) -> None:
         prompt = self.next_prompt(conversation, turn)
-        result = self.engine.generate(prompt, self.args.new_tokens).to_dict(with_logits=True)
+        supervisor, engine, _ = self._live()
+        result = engine.generate(prompt, self.args.new_tokens).to_dict(with_logits=True)
         self.finish_row(phase, "main", conversation, turn, prompt, result, expect)
-        self.supervisor.watch_once()
+        supervisor.watch_once()
 
     def second_process_turns(self, phase: str, turn: int) -> bool:
         """Run every conversation's next turn in another engine process. False if it failed."""
@@ -274,7 +286,7 @@ class Demo:
         turn += 1
         print(f"phase 3: host pool reset; prefixes come back from the {' / '.join(self.secondary_tiers)} tier")
         self.wait_cascades()
-        self.engine.client.reset_cache()
+        self._live()[2].reset_cache()
         for c in range(args.conversations):
             self.main_turn("3 reset", c, turn, SECONDARY)
         if args.restart:

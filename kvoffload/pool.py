@@ -149,7 +149,7 @@ class HostPool(OwnedSegment):
 
     def slot(self, slot: int) -> memoryview:
         """Writable zero-copy view of one slot (``block_bytes`` long, format ``B``)."""
-        return memoryview(self.slot_array(slot))
+        return self.slot_array(slot).data
 
     def slot_array(self, slot: int) -> np.ndarray:
         """Writable zero-copy uint8 array of one slot."""

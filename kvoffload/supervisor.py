@@ -91,7 +91,7 @@ class Supervisor:
         )
         spec_path = self.rundir.file_path("runspec.json")
         write_runspec(spec_path, self.spec)
-        self._plan_children(spec_path)
+        self._plan_children(spec_path, client_endpoint)
         for child in self.children.values():
             self._spawn(child)
         log.info(
@@ -105,7 +105,7 @@ class Supervisor:
         )
         return self.spec
 
-    def _plan_children(self, spec_path: Path) -> None:
+    def _plan_children(self, spec_path: Path, client_endpoint: str) -> None:
         py = sys.executable
         spec_arg = ["--spec", str(spec_path)]
         cfg = self.cfg
@@ -116,7 +116,7 @@ class Supervisor:
         if cfg.object.enabled:
             self._add(Child("object", [py, "-m", WORKER_MODULES["object"], *spec_arg], True, affinity=cfg.object.cpu_affinity))
         for i, engine in enumerate(cfg.engines):
-            env = {**engine.env, "KVOFFLOAD_ENDPOINT": self.spec.client_endpoint}
+            env = {**engine.env, "KVOFFLOAD_ENDPOINT": client_endpoint}
             self._add(Child(f"engine{i}", list(engine.command), False, env=env))
 
     def _add(self, child: Child) -> None:
@@ -196,7 +196,7 @@ class Supervisor:
             log.warning("workers_fenced_after_manager_exit", workers=fenced)
 
     def _log_exit(self, child: Child, code: int) -> None:
-        fields = {"child": child.name, "child_pid": child.proc.pid, "exit_code": code}
+        fields = {"child": child.name, "child_pid": child.pid, "exit_code": code}
         if code < 0:
             fields["signal"] = signal.Signals(-code).name
         if child.restart and code == EXIT_REFUSED:
@@ -240,21 +240,21 @@ class Supervisor:
 def _terminate(children: list[Child], grace_s: float) -> None:
     """SIGTERM the running ``children``, give them ``grace_s`` together, SIGKILL the ones
     still running and reap them (at most ``KILL_REAP_S`` each)."""
-    running = [c for c in children if c.proc is not None and c.proc.poll() is None]
-    for child in running:
-        child.proc.send_signal(signal.SIGTERM)
+    running = [(c, c.proc) for c in children if c.proc is not None and c.proc.poll() is None]
+    for _, proc in running:
+        proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    for child in running:
+    for _, proc in running:
         try:
-            child.proc.wait(max(0.0, deadline - time.monotonic()))
+            proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    for child in running:
-        if child.proc.poll() is not None:
+    for child, proc in running:
+        if proc.poll() is not None:
             continue
-        log.error("child_killed_after_grace", child=child.name, child_pid=child.pid, grace_s=grace_s)
-        child.proc.kill()
+        log.error("child_killed_after_grace", child=child.name, child_pid=proc.pid, grace_s=grace_s)
+        proc.kill()
         try:
-            child.proc.wait(KILL_REAP_S)
+            proc.wait(KILL_REAP_S)
         except subprocess.TimeoutExpired:
-            log.error("child_not_reaped", child=child.name, child_pid=child.pid)
+            log.error("child_not_reaped", child=child.name, child_pid=proc.pid)

@@ -210,10 +210,12 @@ class Engine:
         """Compute ``prompt[start:]`` (non-empty) in chunks of ``prefill_chunk`` on top of the
         K/V of positions ``< start`` in ``table``; returns the last position's logits."""
         tokens = torch.tensor(prompt, dtype=torch.int64)
-        logits = None
+        logits: torch.Tensor | None = None
         for begin in range(start, len(prompt), self.prefill_chunk):
             end = min(begin + self.prefill_chunk, len(prompt))
             logits = self.model(tokens[begin:end], begin, self.cache, table)
+        if logits is None:
+            raise ValueError(f"nothing to prefill: start {start} of {len(prompt)} tokens")
         return logits
 
     def decode(
@@ -234,6 +236,13 @@ class Engine:
 
     # ---- kvoffload ------------------------------------------------------------------------
 
+    @property
+    def _client(self) -> KVOffloadClient:
+        """The client, for the helpers below (``generate`` calls them only when it has one)."""
+        if self.client is None:
+            raise RuntimeError(f"engine {self.name} has no kvoffload client")
+        return self.client
+
     def _reuse_prefix(
         self, req_id: str, keys: list[bytes], table: list[int], result: Generation
     ) -> tuple[int, int, Counter | None]:
@@ -242,7 +251,7 @@ class Engine:
         per-tier promotion counters from before the wait (for ``_attribute``)."""
         if not keys:
             return 0, 0, None
-        outcome = self.client.lookup(req_id, keys)
+        outcome = self._client.lookup(req_id, keys)
         from_pool = outcome.ready_prefix
         promoted_before = self._promoted_per_tier() if outcome.must_wait else None
         outcome, rounds = self._wait_lookup(req_id, keys, outcome)
@@ -250,8 +259,10 @@ class Engine:
         ready = min(outcome.ready_prefix, len(keys))
         if not ready:
             return 0, 0, None
-        job = self.client.load(req_id, keys[:ready], table[:ready], self.handle_id)
-        done = self.client.wait([job.job_id], timeout_s=60.0)[job.job_id]
+        job_id = self._client.load(req_id, keys[:ready], table[:ready], self.handle_id).job_id
+        if job_id is None:
+            raise RuntimeError(f"a load of {ready} keys was accepted without a job")
+        done = self._client.wait([job_id], timeout_s=60.0)[job_id]
         if done.success:
             reused = ready
         else:
@@ -265,16 +276,16 @@ class Engine:
         rounds = 1
         deadline = time.monotonic() + self.wait_budget_s
         while outcome.must_wait and time.monotonic() < deadline:
-            self.client.end_step()
+            self._client.end_step()
             time.sleep(0.001)
-            outcome = self.client.lookup(req_id, keys)
+            outcome = self._client.lookup(req_id, keys)
             rounds += 1
         if outcome.must_wait:
             log.warning("lookup_wait_budget_spent", req_id=req_id, rounds=rounds, ready=outcome.ready_prefix)
         return outcome, rounds
 
     def _promoted_per_tier(self) -> Counter:
-        per_tier = self.client.status().tiering.per_tier
+        per_tier = self._client.status().tiering.per_tier
         return Counter({name: c.promoted_keys_ok for name, c in per_tier.items() if name != "primary"})
 
     def _attribute(self, from_pool: int, reused: int, promoted_before: Counter | None) -> Counter:
@@ -300,7 +311,7 @@ class Engine:
             return
         blocks = table[first : len(keys)]
         digests = {k: self.cache.block_digest(b) for k, b in zip(keys[first:], blocks)}
-        accepted = self.client.store(req_id, keys[first:], blocks, self.handle_id)
+        accepted = self._client.store(req_id, keys[first:], blocks, self.handle_id)
         if accepted.job_id is not None:
             jobs[accepted.job_id] = list(accepted.keys)
             result.stored.update((k, digests[k]) for k in accepted.keys)
@@ -311,12 +322,12 @@ class Engine:
         try:
             if jobs:
                 self._wait_stores(jobs, result)
-            self.client.finish_request(req_id)
+            self._client.finish_request(req_id)
         except Exception as exc:
             log.error("request_abandon_failed", req_id=req_id, error=repr(exc))
 
     def _wait_stores(self, jobs: dict[int, list[bytes]], result: Generation) -> None:
-        done = self.client.wait(list(jobs), timeout_s=60.0)
+        done = self._client.wait(list(jobs), timeout_s=60.0)
         for job_id, event in done.items():
             if not event.success:
                 ok = set(event.successful_keys or ())

@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import posix_ipc
@@ -94,7 +95,7 @@ class EnginePool:
     """The engines of one run (thread-safe). ``crashed`` lists engines that exited without
     being killed or terminated by the pool; they are replaced."""
 
-    def __init__(self, endpoint: str, workdir: Path, seed: int, count: int, token: str, extra: list[str] = ()) -> None:
+    def __init__(self, endpoint: str, workdir: Path, seed: int, count: int, token: str, extra: Sequence[str] = ()) -> None:
         self.endpoint = endpoint
         self.workdir = workdir
         self.token = token

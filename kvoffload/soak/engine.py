@@ -210,6 +210,25 @@ class SoakEngine:
             return False
         return True
 
+    @property
+    def _client(self) -> KVOffloadClient:
+        """The connected client (requests run only between connect and disconnect)."""
+        if self.client is None:
+            raise Reconnect("not connected")
+        return self.client
+
+    @property
+    def _kv(self) -> SharedKVCache:
+        if self.kv is None:
+            raise Reconnect("not connected")
+        return self.kv
+
+    @property
+    def _pool(self) -> HostPool:
+        if self.pool is None:
+            raise Reconnect("not connected")
+        return self.pool
+
     def _reconnect(self, reason: str) -> None:
         self.counters["reconnects"] += 1
         log.warning("soak_engine_reconnect", reason=reason, engine=self.opts.name)
@@ -254,7 +273,7 @@ class SoakEngine:
 
     def _one_request(self, keys: list[bytes] | None = None, store: bool = True) -> None:
         """One request over ``keys`` (default: a random conversation's random prefix)."""
-        client = self.client
+        client = self._client
         if keys is None:
             conversation = self.rng.randrange(self.opts.conversations)
             keys = self.chains[conversation][: self.rng.randint(2, self.opts.max_blocks)]
@@ -286,7 +305,7 @@ class SoakEngine:
 
     def _lookup(self, req: str, keys: list[bytes]) -> int:
         """Length of the ready (HIT) prefix once nothing is pending any more."""
-        client = self.client
+        client = self._client
         started = time.monotonic()
         while True:
             outcome = self._call(client.lookup, req, keys)
@@ -307,7 +326,7 @@ class SoakEngine:
     # ---- device path ----------------------------------------------------------------------
 
     def _rows(self, block: int) -> list[np.ndarray]:
-        return [t[block] for t in self.kv.tensors]
+        return [t[block] for t in self._kv.tensors]
 
     def _write_block(self, block: int, key: bytes) -> None:
         data = expected_block(key, self.block_bytes)
@@ -336,7 +355,7 @@ class SoakEngine:
         try:
             if not self._connect():
                 raise TimeoutError("the manager does not answer")
-            self.client.reset_cache()
+            self._client.reset_cache()
             pending = list(keys)
             for _ in range(attempts):
                 failed: list[bytes] = []
@@ -354,25 +373,25 @@ class SoakEngine:
         ready ones; the keys not loaded."""
         self._req_seq += 1
         req = f"r{self._req_seq}"
-        self._call(self.client.new_request, req)
+        self._call(self._client.new_request, req)
         try:
             waiting, ready = list(keys), []
             deadline = time.monotonic() + self.opts.lookup_wait_s
             while waiting and time.monotonic() < deadline:
                 still = []
                 for key in waiting:
-                    outcome = self._call(self.client.lookup, req, [key])
+                    outcome = self._call(self._client.lookup, req, [key])
                     if outcome.must_wait:
                         still.append(key)
                     elif outcome.ready_prefix:
                         ready.append(key)
                 waiting = still
                 if waiting:
-                    self._call(self.client.end_step)
+                    self._call(self._client.end_step)
                     time.sleep(0.005)
             loaded = self._load_device(req, ready) if ready else set()
         finally:
-            self._call(self.client.finish_request, req)
+            self._call(self._client.finish_request, req)
         return [key for key in keys if key not in loaded]
 
     def _load_device(self, req: str, keys: list[bytes]) -> set[bytes]:
@@ -381,7 +400,7 @@ class SoakEngine:
         for block in blocks:
             for row in self._rows(block):
                 row[:] = POISON
-        accepted = self._call(self.client.load, req, keys, blocks, self.handle_id)
+        accepted = self._call(self._client.load, req, keys, blocks, self.handle_id)
         done = self._wait_job(accepted.job_id, "load")
         loaded = set(keys) if done.success else set(done.successful_keys or ())
         self._count_outcome("load", done, len(keys), len(loaded))
@@ -394,7 +413,7 @@ class SoakEngine:
         blocks = list(range(first, len(keys)))
         for block in blocks:
             self._write_block(block, keys[block])
-        accepted = self._call(self.client.store, req, keys[first:], blocks, self.handle_id)
+        accepted = self._call(self._client.store, req, keys[first:], blocks, self.handle_id)
         if accepted.job_id is None:
             self.counters["stores_nothing_new"] += 1
             return
@@ -423,7 +442,7 @@ class SoakEngine:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise JobLost(f"job {job_id} ({kind}) has no result after {self.opts.job_timeout_s} s")
-            for event in self._call(self.client.poll, wait_ms=int(min(remaining, 0.5) * 1000)):
+            for event in self._call(self._client.poll, wait_ms=int(min(remaining, 0.5) * 1000)):
                 self._on_event(event)
         return self._results.pop(job_id)
 
@@ -440,24 +459,24 @@ class SoakEngine:
     # ---- direct path ----------------------------------------------------------------------
 
     def _load_direct(self, req: str, keys: list[bytes]) -> None:
-        slots = self._call(self.client.prepare_load, req, keys)
+        slots = self._call(self._client.prepare_load, req, keys)
         self.counters["direct_loads"] += 1
         for key, slot in zip(slots.keys, slots.slots):
-            self._verify(self.pool.slot_array(slot), key, "pool_read", None)
+            self._verify(self._pool.slot_array(slot), key, "pool_read", None)
         time.sleep(self.rng.uniform(0, self.opts.hold_pins_s))
-        self._call(self.client.complete_load, req, keys)
+        self._call(self._client.complete_load, req, keys)
 
     def _store_direct(self, req: str, keys: list[bytes], first: int) -> None:
-        out = self._call(self.client.prepare_store, req, keys[first:])
+        out = self._call(self._client.prepare_store, req, keys[first:])
         self.counters["direct_stores"] += 1
         if not out.keys:
             return
         checksums = []
         for key, slot in zip(out.keys, out.slots):
-            block = self.pool.slot_array(slot)
+            block = self._pool.slot_array(slot)
             block[:] = expected_block(key, self.block_bytes)
             checksums.append(payload_checksum(block))
-        self._call(self.client.complete_store, req, out.keys, True, None, checksums)
+        self._call(self._client.complete_store, req, out.keys, True, None, checksums)
         self._acked(out.keys)
         self.counters["store_blocks_ok"] += len(out.keys)
         self.counters["bytes_stored"] += len(out.keys) * self.block_bytes

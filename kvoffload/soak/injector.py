@@ -130,7 +130,7 @@ class Injector(threading.Thread):
                 self._actions[planned.kind](record)
             except Exception as exc:
                 log.exception("soak_fault_failed", kind=planned.kind)
-                self._violation("fault_action_failed", kind=planned.kind, error=repr(exc))
+                self._violation("fault_action_failed", fault=planned.kind, error=repr(exc))
                 record.outcome = f"error: {exc!r}"
             record.t_end = record.t_end or time.monotonic()
             ready_at = time.monotonic() + MIN_GAP_S
@@ -176,7 +176,7 @@ class Injector(threading.Thread):
 
     def _kill_worker(self, record: FaultRecord) -> None:
         name, pid = self._pick_worker(record)
-        if not self.harness.signal_child(pid, signal.SIGKILL):
+        if pid is None or not self.harness.signal_child(pid, signal.SIGKILL):
             record.outcome = "skipped: worker not running"
             return
         record.outcome = "killed"
@@ -188,7 +188,7 @@ class Injector(threading.Thread):
             created = psutil.Process(pid).create_time() if pid else None
         except psutil.Error:
             created = None
-        if created is None or not self.harness.signal_child(pid, signal.SIGSTOP):
+        if pid is None or created is None or not self.harness.signal_child(pid, signal.SIGSTOP):
             record.outcome = "skipped: worker not running"
             return
         bound = self.harness.cfg.service.heartbeat_timeout_s + 5.0

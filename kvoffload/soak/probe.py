@@ -60,8 +60,10 @@ class ProbeEngine:
         """Load keys into poisoned device blocks 0..; (result, keys reported loaded whose
         bytes are wrong)."""
         self.kv.tensors[0][: len(keys)] = POISON
-        accepted = self.client.load(req, keys, list(range(len(keys))), self.handle_id)
-        done = self.client.wait([accepted.job_id], timeout_s=wait_s)[accepted.job_id]
+        job_id = self.client.load(req, keys, list(range(len(keys))), self.handle_id).job_id
+        if job_id is None:
+            raise RuntimeError(f"a load of {len(keys)} keys was accepted without a job")
+        done = self.client.wait([job_id], timeout_s=wait_s)[job_id]
         loaded = set(keys) if done.success else set(done.successful_keys or ())
         wrong = [
             key for block, key in enumerate(keys)

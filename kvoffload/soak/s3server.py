@@ -13,6 +13,7 @@ Contract:
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import random
 import shutil
@@ -91,13 +92,13 @@ def free_weed_ports() -> WeedPorts:
             port = rng.randrange(20000, 65535 - GRPC_PORT_OFFSET)
             if port in chosen or port + GRPC_PORT_OFFSET in chosen:
                 continue
-            pair = [_bind(port), _bind(port + GRPC_PORT_OFFSET)]
-            if None in pair:
-                for sock in pair:
+            http, grpc = _bind(port), _bind(port + GRPC_PORT_OFFSET)
+            if http is None or grpc is None:
+                for sock in (http, grpc):
                     if sock is not None:
                         sock.close()
                 continue
-            held += pair
+            held += [http, grpc]
             chosen.append(port)
     finally:
         for sock in held:
@@ -125,8 +126,8 @@ class S3Server:
         self.region = region
         self.ports = free_weed_ports()
         self._binary = weed_binary or find_weed_binary()
-        self._proc: subprocess.Popen | None = None
-        self._log = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: io.BufferedWriter | None = None
         atexit.register(self._kill_if_running)
 
     @property
@@ -139,7 +140,12 @@ class S3Server:
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._live() is not None
+
+    def _live(self) -> subprocess.Popen[bytes] | None:
+        """The started process while it runs."""
+        proc = self._proc
+        return proc if proc is not None and proc.poll() is None else None
 
     def _command(self) -> list[str]:
         cmd = [
@@ -170,7 +176,7 @@ class S3Server:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key)
         self._log = open(self.log_path, "ab")
-        self._proc = subprocess.Popen(
+        self._proc = proc = subprocess.Popen(
             self._command(),
             cwd=self.base_dir,
             env=env,
@@ -179,18 +185,18 @@ class S3Server:
             stderr=subprocess.STDOUT,
         )
         try:
-            self._wait_ready(timeout_s)
+            self._wait_ready(proc, timeout_s)
         except BaseException:
             self.stop()
             raise
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _wait_ready(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
         client = self.client(timeout_s=2.0)
         deadline = time.monotonic() + timeout_s
         last_error: Exception | None = None
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise S3ServerError(f"weed exited with {self._proc.returncode}; see {self.log_path}")
+            if proc.poll() is not None:
+                raise S3ServerError(f"weed exited with {proc.returncode}; see {self.log_path}")
             try:
                 self._probe_write_path(client)
                 return
@@ -229,13 +235,15 @@ class S3Server:
 
     def pause(self) -> None:
         """SIGSTOP the started process: it keeps its sockets but answers nothing (hung server)."""
-        if self.running:
-            self._proc.send_signal(signal.SIGSTOP)
+        proc = self._live()
+        if proc is not None:
+            proc.send_signal(signal.SIGSTOP)
 
     def resume(self) -> None:
         """SIGCONT the started process after pause()."""
-        if self.running:
-            self._proc.send_signal(signal.SIGCONT)
+        proc = self._live()
+        if proc is not None:
+            proc.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL the started process (abrupt outage) and reap it."""
