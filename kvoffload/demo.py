@@ -216,7 +216,7 @@ class Demo:
                 print(f"the second engine process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
                 return False
             results = json.loads(out_file.read_text())
-        for conversation, (prompt, result) in enumerate(zip(prompts, results)):
+        for conversation, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
             self.finish_row(phase, "second", conversation, turn, prompt, result, POOL)
         return True
 

@@ -133,7 +133,7 @@ def _ipc_problem(ipc: CudaIpcFields | None, num_blocks: int, row_bytes: int) -> 
     if elements * itemsize != row_bytes:
         return f"its rows are {elements * itemsize} bytes, the handle says {row_bytes}"
     step = 1
-    for dim, dim_stride in zip(reversed(size), reversed(stride)):
+    for dim, dim_stride in zip(reversed(size), reversed(stride), strict=True):
         if dim != 1 and dim_stride != step:
             return f"it is not contiguous (stride {stride} for size {size})"
         step *= dim
@@ -196,7 +196,7 @@ class SharedKVCache(OwnedSegment):
             np.frombuffer(mapping, dtype=np.uint8, count=num_blocks * rb, offset=off).reshape(
                 num_blocks, rb
             )
-            for rb, off in zip(self._row_bytes, self._offsets)
+            for rb, off in zip(self._row_bytes, self._offsets, strict=True)
         ]
 
     @classmethod
@@ -271,7 +271,7 @@ class SharedKVCache(OwnedSegment):
             num_blocks=self._num_blocks,
             tensors=[
                 TensorSpec(row_bytes=rb, offset=off)
-                for rb, off in zip(self._row_bytes, self._offsets)
+                for rb, off in zip(self._row_bytes, self._offsets, strict=True)
             ],
             shm_name=self._name,
         )

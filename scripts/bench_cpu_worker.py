@@ -83,7 +83,7 @@ def bench_memcpy(pool: HostPool, src: np.ndarray, reps: int) -> list[float]:
     for rep in range(reps):
         slots, blocks = order(n, rep), order(n, rep * 31 + 5)
         start = time.perf_counter()
-        for slot, block in zip(slots, blocks):
+        for slot, block in zip(slots, blocks, strict=True):
             np.copyto(pool.slot_array(slot), src[block])
         samples.append(n * pool.block_bytes / (time.perf_counter() - start) / 1e9)
     return samples

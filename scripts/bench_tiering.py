@@ -80,7 +80,7 @@ def bench_fresh_keys(keys: list[bytes], repeat: int) -> dict:
 def bench_half_secondary(keys: list[bytes], repeat: int) -> dict:
     half = len(keys) // 2
     first_rates, pending_rates = [], []
-    for i in range(repeat):
+    for _ in range(repeat):
         m = TieringManager(len(keys) * 2, [TierSpec("disk", Medium.STORAGE, Locality.LOCAL)])
         m.on_new_request(ReqContext("w"))
         out = m.prepare_store("w", keys[:half])

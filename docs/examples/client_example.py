@@ -191,8 +191,9 @@ def direct_path(client: KVOffloadClient, info, keys: list[bytes]) -> None:
 
         # The vLLM integration's read: a pinned lookup returns each HIT's slot and checksum.
         outcome = client.lookup("direct", keys, pin=True)
-        pinned = [key for key, slot in zip(keys, outcome.slots) if slot >= 0]
-        for key, slot, checksum in zip(keys, outcome.slots, outcome.checksums):
+        # slots and checksums stop after the first MISS: keys may be longer
+        pinned = [key for key, slot in zip(keys, outcome.slots, strict=False) if slot >= 0]
+        for key, slot, checksum in zip(keys, outcome.slots, outcome.checksums, strict=False):
             if slot >= 0:
                 data = bytes(pool.slot(slot))
                 check(payload_checksum(data) == checksum, "pinned slot matches its checksum")

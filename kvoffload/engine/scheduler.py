@@ -175,7 +175,7 @@ class Engine:
             result.tokens.append(int(logits.argmax()))
             result.ttft_s = time.perf_counter() - started
             result.computed_tokens = len(prompt) - first
-            result.loaded = {k: self.cache.block_digest(b) for k, b in zip(prompt_keys[:reused], table)}
+            result.loaded = {k: self.cache.block_digest(b) for k, b in zip(prompt_keys[:reused], table[:reused], strict=True)}
             if self.client is not None:
                 result.served_by = self._attribute(min(from_pool, reused), reused, promoted_before)
                 self._offload(req_id, prompt_keys, 0 if request_level else reused, table, result, jobs)
@@ -310,7 +310,7 @@ class Engine:
         if first >= len(keys):
             return
         blocks = table[first : len(keys)]
-        digests = {k: self.cache.block_digest(b) for k, b in zip(keys[first:], blocks)}
+        digests = {k: self.cache.block_digest(b) for k, b in zip(keys[first:], blocks, strict=True)}
         accepted = self._client.store(req_id, keys[first:], blocks, self.handle_id)
         if accepted.job_id is not None:
             jobs[accepted.job_id] = list(accepted.keys)

@@ -404,7 +404,7 @@ class SoakEngine:
         done = self._wait_job(accepted.job_id, "load")
         loaded = set(keys) if done.success else set(done.successful_keys or ())
         self._count_outcome("load", done, len(keys), len(loaded))
-        for block, key in zip(blocks, keys):
+        for block, key in zip(blocks, keys, strict=True):
             if key in loaded:
                 self._check_block(block, key, "device_load", accepted.job_id)
         return loaded
@@ -461,7 +461,7 @@ class SoakEngine:
     def _load_direct(self, req: str, keys: list[bytes]) -> None:
         slots = self._call(self._client.prepare_load, req, keys)
         self.counters["direct_loads"] += 1
-        for key, slot in zip(slots.keys, slots.slots):
+        for key, slot in zip(slots.keys, slots.slots, strict=True):
             self._verify(self._pool.slot_array(slot), key, "pool_read", None)
         time.sleep(self.rng.uniform(0, self.opts.hold_pins_s))
         self._call(self._client.complete_load, req, keys)
@@ -472,7 +472,7 @@ class SoakEngine:
         if not out.keys:
             return
         checksums = []
-        for key, slot in zip(out.keys, out.slots):
+        for key, slot in zip(out.keys, out.slots, strict=True):
             block = self._pool.slot_array(slot)
             block[:] = expected_block(key, self.block_bytes)
             checksums.append(payload_checksum(block))

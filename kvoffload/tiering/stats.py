@@ -112,5 +112,5 @@ class TieringStats:
             "promoted_keys": self.promoted_keys,
             "promoted_keys_consumed": self.promoted_keys_consumed,
             "promotion_amplification": self.promotion_amplification,
-            "per_tier": {name: asdict(c) for name, c in zip(self.names, self._tiers)},
+            "per_tier": {name: asdict(c) for name, c in zip(self.names, self._tiers, strict=True)},
         }

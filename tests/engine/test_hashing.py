@@ -55,7 +55,7 @@ def test_changing_one_token_changes_its_block_key_and_every_later_one(position: 
     before, after = block_keys(prompt, BT, MODEL), block_keys(changed, BT, MODEL)
     block = position // BT
     assert before[:block] == after[:block]
-    assert all(b != a for b, a in zip(before[block:], after[block:]))
+    assert all(b != a for b, a in zip(before[block:], after[block:], strict=True))
 
 
 def test_keys_depend_on_the_model_and_block_order() -> None:

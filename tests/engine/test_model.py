@@ -42,7 +42,7 @@ def test_cache_built_in_two_halves_matches_one_full_pass(model: TinyDecoder) -> 
     assert halves.shape == full.shape == (100, model.cfg.vocab_size)
     torch.testing.assert_close(halves, full, atol=ATOL, rtol=0)
     assert torch.equal(halves.argmax(-1), full.argmax(-1))
-    for a, b in zip(kv_of(paged, table, 100), kv_of(whole, whole_table, 100)):
+    for a, b in zip(kv_of(paged, table, 100), kv_of(whole, whole_table, 100), strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
     assert not torch.equal(second[0], model(tokens[45:46], 0, PagedKVCache.local(model.cfg, 1), [0])), (
         "the second half must depend on the first half's K/V"
@@ -55,7 +55,7 @@ def test_same_shapes_give_identical_bits_whatever_the_blocks(model: TinyDecoder)
     ta, tb = a.allocate(5), b.allocate(10)[5:]
     model(tokens[:48], 0, a, ta)
     model(tokens[:48], 0, b, tb)
-    assert all(a.block_bytes(x) == b.block_bytes(y) for x, y in zip(ta[:3], tb[:3]))
+    assert all(a.block_bytes(x) == b.block_bytes(y) for x, y in zip(ta[:3], tb[:3], strict=True))
     assert torch.equal(model(tokens[48:], 48, a, ta, all_logits=True), model(tokens[48:], 48, b, tb, all_logits=True))
 
 

@@ -133,7 +133,7 @@ def test_cascade_probe_promote_and_cross_node_sharing(make_backend) -> None:
 
     promoted = node_a.run_job(job(4, JobKind.PROMOTE, keys, list(range(8, 14))))
     assert promoted.ok_keys == keys
-    for slot, k in zip(range(8, 14), keys):
+    for slot, k in zip(range(8, 14), keys, strict=True):
         assert slot_bytes(pool_a, slot) == written[k]
 
     node_b, pool_b = make_backend()

@@ -149,7 +149,7 @@ def test_bad_worker_hello_is_refused(start_service):
             sock.send(p.encode(hello))
             assert sock.poll(5000)
             ack = p.decode_manager_message(sock.recv())
-            assert isinstance(ack, p.HelloAck) and not ack.accepted
+            assert isinstance(ack, p.HelloAck) and not ack.accepted, reason
         finally:
             sock.close()
     assert "cpu" in service.status().workers

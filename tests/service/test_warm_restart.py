@@ -125,7 +125,7 @@ def test_ready_blocks_survive_a_manager_crash_and_nothing_unverified_is_served(s
             t[SOURCE_BLOCKS:] = 0
         accepted = new.load("r2", loaded, targets, "kv")
         assert new.wait([accepted.job_id])[accepted.job_id].success
-        for key, target in zip(loaded, targets):
+        for key, target in zip(loaded, targets, strict=True):
             source = keys.index(key) % SOURCE_BLOCKS
             assert block_bytes(kv, target) == block_bytes(kv, source), f"{key!r} not bit-exact"
         new.finish_request("r2")

@@ -167,7 +167,7 @@ DOOMED_CLIENT = textwrap.dedent(
     keys = probe_keys("doomed", 4)
     client.new_request("r")
     out = client.prepare_store("r", keys)
-    for key, slot in zip(out.keys, out.slots):
+    for key, slot in zip(out.keys, out.slots, strict=True):
         pool.slot_array(slot)[:] = expected_block(key, info.block_bytes)
     client.complete_store("r", out.keys)
     client.prepare_load("r", keys)
@@ -295,7 +295,7 @@ def test_blocks_adopted_by_a_restarted_manager_reach_the_disk(start_service):
         req = old.new_request()
         assert old.store(req, stored).success
         out = old.client.prepare_store(req, direct)
-        for key, slot in zip(out.keys, out.slots):
+        for key, slot in zip(out.keys, out.slots, strict=True):
             pool.slot_array(slot)[:] = expected_block(key, old.block_bytes)
         checksums = [payload_checksum(pool.slot_array(slot)) for slot in out.slots]
         old.client.complete_store(req, out.keys, checksums=checksums)

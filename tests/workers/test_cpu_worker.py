@@ -91,7 +91,7 @@ def test_device_store_writes_concatenated_rows_into_slots(backend, kv_cache):
     assert outcome.ok_keys == job.keys and outcome.error == ""
     assert outcome.nbytes == 4 * BLOCK
     outcome.release()
-    for slot, block in zip(job.slots, job.device_blocks):
+    for slot, block in zip(job.slots, job.device_blocks, strict=True):
         assert pool.slot_array(slot).tobytes() == kv_cache.block(block)
     assert not pool.slot_array(1).any()
 
@@ -294,7 +294,7 @@ def test_a_cuda_handle_without_cuda_is_refused_at_once_and_heartbeats_never_stop
     beats = heartbeat_arrivals(manager, 2.0)
     dones = manager.wait_job_dones([0, 1, 2], timeout_s=5)
     assert all(d.error == UNKNOWN_HANDLE for d in dones.values())
-    gaps = [b - a for a, b in zip([sent_at, *beats], beats)]
+    gaps = [b - a for a, b in zip([sent_at, *beats], beats, strict=False)]  # each beat after the one before
     assert len(beats) >= 10 and max(gaps) < 0.5, f"heartbeat gaps {gaps}"
     refused = [e for e in worker.log_events() if e.get("event") == "kv_attach_refused"]
     assert len(refused) == 3 and "no CUDA device" in refused[0]["error"]

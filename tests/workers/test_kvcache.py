@@ -68,7 +68,7 @@ def test_attach_sees_the_creators_bytes_and_writes_back(kv):
         t[:] = rng.integers(0, 256, t.shape, dtype=np.uint8)
     other = SharedKVCache.attach(kv.handle("h"))
     try:
-        assert all(np.array_equal(a, b) for a, b in zip(kv.tensors, other.tensors))
+        assert all(np.array_equal(a, b) for a, b in zip(kv.tensors, other.tensors, strict=True))
         assert other.block(3) == kv.tensors[0][3].tobytes() + kv.tensors[1][3].tobytes()
         other.tensors[1][7, :4] = [1, 2, 3, 4]
         assert list(kv.tensors[1][7, :4]) == [1, 2, 3, 4]
