@@ -43,7 +43,11 @@ def cmd_status(args) -> int:
     with KVOffloadClient(endpoint, timeout_s=5.0, name="status") as client:
         status = client.status()
     if args.json:
-        print(json.dumps({"endpoint": endpoint, **msgspec.to_builtins(status)}, indent=2, sort_keys=True))
+        print(
+            json.dumps(
+                {"endpoint": endpoint, **msgspec.to_builtins(status)}, indent=2, sort_keys=True
+            )
+        )
     else:
         print(f"endpoint: {endpoint}")
         print(format_status(status))
@@ -82,7 +86,9 @@ def format_status(status: ManagerStatus) -> str:
             f"{c.cascade_dropped_tier_full:>11}{c.cascade_dropped_retry_bound:>13}"
         )
     lines.append("")
-    lines.append(f"{'worker':<10}{'pid':>8}{'heartbeat':>11}{'inflight':>10}{'degraded':>10}{'restarts':>10}")
+    lines.append(
+        f"{'worker':<10}{'pid':>8}{'heartbeat':>11}{'inflight':>10}{'degraded':>10}{'restarts':>10}"
+    )
     for name, w in status.workers.items():
         lines.append(
             f"{name:<10}{w.pid:>8}{w.last_heartbeat_s:>10.2f}s{w.inflight:>10}"
@@ -106,7 +112,9 @@ def cmd_soak(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvoffload", description="Tiered KV-cache offload service")
+    parser = argparse.ArgumentParser(
+        prog="kvoffload", description="Tiered KV-cache offload service"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the service (supervisor, manager, workers)")
@@ -120,21 +128,31 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=cmd_status)
 
     demo = sub.add_parser(
-        "demo", help="run the reference engine through the service and check reused KV changes nothing"
+        "demo",
+        help="run the reference engine through the service and check reused KV changes nothing",
     )
-    demo.add_argument("--config", help="TOML config file (defaults are embedded; pool.block_bytes is set for the model)")
+    demo.add_argument(
+        "--config",
+        help="TOML config file (defaults are embedded; pool.block_bytes is set for the model)",
+    )
     demo.add_argument("--conversations", type=int, default=4)
     demo.add_argument("--turns", type=int, default=4, help="turns of phase 1")
-    demo.add_argument("--blocks-per-turn", type=int, default=16, help="new user blocks (16 tokens each) per turn")
+    demo.add_argument(
+        "--blocks-per-turn", type=int, default=16, help="new user blocks (16 tokens each) per turn"
+    )
     demo.add_argument("--new-tokens", type=int, default=8, help="tokens generated per turn")
     demo.add_argument("--seed", type=int, help="seed of the token ids (default: random, printed)")
-    demo.add_argument("--restart", action="store_true", help="also restart the whole service and serve from disk")
+    demo.add_argument(
+        "--restart", action="store_true", help="also restart the whole service and serve from disk"
+    )
     demo.add_argument("--json-out", help="write the rows and the verdict as JSON here")
     demo.set_defaults(func=cmd_demo)
 
     from .soak.runner import add_arguments as add_soak_arguments
 
-    soak = sub.add_parser("soak", help="run the service under load and injected faults, check invariants")
+    soak = sub.add_parser(
+        "soak", help="run the service under load and injected faults, check invariants"
+    )
     add_soak_arguments(soak)
     soak.set_defaults(func=cmd_soak)
     return parser

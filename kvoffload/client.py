@@ -16,7 +16,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import zmq
 
@@ -95,7 +96,9 @@ class KVOffloadClient:
         self._events: deque[p.DeviceJobFinished] = deque()
         self._handles: dict[str, p.KVHandle] = {}
         self._requests: dict[str, dict] = {}
-        self._jobs: dict[int, tuple[str, p.DeviceJobKind]] = {}  # accepted device jobs: id -> (req_id, kind)
+        self._jobs: dict[
+            int, tuple[str, p.DeviceJobKind]
+        ] = {}  # accepted device jobs: id -> (req_id, kind)
         self._sock = self._open_socket()
         try:
             self.info = self._exchange(p.Connect, None, self._connect_fields())
@@ -120,7 +123,11 @@ class KVOffloadClient:
         try:
             return self._exchange(kind, timeout_s, fields)
         except KVOffloadError as exc:
-            if not (self.auto_reconnect and exc.code is ErrorCode.NOT_CONNECTED and kind is not p.Disconnect):
+            if not (
+                self.auto_reconnect
+                and exc.code is ErrorCode.NOT_CONNECTED
+                and kind is not p.Disconnect
+            ):
                 raise
         self.reconnect()
         return self._exchange(kind, timeout_s, fields)
@@ -141,7 +148,9 @@ class KVOffloadClient:
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0 or not self._sock.poll(remaining_ms):
-                raise ServiceUnavailable(f"no reply to {kind.__name__} from {self.endpoint} in time")
+                raise ServiceUnavailable(
+                    f"no reply to {kind.__name__} from {self.endpoint} in time"
+                )
             reply = p.decode_client_reply(self._sock.recv())
             if reply.rid != rid:
                 continue  # a late reply to a call that already timed out
@@ -172,7 +181,9 @@ class KVOffloadClient:
             self._exchange(p.NewRequest, None, {"req_id": req_id, "params": params})
         lost, self._jobs = self._jobs, {}
         for job_id, (req_id, kind) in lost.items():
-            self._events.append(p.DeviceJobFinished(job_id, req_id, kind, False, None, LOST_JOB_ERROR))
+            self._events.append(
+                p.DeviceJobFinished(job_id, req_id, kind, False, None, LOST_JOB_ERROR)
+            )
 
     def close(self) -> None:
         """Tell the manager we leave (best effort: it finishes our requests and releases our
@@ -196,7 +207,7 @@ class KVOffloadClient:
             pass
         self._sock.close(linger=linger_ms)
 
-    def __enter__(self) -> "KVOffloadClient":
+    def __enter__(self) -> KVOffloadClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -222,17 +233,27 @@ class KVOffloadClient:
         each pin with ``complete_load``."""
         return LookupOutcome(self._call(p.Lookup, req_id=req_id, keys=keys, pin=pin))
 
-    def store(self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str) -> p.JobAccepted:
+    def store(
+        self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str
+    ) -> p.JobAccepted:
         """Offload device blocks; returns the accepted job (job_id None if nothing was new)."""
-        accepted = self._call(p.Store, req_id=req_id, keys=keys, device_blocks=device_blocks, handle_id=handle_id)
+        accepted = self._call(
+            p.Store, req_id=req_id, keys=keys, device_blocks=device_blocks, handle_id=handle_id
+        )
         return self._accepted(req_id, p.DeviceJobKind.STORE, accepted)
 
-    def load(self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str) -> p.JobAccepted:
+    def load(
+        self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str
+    ) -> p.JobAccepted:
         """Copy ready (HIT) keys into device blocks; the pins last until the job finishes."""
-        accepted = self._call(p.Load, req_id=req_id, keys=keys, device_blocks=device_blocks, handle_id=handle_id)
+        accepted = self._call(
+            p.Load, req_id=req_id, keys=keys, device_blocks=device_blocks, handle_id=handle_id
+        )
         return self._accepted(req_id, p.DeviceJobKind.LOAD, accepted)
 
-    def _accepted(self, req_id: str, kind: p.DeviceJobKind, accepted: p.JobAccepted) -> p.JobAccepted:
+    def _accepted(
+        self, req_id: str, kind: p.DeviceJobKind, accepted: p.JobAccepted
+    ) -> p.JobAccepted:
         if accepted.job_id is not None:
             self._jobs[accepted.job_id] = (req_id, kind)
         return accepted
@@ -251,7 +272,11 @@ class KVOffloadClient:
         """``checksums``: the xxh3 of each written slot (see ``protocol.CompleteStore``), so the
         blocks survive a manager restart."""
         self._call(
-            p.CompleteStore, req_id=req_id, keys=keys, success=success, successful_keys=successful_keys,
+            p.CompleteStore,
+            req_id=req_id,
+            keys=keys,
+            success=success,
+            successful_keys=successful_keys,
             checksums=checksums,
         )
 
@@ -286,12 +311,16 @@ class KVOffloadClient:
         self._events.clear()
         if events:
             return events
-        events = self._call(p.Poll, timeout_s=wait_ms / 1000 + self.timeout_s, wait_ms=wait_ms).finished
+        events = self._call(
+            p.Poll, timeout_s=wait_ms / 1000 + self.timeout_s, wait_ms=wait_ms
+        ).finished
         for event in events:
             self._jobs.pop(event.job_id, None)
         return events
 
-    def wait(self, job_ids: Iterable[int], timeout_s: float | None = None) -> dict[int, p.DeviceJobFinished]:
+    def wait(
+        self, job_ids: Iterable[int], timeout_s: float | None = None
+    ) -> dict[int, p.DeviceJobFinished]:
         """Block until every job id has finished; other events stay queued for ``poll``."""
         wanted = {j for j in job_ids if j is not None}
         done: dict[int, p.DeviceJobFinished] = {}

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+import tomllib
 from msgspec import Meta
 
 from kvoffload.blockformat import MAX_KEY_BYTES
@@ -225,15 +225,13 @@ def _parse_env_value(raw: str, field_type: Any) -> Any:
     return value
 
 
-def _apply_env(
-    data: dict[str, Any], sources: dict[str, str], env: Mapping[str, str]
-) -> None:
+def _apply_env(data: dict[str, Any], sources: dict[str, str], env: Mapping[str, str]) -> None:
     """Apply ``KVOFFLOAD_<SECTION>__<KEY>`` overrides to ``data`` in place. Variables with the
     prefix but without ``__`` belong to other components and are ignored."""
     for var in sorted(env):
         if not var.upper().startswith(ENV_PREFIX) or "__" not in var:
             continue
-        section, _, key = var[len(ENV_PREFIX):].lower().partition("__")
+        section, _, key = var[len(ENV_PREFIX) :].lower().partition("__")
         dotted = f"{section}.{key}"
         if section == "engines":
             raise ConfigError("[[engines]] can only be set in the config file", dotted, var)

@@ -83,7 +83,9 @@ def user_tokens(seed: int, conversation: int, turn: int, count: int, vocab: int)
 def served_text(served_by: dict[str, int], block_tokens: int) -> str:
     if not served_by:
         return "-"
-    return " + ".join(f"{tier} {blocks * block_tokens}" for tier, blocks in sorted(served_by.items()))
+    return " + ".join(
+        f"{tier} {blocks * block_tokens}" for tier, blocks in sorted(served_by.items())
+    )
 
 
 HEADER = (
@@ -100,7 +102,6 @@ def format_row(r: Row, block_tokens: int) -> str:
         f"{speedup:>8}  {'same' if r.tokens_same else 'DIFF':<7}{r.kv:<6}"
     )
     return line if r.ok else f"{line}  FAIL: {'; '.join(r.problems)}"
-
 
 
 def _cascades_settled(c: TierCounters) -> int:
@@ -168,7 +169,11 @@ class Demo:
 
     @property
     def secondary_tiers(self) -> list[str]:
-        return [name for name, on in (("disk", self.cfg.disk.enabled), ("object", self.cfg.object.enabled)) if on]
+        return [
+            name
+            for name, on in (("disk", self.cfg.disk.enabled), ("object", self.cfg.object.enabled))
+            if on
+        ]
 
     def wait_cascades(self, timeout_s: float = 60.0) -> None:
         """Until every block offloaded since the service started reached every secondary tier
@@ -177,7 +182,8 @@ class Demo:
         while time.monotonic() < deadline:
             tiering = self._live()[2].status().tiering
             done = all(
-                _cascades_settled(tiering.per_tier[t]) >= self.stored_since_start for t in self.secondary_tiers
+                _cascades_settled(tiering.per_tier[t]) >= self.stored_since_start
+                for t in self.secondary_tiers
             )
             if done and tiering.jobs_in_flight == 0 and tiering.cascade_backlog == 0:
                 return
@@ -190,7 +196,9 @@ class Demo:
         new = user_tokens(self.seed, conversation, turn, self.user_count, self.model.cfg.vocab_size)
         return self.histories[conversation] + new
 
-    def main_turn(self, phase: str, conversation: int, turn: int, expect: frozenset[str] | None) -> None:
+    def main_turn(
+        self, phase: str, conversation: int, turn: int, expect: frozenset[str] | None
+    ) -> None:
         prompt = self.next_prompt(conversation, turn)
         supervisor, engine, _ = self._live()
         result = engine.generate(prompt, self.args.new_tokens).to_dict(with_logits=True)
@@ -206,14 +214,37 @@ class Demo:
             prompts_file, out_file = Path(tmp) / "prompts.json", Path(tmp) / "results.json"
             prompts_file.write_text(json.dumps(prompts))
             proc = subprocess.run(
-                [sys.executable, "-m", "kvoffload.engine", "--endpoint", self.endpoint, "--prompts", str(prompts_file),
-                 "--model", "demo", "--max-new-tokens", str(self.args.new_tokens), "--cache-blocks",
-                 str(self.cache_blocks), "--threads", str(torch.get_num_threads()), "--name", "second",
-                 "--logits", "--out", str(out_file)],
-                capture_output=True, text=True, timeout=600,
+                [
+                    sys.executable,
+                    "-m",
+                    "kvoffload.engine",
+                    "--endpoint",
+                    self.endpoint,
+                    "--prompts",
+                    str(prompts_file),
+                    "--model",
+                    "demo",
+                    "--max-new-tokens",
+                    str(self.args.new_tokens),
+                    "--cache-blocks",
+                    str(self.cache_blocks),
+                    "--threads",
+                    str(torch.get_num_threads()),
+                    "--name",
+                    "second",
+                    "--logits",
+                    "--out",
+                    str(out_file),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=600,
             )
             if proc.returncode != 0:
-                print(f"the second engine process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
+                print(
+                    f"the second engine process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}",
+                    file=sys.stderr,
+                )
                 return False
             results = json.loads(out_file.read_text())
         for conversation, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
@@ -242,11 +273,26 @@ class Demo:
         if result["store_failures"]:
             problems.append(f"{result['store_failures']} blocks failed to offload")
         if expect is not None and not any(served.get(t, 0) for t in expect):
-            problems.append(f"expected blocks from {'/'.join(sorted(expect))}, got {served or 'none'}")
+            problems.append(
+                f"expected blocks from {'/'.join(sorted(expect))}, got {served or 'none'}"
+            )
         row = Row(
-            phase, engine, conversation, turn, len(prompt), result["reused_blocks"] * self.bt,
-            result["computed_tokens"], served, result["ttft_s"] * 1000, reference.ttft_s * 1000, tokens_same,
-            max_diff, kv, result["store_failures"], sorted(expect or ()), problems,
+            phase,
+            engine,
+            conversation,
+            turn,
+            len(prompt),
+            result["reused_blocks"] * self.bt,
+            result["computed_tokens"],
+            served,
+            result["ttft_s"] * 1000,
+            reference.ttft_s * 1000,
+            tokens_same,
+            max_diff,
+            kv,
+            result["store_failures"],
+            sorted(expect or ()),
+            problems,
         )
         if unrecorded:
             row.kv = "unrecorded"
@@ -270,29 +316,39 @@ class Demo:
         print(f"kvoffload demo: reference model {self.model.cfg.describe()}")
         print(f"seed {self.seed} (rerun with --seed {self.seed}); service logs in {self.log_file}")
         self.start_service()
-        print(f"service up: pool {self.cfg.pool.num_slots} x {self.cfg.pool.block_bytes} B; tiers: {', '.join(tiers)}")
-        print(f"\nphase 1: {args.conversations} conversations x {args.turns} turns, {self.user_count} new user "
-              f"tokens and {args.new_tokens} generated tokens per turn\n{HEADER}")
+        print(
+            f"service up: pool {self.cfg.pool.num_slots} x {self.cfg.pool.block_bytes} B; tiers: {', '.join(tiers)}"
+        )
+        print(
+            f"\nphase 1: {args.conversations} conversations x {args.turns} turns, {self.user_count} new user "
+            f"tokens and {args.new_tokens} generated tokens per turn\n{HEADER}"
+        )
         for turn in range(args.turns):
             for c in range(args.conversations):
                 self.main_turn("1 pool", c, turn, POOL if turn else None)
         turn = args.turns
-        print("phase 2: a second engine process runs every conversation's next turn on the main engine's blocks")
+        print(
+            "phase 2: a second engine process runs every conversation's next turn on the main engine's blocks"
+        )
         if not self.second_process_turns("2 process", turn):
             raise DemoFailed("the second engine process failed")
         if not self.secondary_tiers:
             print("no secondary tier configured: skipping phases 3 and 4")
             return
         turn += 1
-        print(f"phase 3: host pool reset; prefixes come back from the {' / '.join(self.secondary_tiers)} tier")
+        print(
+            f"phase 3: host pool reset; prefixes come back from the {' / '.join(self.secondary_tiers)} tier"
+        )
         self.wait_cascades()
         self._live()[2].reset_cache()
         for c in range(args.conversations):
             self.main_turn("3 reset", c, turn, SECONDARY)
         if args.restart:
             turn += 1
-            print(f"phase 4: the whole service is stopped and started again; the {' / '.join(self.secondary_tiers)} "
-                  f"tier still serves the prefixes")
+            print(
+                f"phase 4: the whole service is stopped and started again; the {' / '.join(self.secondary_tiers)} "
+                f"tier still serves the prefixes"
+            )
             self.wait_cascades()
             self.stop_service()
             self.start_service()
@@ -313,20 +369,30 @@ class Demo:
         reused_total = sum(r.reused_tokens for r in rows)
         loaded_blocks = sum(r.reused_tokens // self.bt for r in rows if r.kv in ("same", "DIFF"))
         unrecorded = [r for r in rows if r.kv == "unrecorded"]
-        print(f"\nprompt tokens {prompt_total}: reused {reused_total} "
-              f"({100 * reused_total / max(prompt_total, 1):.0f}%), computed {prompt_total - reused_total}")
+        print(
+            f"\nprompt tokens {prompt_total}: reused {reused_total} "
+            f"({100 * reused_total / max(prompt_total, 1):.0f}%), computed {prompt_total - reused_total}"
+        )
         if reused:
             with_kvo = sum(r.ttft_ms for r in reused) / len(reused)
             without = sum(r.recompute_ms for r in reused) / len(reused)
-            print(f"mean TTFT of turns with reuse: {with_kvo:.1f} ms with kvoffload vs {without:.1f} ms recomputing "
-                  f"({without / with_kvo:.1f}x)")
-        print(f"generated tokens identical to the full recompute: "
-              f"{'yes' if all(r.tokens_same for r in rows) else 'NO'} ({len(rows)} prompts)")
-        print(f"loaded K/V bit-identical to the computed K/V: "
-              f"{'NO' if any(r.kv == 'DIFF' for r in rows) else 'yes'} ({loaded_blocks} blocks checked)")
+            print(
+                f"mean TTFT of turns with reuse: {with_kvo:.1f} ms with kvoffload vs {without:.1f} ms recomputing "
+                f"({without / with_kvo:.1f}x)"
+            )
+        print(
+            f"generated tokens identical to the full recompute: "
+            f"{'yes' if all(r.tokens_same for r in rows) else 'NO'} ({len(rows)} prompts)"
+        )
+        print(
+            f"loaded K/V bit-identical to the computed K/V: "
+            f"{'NO' if any(r.kv == 'DIFF' for r in rows) else 'yes'} ({loaded_blocks} blocks checked)"
+        )
         if unrecorded:
-            print(f"note: {len(unrecorded)} prompts reused blocks offloaded by an earlier run with this seed; "
-                  f"only their tokens and logits were checked")
+            print(
+                f"note: {len(unrecorded)} prompts reused blocks offloaded by an earlier run with this seed; "
+                f"only their tokens and logits were checked"
+            )
         failed = [r for r in rows if not r.ok]
         print("PASS" if ok else f"FAIL: {len(failed)} of {len(rows)} rows failed")
         return ok
@@ -356,8 +422,10 @@ def run_demo(cfg: Config, args) -> int:
     try:
         from .engine import DEMO_MODEL, TinyDecoder
     except ImportError as exc:
-        print(f"kvoffload demo needs torch (the engine extra): pip install torch==2.13.0 -e '.[engine]' ({exc})",
-              file=sys.stderr)
+        print(
+            f"kvoffload demo needs torch (the engine extra): pip install torch==2.13.0 -e '.[engine]' ({exc})",
+            file=sys.stderr,
+        )
         return 2
     configure_logging("demo", "warning")
     model = TinyDecoder(DEMO_MODEL)
@@ -375,7 +443,15 @@ def run_demo(cfg: Config, args) -> int:
     ok = demo.summary()
     print(f"demo took {time.monotonic() - started:.1f} s")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(
-            {"seed": seed, "model": asdict(model.cfg), "ok": ok,
-             "rows": [{**asdict(r), "ok": r.ok} for r in demo.rows]}, indent=2))
+        Path(args.json_out).write_text(
+            json.dumps(
+                {
+                    "seed": seed,
+                    "model": asdict(model.cfg),
+                    "ok": ok,
+                    "rows": [{**asdict(r), "ok": r.ok} for r in demo.rows],
+                },
+                indent=2,
+            )
+        )
     return 0 if ok else 1

@@ -38,10 +38,26 @@ MAX_KV_BLOCKS = 1 << 24
 """The most device blocks one handle may have."""
 MAX_HANDLE_ID_CHARS = 256
 _DTYPE_BYTES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2,
-    "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
-    "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex128": 16,
+    "complex64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
 }
 """Element sizes of the torch dtypes a cuda_ipc tensor may have, by name (without torch)."""
 
@@ -61,9 +77,13 @@ def handle_problem(handle: KVHandle, block_bytes: int) -> str:
     ``cuda_ipc`` the IPC fields of each tensor. Reads no memory; ``segment_problem`` checks an
     ``shm`` handle against its segment's size."""
     if not handle.handle_id or len(handle.handle_id) > MAX_HANDLE_ID_CHARS:
-        return f"handle_id must be 1 to {MAX_HANDLE_ID_CHARS} characters, got {len(handle.handle_id)}"
+        return (
+            f"handle_id must be 1 to {MAX_HANDLE_ID_CHARS} characters, got {len(handle.handle_id)}"
+        )
     if handle.kind not in tuple(HandleKind):
-        return f"unknown handle kind {handle.kind!r}; expected one of {[k.value for k in HandleKind]}"
+        return (
+            f"unknown handle kind {handle.kind!r}; expected one of {[k.value for k in HandleKind]}"
+        )
     if handle.num_blocks <= 0:
         return f"num_blocks must be > 0, got {handle.num_blocks}"
     if handle.num_blocks > MAX_KV_BLOCKS:
@@ -95,7 +115,7 @@ def handle_problem(handle: KVHandle, block_bytes: int) -> str:
 
 
 def segment_problem(handle: KVHandle, segment_bytes: int) -> str:
-    """"" when every tensor of the shm ``handle`` lies inside its ``segment_bytes``-byte
+    """ "" when every tensor of the shm ``handle`` lies inside its ``segment_bytes``-byte
     segment, else which one does not."""
     for j, t in enumerate(handle.tensors):
         end = t.offset + handle.num_blocks * t.row_bytes
@@ -120,7 +140,13 @@ def _ipc_problem(ipc: CudaIpcFields | None, num_blocks: int, row_bytes: int) -> 
     itemsize = _DTYPE_BYTES.get(ipc.dtype.removeprefix("torch."))
     if itemsize is None:
         return f"unknown dtype {ipc.dtype!r}"
-    ints = ("tensor_offset", "device", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset")
+    ints = (
+        "tensor_offset",
+        "device",
+        "storage_size_bytes",
+        "storage_offset_bytes",
+        "ref_counter_offset",
+    )
     if any(getattr(ipc, f) < 0 for f in ints):
         return f"ipc fields {list(ints)} must be >= 0"
     if not ipc.handle or not ipc.ref_counter_handle:
@@ -214,7 +240,9 @@ class SharedKVCache(OwnedSegment):
         """Map the segment of an ``shm`` handle. FileNotFoundError if it is gone; ValueError if
         the handle is not ``shm`` or a tensor lies outside the segment."""
         if handle.kind != HandleKind.SHM:
-            raise ValueError(f"handle {handle.handle_id} is {handle.kind!r}, not {HandleKind.SHM.value!r}")
+            raise ValueError(
+                f"handle {handle.handle_id} is {handle.kind!r}, not {HandleKind.SHM.value!r}"
+            )
         problem = handle_problem(handle, sum(t.row_bytes for t in handle.tensors))
         if problem:
             raise ValueError(f"handle {handle.handle_id}: {problem}")
@@ -305,6 +333,7 @@ class SharedKVCache(OwnedSegment):
 
 # ---- CUDA IPC --------------------------------------------------------------------------------
 
+
 def cuda_ipc_fields(tensor: torch.Tensor) -> CudaIpcFields:
     """torch's CUDA IPC sharing fields of ``tensor`` (``rebuild_cuda_ipc_tensor`` is the
     inverse)."""
@@ -390,4 +419,6 @@ def cuda_kv_handle(handle_id: str, tensors: Sequence[torch.Tensor]) -> KVHandle:
             )
         row_bytes = t[0].numel() * t.element_size()
         specs.append(TensorSpec(row_bytes=row_bytes, ipc=cuda_ipc_fields(t)))
-    return KVHandle(handle_id=handle_id, kind=HandleKind.CUDA_IPC, num_blocks=num_blocks, tensors=specs)
+    return KVHandle(
+        handle_id=handle_id, kind=HandleKind.CUDA_IPC, num_blocks=num_blocks, tensors=specs
+    )

@@ -84,15 +84,15 @@ class HostPool(OwnedSegment):
         self._unlinked = False
 
     @classmethod
-    def create(
-        cls, name: str, num_slots: int, block_bytes: int, prefault: bool = True
-    ) -> HostPool:
+    def create(cls, name: str, num_slots: int, block_bytes: int, prefault: bool = True) -> HostPool:
         """Create and map a new segment (FileExistsError if ``name`` exists). With ``prefault``
         every page is allocated up front; an ENOSPC there unlinks the segment and raises
         OSError."""
         _validate_geometry(name, num_slots, block_bytes)
         size = num_slots * block_bytes
-        prepare = (lambda fd, mapping: _reserve_and_prefault(fd, mapping, size)) if prefault else None
+        prepare = (
+            (lambda fd, mapping: _reserve_and_prefault(fd, mapping, size)) if prefault else None
+        )
         mapping = create_segment(name, size, "host pool", prepare)
         log.debug("pool_created", pool=name, slots=num_slots, bytes=size, prefault=prefault)
         return cls(name, num_slots, block_bytes, mapping, creator=True)

@@ -610,13 +610,36 @@ _RID_SCAN_ITEMS = 4096
 _RID_KEY = b"\xa3rid"
 # msgpack headers with a fixed-size body: first byte -> body bytes
 _FIXED_BODY = {
-    0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8,
-    0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17,
+    0xC0: 0,
+    0xC2: 0,
+    0xC3: 0,
+    0xCA: 4,
+    0xCB: 8,
+    0xCC: 1,
+    0xCD: 2,
+    0xCE: 4,
+    0xCF: 8,
+    0xD0: 1,
+    0xD1: 2,
+    0xD2: 4,
+    0xD3: 8,
+    0xD4: 2,
+    0xD5: 3,
+    0xD6: 5,
+    0xD7: 9,
+    0xD8: 17,
 }
 # msgpack headers followed by a big-endian length: first byte -> (length bytes, extra bytes)
 _SIZED_BODY = {
-    0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1),
-    0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0),
+    0xC4: (1, 0),
+    0xC5: (2, 0),
+    0xC6: (4, 0),
+    0xC7: (1, 1),
+    0xC8: (2, 1),
+    0xC9: (4, 1),
+    0xD9: (1, 0),
+    0xDA: (2, 0),
+    0xDB: (4, 0),
 }
 # container headers followed by a big-endian count: first byte -> (count bytes, items per count)
 _CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}

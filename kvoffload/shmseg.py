@@ -122,7 +122,9 @@ class OwnedSegment:
         """Remove the segment's name (creator only; mappings stay valid until closed).
         Idempotent; a name that is already gone is ignored."""
         if not self._creator:
-            raise PermissionError(f"{self.what} {self._name} was attached, only its creator unlinks")
+            raise PermissionError(
+                f"{self.what} {self._name} was attached, only its creator unlinks"
+            )
         if self._unlinked:
             return
         unlink_segment(self._name)

@@ -117,4 +117,3 @@ class SlotTable(OwnedSegment):
         mapping, self._mmap = self._mmap, None
         if mapping is not None:
             close_mapping(mapping, "slot table", self._name)
-

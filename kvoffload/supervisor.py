@@ -109,12 +109,40 @@ class Supervisor:
         py = sys.executable
         spec_arg = ["--spec", str(spec_path)]
         cfg = self.cfg
-        self._add(Child("manager", [py, "-m", "kvoffload.server", *spec_arg], True, affinity=cfg.supervisor.cpu_affinity))
-        self._add(Child("cpu", [py, "-m", WORKER_MODULES["cpu"], *spec_arg], True, affinity=cfg.cpu.cpu_affinity))
+        self._add(
+            Child(
+                "manager",
+                [py, "-m", "kvoffload.server", *spec_arg],
+                True,
+                affinity=cfg.supervisor.cpu_affinity,
+            )
+        )
+        self._add(
+            Child(
+                "cpu",
+                [py, "-m", WORKER_MODULES["cpu"], *spec_arg],
+                True,
+                affinity=cfg.cpu.cpu_affinity,
+            )
+        )
         if cfg.disk.enabled:
-            self._add(Child("disk", [py, "-m", WORKER_MODULES["disk"], *spec_arg], True, affinity=cfg.disk.cpu_affinity))
+            self._add(
+                Child(
+                    "disk",
+                    [py, "-m", WORKER_MODULES["disk"], *spec_arg],
+                    True,
+                    affinity=cfg.disk.cpu_affinity,
+                )
+            )
         if cfg.object.enabled:
-            self._add(Child("object", [py, "-m", WORKER_MODULES["object"], *spec_arg], True, affinity=cfg.object.cpu_affinity))
+            self._add(
+                Child(
+                    "object",
+                    [py, "-m", WORKER_MODULES["object"], *spec_arg],
+                    True,
+                    affinity=cfg.object.cpu_affinity,
+                )
+            )
         for i, engine in enumerate(cfg.engines):
             env = {**engine.env, "KVOFFLOAD_ENDPOINT": client_endpoint}
             self._add(Child(f"engine{i}", list(engine.command), False, env=env))
@@ -126,7 +154,9 @@ class Supervisor:
         env = {**os.environ, **child.env}
         out = open(self.log_path, "ab") if self.log_path is not None else None
         try:
-            child.proc = subprocess.Popen(child.argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+            child.proc = subprocess.Popen(
+                child.argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out
+            )
         finally:
             if out is not None:
                 out.close()
@@ -137,7 +167,9 @@ class Supervisor:
                 psutil.Process(child.proc.pid).cpu_affinity(list(child.affinity))
             except (psutil.Error, AttributeError, ValueError) as exc:
                 log.warning("cpu_affinity_failed", child=child.name, error=str(exc))
-        log.info("child_started", child=child.name, child_pid=child.proc.pid, restarts=child.restarts)
+        log.info(
+            "child_started", child=child.name, child_pid=child.proc.pid, restarts=child.restarts
+        )
 
     # ---- watch ----------------------------------------------------------------------------
 
@@ -176,7 +208,9 @@ class Supervisor:
                 if not child.restart or code == EXIT_REFUSED:
                     child.proc = None
                     continue
-                child.backoff_s = initial if child.backoff_s == 0 else min(child.backoff_s * 2, ceiling)
+                child.backoff_s = (
+                    initial if child.backoff_s == 0 else min(child.backoff_s * 2, ceiling)
+                )
                 child.restart_at = now + child.backoff_s
             elif now >= child.restart_at:
                 child.restarts += 1
@@ -188,7 +222,11 @@ class Supervisor:
         another key. The workers are restarted with their usual backoff; the pool is kept."""
         fenced = []
         for child in self.children.values():
-            if child.name in WORKER_MODULES and child.proc is not None and child.proc.poll() is None:
+            if (
+                child.name in WORKER_MODULES
+                and child.proc is not None
+                and child.proc.poll() is None
+            ):
                 child.proc.kill()
                 child.proc.wait()
                 fenced.append(child.name)

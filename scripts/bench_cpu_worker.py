@@ -48,9 +48,9 @@ from kvoffload.protocol import (
     decode_worker_message,
     encode,
 )
+from kvoffload.runspec import RunSpec
 from workers.cpu import CpuBackend
 from workers.faults import FaultInjector
-from kvoffload.runspec import RunSpec
 
 KEYS_PER_JOB = 16
 STRIDE = 7919  # prime: consecutive copies land far apart

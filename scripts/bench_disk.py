@@ -51,7 +51,7 @@ def make_slots(count: int, block_bytes: int, fill: bool) -> tuple[mmap.mmap, lis
     """``count`` page-aligned slots in one anonymous mapping, pre-faulted (random bytes if ``fill``)."""
     area = mmap.mmap(-1, count * block_bytes)
     view = memoryview(area)
-    slots = [view[i * block_bytes:(i + 1) * block_bytes] for i in range(count)]
+    slots = [view[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
     for s in slots:
         s[:] = os.urandom(block_bytes) if fill else bytes(block_bytes)
     return area, slots
@@ -63,6 +63,7 @@ def bench_key(index: int) -> bytes:
 
 def timed_parallel(threads: int, count: int, op: Callable[[int, int], None]) -> float:
     """Run ``op(thread, index)`` for every index in 0..count split across ``threads``; wall seconds."""
+
     def run(thread: int) -> None:
         for index in range(thread, count, threads):
             op(thread, index)
@@ -92,18 +93,26 @@ def flush_and_evict(store: DiskStore, evict: bool) -> float:
     return time.perf_counter() - start
 
 
-def run_cell(workdir: Path, block_bytes: int, count: int, threads: int, mode: str,
-             sources: list[memoryview], dests: list[memoryview]) -> dict:
+def run_cell(
+    workdir: Path,
+    block_bytes: int,
+    count: int,
+    threads: int,
+    mode: str,
+    sources: list[memoryview],
+    dests: list[memoryview],
+) -> dict:
     root = workdir / f"store-{mode}-{block_bytes}-{threads}"
     fingerprint = deployment_fingerprint(block_bytes, "bench")
     record = PAGE_SIZE + -(-block_bytes // PAGE_SIZE) * PAGE_SIZE
-    store = DiskStore(root, block_bytes, fingerprint, count * record,
-                      direct_io=mode == "direct")
+    store = DiskStore(root, block_bytes, fingerprint, count * record, direct_io=mode == "direct")
     store.open()
     gib = count * block_bytes / 1e9
     cell: dict = {"block_kib": block_bytes >> 10, "mode": mode, "threads": threads, "blocks": count}
     try:
-        put_s = timed_parallel(threads, count, lambda t, i: store.put(bench_key(i), sources[i % len(sources)]))
+        put_s = timed_parallel(
+            threads, count, lambda t, i: store.put(bench_key(i), sources[i % len(sources)])
+        )
 
         def load(t: int, i: int) -> None:
             store.get(bench_key(i), dests[t * SLOTS_PER_THREAD + i % SLOTS_PER_THREAD])
@@ -137,16 +146,30 @@ def dd_gbps(args: list[str]) -> float:
 def dd_baseline(workdir: Path, total_mib: int) -> dict:
     path = workdir / "dd-baseline.bin"
     try:
-        write = dd_gbps(["if=/dev/zero", f"of={path}", "bs=1M", f"count={total_mib}", "oflag=direct",
-                         "conv=fsync"])
+        write = dd_gbps(
+            [
+                "if=/dev/zero",
+                f"of={path}",
+                "bs=1M",
+                f"count={total_mib}",
+                "oflag=direct",
+                "conv=fsync",
+            ]
+        )
         read = dd_gbps([f"if={path}", "of=/dev/null", "bs=1M", "iflag=direct"])
     finally:
         path.unlink(missing_ok=True)
     return {"dd_direct_write_gbps": write, "dd_direct_read_gbps": read}
 
 
-def per_record_costs(workdir: Path, block_bytes: int, count: int, sources: list[memoryview],
-                     dests: list[memoryview], rounds: int = 8) -> dict:
+def per_record_costs(
+    workdir: Path,
+    block_bytes: int,
+    count: int,
+    sources: list[memoryview],
+    dests: list[memoryview],
+    rounds: int = 8,
+) -> dict:
     """Microseconds per record on one thread, O_DIRECT when available. Each round covers a fresh
     chunk of records four ways, back to back so that all see the same disk conditions: the raw
     syscall pattern of a put (payload pwrite, then header-page pwrite, each timed alone) and of a
@@ -160,9 +183,18 @@ def per_record_costs(workdir: Path, block_bytes: int, count: int, sources: list[
     n, m = len(sources), len(dests)
     page = page_buffer()
     clock = time.perf_counter
-    samples: dict[str, list[float]] = {name: [] for name in (
-        "payload_pwrite_us", "header_pwrite_us", "record_preadv_us", "put_us", "get_us", "checksum_us",
-        "header_encode_us")}
+    samples: dict[str, list[float]] = {
+        name: []
+        for name in (
+            "payload_pwrite_us",
+            "header_pwrite_us",
+            "record_preadv_us",
+            "put_us",
+            "get_us",
+            "checksum_us",
+            "header_encode_us",
+        )
+    }
 
     def per_call(name: str, first: int, fn: Callable[[int], object]) -> None:
         start = clock()
@@ -172,7 +204,9 @@ def per_record_costs(workdir: Path, block_bytes: int, count: int, sources: list[
 
     raw_path = workdir / "raw-records.bin"
     fd = os.open(raw_path, os.O_RDWR | os.O_CREAT | (O_DIRECT if direct else 0), 0o600)
-    store = DiskStore(workdir / "store-parts", block_bytes, fingerprint, rounds * chunk * record, direct_io=direct)
+    store = DiskStore(
+        workdir / "store-parts", block_bytes, fingerprint, rounds * chunk * record, direct_io=direct
+    )
     store.open()
     try:
         os.posix_fallocate(fd, 0, rounds * chunk * record)
@@ -189,11 +223,16 @@ def per_record_costs(workdir: Path, block_bytes: int, count: int, sources: list[
             samples["payload_pwrite_us"].append(payload_s / chunk * 1e6)
             samples["header_pwrite_us"].append(header_s / chunk * 1e6)
             per_call("put_us", first, lambda i: store.put(bench_key(i), sources[i % n]))
-            per_call("record_preadv_us", first, lambda i: os.preadv(fd, [page, dests[i % m]], i * record))
+            per_call(
+                "record_preadv_us", first, lambda i: os.preadv(fd, [page, dests[i % m]], i * record)
+            )
             per_call("get_us", first, lambda i: store.get(bench_key(i), dests[i % m]))
             per_call("checksum_us", first, lambda i: payload_checksum(sources[i % n]))
-            per_call("header_encode_us", first,
-                     lambda i: BlockHeader(bench_key(i), block_bytes, i, fingerprint, i).encode())
+            per_call(
+                "header_encode_us",
+                first,
+                lambda i: BlockHeader(bench_key(i), block_bytes, i, fingerprint, i).encode(),
+            )
     finally:
         os.close(fd)
         raw_path.unlink(missing_ok=True)
@@ -207,9 +246,16 @@ def per_record_costs(workdir: Path, block_bytes: int, count: int, sources: list[
         "xxh3 checksum": costs["checksum_us"],
         "header encode": costs["header_encode_us"],
     }
-    put_parts["python, lock and index overhead"] = max(0.0, costs["put_us"] - sum(put_parts.values()))
-    get_parts = {"record read syscall": costs["record_preadv_us"], "xxh3 checksum": costs["checksum_us"]}
-    get_parts["python, lock, header decode overhead"] = max(0.0, costs["get_us"] - sum(get_parts.values()))
+    put_parts["python, lock and index overhead"] = max(
+        0.0, costs["put_us"] - sum(put_parts.values())
+    )
+    get_parts = {
+        "record read syscall": costs["record_preadv_us"],
+        "xxh3 checksum": costs["checksum_us"],
+    }
+    get_parts["python, lock, header decode overhead"] = max(
+        0.0, costs["get_us"] - sum(get_parts.values())
+    )
     put_top = max(put_parts, key=put_parts.__getitem__)
     get_top = max(get_parts, key=get_parts.__getitem__)
     syscalls = costs["payload_pwrite_us"] + costs["header_pwrite_us"]
@@ -223,25 +269,35 @@ def per_record_costs(workdir: Path, block_bytes: int, count: int, sources: list[
         **{k: round(v, 2) for k, v in costs.items()},
         "put_parts_us": {k: round(v, 2) for k, v in put_parts.items()},
         "get_parts_us": {k: round(v, 2) for k, v in get_parts.items()},
-        "put_bottleneck": (f"{'device writes' if syscalls >= put_cpu else 'CPU'}: two synchronous pwrites per put "
-                           f"(payload {costs['payload_pwrite_us']:.1f} us + header page "
-                           f"{costs['header_pwrite_us']:.1f} us) = {syscalls:.1f} of {costs['put_us']:.1f} us; "
-                           f"CPU (checksum, encode, Python) {put_cpu:.1f} us; largest part: {put_top}"),
-        "get_bottleneck": (f"{'device read' if costs['record_preadv_us'] >= get_cpu else 'CPU'}: one preadv "
-                           f"{costs['record_preadv_us']:.1f} of {costs['get_us']:.1f} us; CPU (checksum, "
-                           f"header decode, Python) {get_cpu:.1f} us; largest part: {get_top}"),
+        "put_bottleneck": (
+            f"{'device writes' if syscalls >= put_cpu else 'CPU'}: two synchronous pwrites per put "
+            f"(payload {costs['payload_pwrite_us']:.1f} us + header page "
+            f"{costs['header_pwrite_us']:.1f} us) = {syscalls:.1f} of {costs['put_us']:.1f} us; "
+            f"CPU (checksum, encode, Python) {put_cpu:.1f} us; largest part: {put_top}"
+        ),
+        "get_bottleneck": (
+            f"{'device read' if costs['record_preadv_us'] >= get_cpu else 'CPU'}: one preadv "
+            f"{costs['record_preadv_us']:.1f} of {costs['get_us']:.1f} us; CPU (checksum, "
+            f"header decode, Python) {get_cpu:.1f} us; largest part: {get_top}"
+        ),
     }
 
 
 def print_table(result: dict) -> None:
     base = result["baseline"]
-    print(f"dd direct write {base['before']['dd_direct_write_gbps']:.2f}/{base['after']['dd_direct_write_gbps']:.2f}"
-          f" GB/s, read {base['before']['dd_direct_read_gbps']:.2f}/{base['after']['dd_direct_read_gbps']:.2f}"
-          " GB/s (before/after)")
-    print(f"{'block':>7} {'mode':>8} {'thr':>3} {'store':>7} {'flushed':>7} {'warm':>7} {'cold':>7}  GB/s")
+    print(
+        f"dd direct write {base['before']['dd_direct_write_gbps']:.2f}/{base['after']['dd_direct_write_gbps']:.2f}"
+        f" GB/s, read {base['before']['dd_direct_read_gbps']:.2f}/{base['after']['dd_direct_read_gbps']:.2f}"
+        " GB/s (before/after)"
+    )
+    print(
+        f"{'block':>7} {'mode':>8} {'thr':>3} {'store':>7} {'flushed':>7} {'warm':>7} {'cold':>7}  GB/s"
+    )
     for cell in result["cells"]:
-        rates = " ".join(f"{cell[name]:7.2f}" if name in cell else f"{'-':>7}"
-                         for name in ("store_gbps", "store_flushed_gbps", "load_warm_gbps", "load_cold_gbps"))
+        rates = " ".join(
+            f"{cell[name]:7.2f}" if name in cell else f"{'-':>7}"
+            for name in ("store_gbps", "store_flushed_gbps", "load_warm_gbps", "load_cold_gbps")
+        )
         print(f"{cell['block_kib']:>4}KiB {cell['mode']:>8} {cell['threads']:>3} {rates}")
     parts = result["per_record"]
     print(f"{parts['block_kib']} KiB put: {parts['put_bottleneck']}")
@@ -250,12 +306,20 @@ def print_table(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", help="directory on the disk to measure (default: a new temporary one)")
-    parser.add_argument("--total-mib", type=int, default=512, help="bytes per cell (and per dd run)")
-    parser.add_argument("--sizes-kib", default="64,256,1024,4096", help="comma list of block sizes in KiB")
+    parser.add_argument(
+        "--dir", help="directory on the disk to measure (default: a new temporary one)"
+    )
+    parser.add_argument(
+        "--total-mib", type=int, default=512, help="bytes per cell (and per dd run)"
+    )
+    parser.add_argument(
+        "--sizes-kib", default="64,256,1024,4096", help="comma list of block sizes in KiB"
+    )
     parser.add_argument("--threads", default="1,4", help="comma list of thread counts")
     parser.add_argument("--modes", default="direct,buffered", help="comma list of direct, buffered")
-    parser.add_argument("--parts-records", type=int, default=2000, help="records for the per-record split")
+    parser.add_argument(
+        "--parts-records", type=int, default=2000, help="records for the per-record split"
+    )
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_disk.json"))
     args = parser.parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -269,9 +333,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"O_DIRECT is not supported in {workdir}; skipping direct mode", file=sys.stderr)
             modes.remove("direct")
         result: dict = {
-            "config": {"dir": str(workdir), "total_mib": args.total_mib, "sizes_kib": [s >> 10 for s in sizes],
-                       "threads": thread_counts, "modes": modes},
-            "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
+            "config": {
+                "dir": str(workdir),
+                "total_mib": args.total_mib,
+                "sizes_kib": [s >> 10 for s in sizes],
+                "threads": thread_counts,
+                "modes": modes,
+            },
+            "machine": {
+                "cpus": os.cpu_count(),
+                "kernel": platform.release(),
+                "python": platform.python_version(),
+            },
             "baseline": {"before": dd_baseline(workdir, args.total_mib)},
             "cells": [],
         }
@@ -279,15 +352,18 @@ def main(argv: list[str] | None = None) -> int:
         for block_bytes in sizes:
             count = max(max(thread_counts) * SLOTS_PER_THREAD, total // block_bytes)
             _src_area, sources = make_slots(min(count, 64), block_bytes, fill=True)
-            _dst_area, dests = make_slots(max(thread_counts) * SLOTS_PER_THREAD, block_bytes, fill=False)
+            _dst_area, dests = make_slots(
+                max(thread_counts) * SLOTS_PER_THREAD, block_bytes, fill=False
+            )
             for mode in modes:
                 for threads in thread_counts:
                     cell = run_cell(workdir, block_bytes, count, threads, mode, sources, dests)
                     result["cells"].append(cell)
                     print(json.dumps(cell), flush=True)
             if block_bytes == min(sizes):
-                result["per_record"] = per_record_costs(workdir, block_bytes, min(count, args.parts_records),
-                                                        sources, dests)
+                result["per_record"] = per_record_costs(
+                    workdir, block_bytes, min(count, args.parts_records), sources, dests
+                )
         result["baseline"]["after"] = dd_baseline(workdir, args.total_mib)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

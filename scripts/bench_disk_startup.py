@@ -35,7 +35,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--blocks", type=int, default=100_000)
     parser.add_argument("--block-bytes", type=int, default=4096)
-    parser.add_argument("--dir", default=None, help="directory on the disk to test (default: a temp dir)")
+    parser.add_argument(
+        "--dir", default=None, help="directory on the disk to test (default: a temp dir)"
+    )
     parser.add_argument("--out", default="results/bench_disk_startup.json")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="kvo-startup-", dir=args.dir))

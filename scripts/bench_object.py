@@ -191,7 +191,9 @@ def run_cell(runner_cls, cfg: dict, size_name: str, threads: int, count: int) ->
 
 
 def print_table(cells: list[dict]) -> None:
-    print(f"{'client':<13}{'block':<8}{'thr':>4}{'PUT MB/s':>10}{'GET MB/s':>10}{'PUT p50':>9}{'GET p50':>9}")
+    print(
+        f"{'client':<13}{'block':<8}{'thr':>4}{'PUT MB/s':>10}{'GET MB/s':>10}{'PUT p50':>9}{'GET p50':>9}"
+    )
     for c in cells:
         print(
             f"{c['client']:<13}{c['block']:<8}{c['threads']:>4}{c['put_mb_s']:>10}{c['get_mb_s']:>10}"
@@ -203,12 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--endpoint", help="existing S3 endpoint; default: start SeaweedFS here")
     parser.add_argument("--bucket", default="kvoffload-bench")
-    parser.add_argument("--access-key", default=os.environ.get("AWS_ACCESS_KEY_ID", "kvoffload-bench"))
-    parser.add_argument("--secret-key", default=os.environ.get("AWS_SECRET_ACCESS_KEY", "kvoffload-bench-secret"))
+    parser.add_argument(
+        "--access-key", default=os.environ.get("AWS_ACCESS_KEY_ID", "kvoffload-bench")
+    )
+    parser.add_argument(
+        "--secret-key", default=os.environ.get("AWS_SECRET_ACCESS_KEY", "kvoffload-bench-secret")
+    )
     parser.add_argument("--region", default="us-east-1")
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma list of {sorted(SIZES)}")
     parser.add_argument("--threads", default="1,8", help="comma list of client thread counts")
-    parser.add_argument("--clients", default=",".join(RUNNERS), help=f"comma list of {sorted(RUNNERS)}")
+    parser.add_argument(
+        "--clients", default=",".join(RUNNERS), help=f"comma list of {sorted(RUNNERS)}"
+    )
     parser.add_argument("--count", type=int, default=64, help="objects per cell")
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_object.json"))
     args = parser.parse_args(argv)
@@ -219,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         from kvoffload.soak.s3server import S3Server
 
         tmp = tempfile.TemporaryDirectory(prefix="bench-object-")
-        server = S3Server(tmp.name, access_key=args.access_key, secret_key=args.secret_key, region=args.region)
+        server = S3Server(
+            tmp.name, access_key=args.access_key, secret_key=args.secret_key, region=args.region
+        )
         server.start()
         server.create_bucket(args.bucket)
         endpoint = server.endpoint

@@ -62,7 +62,9 @@ while True:
 def bare_zmq_rtt(frame: bytes, rounds: int) -> dict:
     """DEALER -> ROUTER echo in another process over ipc: the transport floor."""
     endpoint = f"ipc://{tempfile.mkdtemp()}/echo.sock"
-    server = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, endpoint], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", ECHO_SERVER, endpoint], stdout=subprocess.PIPE, text=True
+    )
     server.stdout.readline()
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.connect(endpoint)
@@ -119,7 +121,9 @@ def control_plane(client, kv, rounds: int) -> dict:
             "bare_zmq_same_frame": bare_zmq_rtt(frame, rounds),
         }
         entry = result[f"{n}_keys"]
-        entry["manager_over_bare_zmq_p50"] = entry["manager"]["p50_us"] / entry["bare_zmq_same_frame"]["p50_us"]
+        entry["manager_over_bare_zmq_p50"] = (
+            entry["manager"]["p50_us"] / entry["bare_zmq_same_frame"]["p50_us"]
+        )
         client.finish_request(req)
     return result
 
@@ -187,9 +191,11 @@ class Service:
             "KVOFFLOAD_SERVICE__LOG_LEVEL": "warning",
             "KVOFFLOAD_POOL__SLOT_HEADERS": str(self.slot_headers).lower(),
         }
-        self.supervisor = Supervisor(load_config(None, env), log_path=Path(self.tmp) / "service.log")
+        self.supervisor = Supervisor(
+            load_config(None, env), log_path=Path(self.tmp) / "service.log"
+        )
 
-    def __enter__(self) -> "Service":
+    def __enter__(self) -> Service:
         self.spec = self.supervisor.start()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

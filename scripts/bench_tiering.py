@@ -16,11 +16,15 @@ import os
 import time
 from pathlib import Path
 
-from kvoffload.tiering import TransferResult, Locality, Medium, ReqContext, TieringManager, TierSpec
+from kvoffload.tiering import Locality, Medium, ReqContext, TieringManager, TierSpec, TransferResult
 
 
 def keys_for(n: int, seed: int = 0) -> list[bytes]:
-    return [os.urandom(32) for _ in range(n)] if seed < 0 else [i.to_bytes(8, "big") * 4 for i in range(seed, seed + n)]
+    return (
+        [os.urandom(32) for _ in range(n)]
+        if seed < 0
+        else [i.to_bytes(8, "big") * 4 for i in range(seed, seed + n)]
+    )
 
 
 def best_rate(fn, n_keys: int, repeat: int) -> float:
@@ -74,7 +78,11 @@ def bench_fresh_keys(keys: list[bytes], repeat: int) -> dict:
 
     floor_rate = best_rate(floor, len(keys), repeat)
     lookup_rate = best_rate(lookup, len(keys), repeat)
-    return {"floor_keys_per_s": floor_rate, "lookup_keys_per_s": lookup_rate, "ratio": lookup_rate / floor_rate}
+    return {
+        "floor_keys_per_s": floor_rate,
+        "lookup_keys_per_s": lookup_rate,
+        "ratio": lookup_rate / floor_rate,
+    }
 
 
 def bench_half_secondary(keys: list[bytes], repeat: int) -> dict:
@@ -96,7 +104,10 @@ def bench_half_secondary(keys: list[bytes], repeat: int) -> dict:
         t0 = time.perf_counter()
         m.lookup("r", keys)
         pending_rates.append(len(keys) / (time.perf_counter() - t0))
-    return {"first_lookup_keys_per_s": max(first_rates), "pending_lookup_keys_per_s": max(pending_rates)}
+    return {
+        "first_lookup_keys_per_s": max(first_rates),
+        "pending_lookup_keys_per_s": max(pending_rates),
+    }
 
 
 def bench_store(n_keys: int, batch: int) -> dict:
@@ -110,7 +121,12 @@ def bench_store(n_keys: int, batch: int) -> dict:
         for job in m.take_submissions():
             m.apply_result("disk", TransferResult(job.job_id, True))
     seconds = time.perf_counter() - t0
-    return {"keys": n_keys, "batch": batch, "keys_per_s": n_keys / seconds, "evictions": m.primary.evictions}
+    return {
+        "keys": n_keys,
+        "batch": batch,
+        "keys_per_s": n_keys / seconds,
+        "evictions": m.primary.evictions,
+    }
 
 
 def main() -> None:

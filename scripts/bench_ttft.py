@@ -53,16 +53,24 @@ class Service:
 
     def __init__(self, block_bytes: int, layout_id: str, max_blocks: int) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="kvo-ttft-"))
-        cfg = load_config(None, {
-            "KVOFFLOAD_SERVICE__RUNTIME_DIR": str(self.tmp / "run"),
-            "KVOFFLOAD_SERVICE__LOG_LEVEL": "warning",
-            "KVOFFLOAD_DISK__ROOT": str(self.tmp / "disk"),
-        })
+        cfg = load_config(
+            None,
+            {
+                "KVOFFLOAD_SERVICE__RUNTIME_DIR": str(self.tmp / "run"),
+                "KVOFFLOAD_SERVICE__LOG_LEVEL": "warning",
+                "KVOFFLOAD_DISK__ROOT": str(self.tmp / "disk"),
+            },
+        )
         slots = max_blocks + 256
         self.cfg = msgspec.structs.replace(
             cfg,
-            pool=msgspec.structs.replace(cfg.pool, block_bytes=block_bytes, num_slots=slots, layout_id=layout_id,
-                                         unread_promotion_cap=1.0),
+            pool=msgspec.structs.replace(
+                cfg.pool,
+                block_bytes=block_bytes,
+                num_slots=slots,
+                layout_id=layout_id,
+                unread_promotion_cap=1.0,
+            ),
             disk=msgspec.structs.replace(cfg.disk, capacity_bytes=4 * slots * (block_bytes + 4096)),
         )
         self.supervisor = Supervisor(self.cfg, log_path=self.tmp / "service.log")
@@ -101,8 +109,15 @@ def median_s(samples: list[float]) -> float:
     return statistics.median(samples)
 
 
-def bench_length(length: int, repeats: int, single: bool, model, reference: Engine, engine: Engine,
-                 cascaded_before: int) -> tuple[dict, int]:
+def bench_length(
+    length: int,
+    repeats: int,
+    single: bool,
+    model,
+    reference: Engine,
+    engine: Engine,
+    cascaded_before: int,
+) -> tuple[dict, int]:
     """The measurements for one prefix length, and the number of blocks the cold run offloaded."""
     rng = np.random.default_rng(length)
     prompt = rng.integers(0, model.cfg.vocab_size, size=length + NEW_TOKENS).tolist()
@@ -112,7 +127,9 @@ def bench_length(length: int, repeats: int, single: bool, model, reference: Engi
     recompute = [reference.generate(prompt, 1) for _ in range(heavy_repeats)]
     expected = recompute[0].tokens
     miss = engine.generate(prompt, 1)
-    assert miss.reused_blocks == 0 and miss.store_failures == 0, "the cold run must compute everything"
+    assert miss.reused_blocks == 0 and miss.store_failures == 0, (
+        "the cold run must compute everything"
+    )
     pool = [engine.generate(prompt, 1) for _ in range(repeats)]
     wait_cascades(engine.client, cascaded_before + len(miss.stored))
     disk = []
@@ -121,7 +138,9 @@ def bench_length(length: int, repeats: int, single: bool, model, reference: Engi
         disk.append(engine.generate(prompt, 1))
     for run, tier in [*((r, "pool") for r in pool), *((r, "disk") for r in disk)]:
         if run.reused_blocks != blocks or run.served_by.get(tier) != blocks:
-            raise AssertionError(f"{length} tokens: expected {blocks} blocks from {tier}, got {dict(run.served_by)}")
+            raise AssertionError(
+                f"{length} tokens: expected {blocks} blocks from {tier}, got {dict(run.served_by)}"
+            )
     runs = recompute + [miss] + pool + disk
     result = {
         "prefix_tokens": length,
@@ -148,36 +167,55 @@ def bench_length(length: int, repeats: int, single: bool, model, reference: Engi
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"{'prefix':>8}{'MiB':>7}{'recompute ms':>14}{'miss ms':>10}{'pool ms':>10}{'disk ms':>10}"
-          f"{'pool x':>9}{'disk x':>9}  same token")
+    print(
+        f"{'prefix':>8}{'MiB':>7}{'recompute ms':>14}{'miss ms':>10}{'pool ms':>10}{'disk ms':>10}"
+        f"{'pool x':>9}{'disk x':>9}  same token"
+    )
     for r in results:
-        print(f"{r['prefix_tokens']:>8}{r['prefix_bytes'] / 2**20:>7.0f}{r['recompute_ttft_s'] * 1e3:>14.1f}"
-              f"{r['miss_ttft_s'] * 1e3:>10.1f}{r['pool_ttft_s'] * 1e3:>10.1f}{r['disk_ttft_s'] * 1e3:>10.1f}"
-              f"{r['pool_speedup']:>9.1f}{r['disk_speedup']:>9.1f}  {'yes' if r['first_token_identical'] else 'NO'}")
+        print(
+            f"{r['prefix_tokens']:>8}{r['prefix_bytes'] / 2**20:>7.0f}{r['recompute_ttft_s'] * 1e3:>14.1f}"
+            f"{r['miss_ttft_s'] * 1e3:>10.1f}{r['pool_ttft_s'] * 1e3:>10.1f}{r['disk_ttft_s'] * 1e3:>10.1f}"
+            f"{r['pool_speedup']:>9.1f}{r['disk_speedup']:>9.1f}  {'yes' if r['first_token_identical'] else 'NO'}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--single-run-from", type=int, default=16384,
-                        help="prefix length from which recompute runs once")
+    parser.add_argument(
+        "--single-run-from",
+        type=int,
+        default=16384,
+        help="prefix length from which recompute runs once",
+    )
     parser.add_argument("--out", default="results/bench_ttft.json")
     args = parser.parse_args()
     configure_logging("bench", "warning")
     model = TinyDecoder(BENCH_MODEL)
     params = sum(p.numel() for p in model.parameters())
     max_blocks = (max(args.lengths) + NEW_TOKENS) // model.cfg.block_tokens + 2
-    print(f"model: {model.cfg.describe()}; {params / 1e6:.1f} M parameters; torch threads {torch.get_num_threads()}")
+    print(
+        f"model: {model.cfg.describe()}; {params / 1e6:.1f} M parameters; torch threads {torch.get_num_threads()}"
+    )
     results = []
     started = time.monotonic()
-    with Service(model.cfg.block_bytes, model.layout_id, max_blocks) as service, \
-            Engine.local(model, max_blocks) as reference, \
-            Engine.connect(model, service.endpoint, max_blocks, "bench") as engine:
+    with (
+        Service(model.cfg.block_bytes, model.layout_id, max_blocks) as service,
+        Engine.local(model, max_blocks) as reference,
+        Engine.connect(model, service.endpoint, max_blocks, "bench") as engine,
+    ):
         cascaded = 0
         for length in args.lengths:
-            result, stored = bench_length(length, args.repeats, length >= args.single_run_from, model,
-                                          reference, engine, cascaded)
+            result, stored = bench_length(
+                length,
+                args.repeats,
+                length >= args.single_run_from,
+                model,
+                reference,
+                engine,
+                cascaded,
+            )
             cascaded += stored
             results.append(result)
             print(f"  {length} tokens done ({time.monotonic() - started:.0f} s)", flush=True)
@@ -186,8 +224,11 @@ def main() -> None:
         "model": {**dataclasses.asdict(model.cfg), "parameters": params},
         "torch_threads": torch.get_num_threads(),
         "new_tokens": NEW_TOKENS,
-        "targets": {"pool_speedup_min": POOL_TARGET, "pool_target_from_tokens": POOL_TARGET_FROM,
-                    "disk_speedup_min": 1.0},
+        "targets": {
+            "pool_speedup_min": POOL_TARGET,
+            "pool_target_from_tokens": POOL_TARGET_FROM,
+            "disk_speedup_min": 1.0,
+        },
         "results": results,
         "all_targets_met": all(r["pool_target_met"] and r["disk_target_met"] for r in results),
         "seconds": time.monotonic() - started,

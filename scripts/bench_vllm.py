@@ -58,7 +58,12 @@ VOCAB = 1024
 BLOCK_TOKENS = 32
 SUFFIX_TOKENS = 8
 MODEL = {
-    "layers": 4, "hidden": 1024, "intermediate": 2816, "heads": 16, "kv_heads": 8, "head_dim": 64,
+    "layers": 4,
+    "hidden": 1024,
+    "intermediate": 2816,
+    "heads": 16,
+    "kv_heads": 8,
+    "head_dim": 64,
 }
 POOL_VS_RESIDENT_MAX = 1.5
 RECOMPUTE_VS_POOL_MIN = 5.0
@@ -139,14 +144,27 @@ def engine_main(args: argparse.Namespace) -> None:
             continue
         t0 = time.monotonic()
         start = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=cmd["prompt"])], params, use_tqdm=False)[0]
+        out = llm.generate([TokensPrompt(prompt_token_ids=cmd["prompt"])], params, use_tqdm=False)[
+            0
+        ]
         seconds = time.perf_counter() - start
         t1 = time.monotonic()
         completion = out.outputs[0]
         token = completion.token_ids[0]
         logprob = completion.logprobs[0][token].logprob if completion.logprobs else None
-        replies.write(json.dumps({"s": seconds, "cached": out.num_cached_tokens, "token": token,
-                                  "logprob": logprob, "t0": t0, "t1": t1}) + "\n")
+        replies.write(
+            json.dumps(
+                {
+                    "s": seconds,
+                    "cached": out.num_cached_tokens,
+                    "token": token,
+                    "logprob": logprob,
+                    "t0": t0,
+                    "t1": t1,
+                }
+            )
+            + "\n"
+        )
 
 
 class EngineFailed(RuntimeError):
@@ -164,21 +182,47 @@ class Engine:
     start fails or a process is killed: the segments the group maps are noted while it runs and
     removed after it stopped if they are still there."""
 
-    def __init__(self, model: Path, log_path: Path, max_model_len: int, kvcache_gib: int,
-                 kv_transfer: dict[str, Any] | None, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model: Path,
+        log_path: Path,
+        max_model_len: int,
+        kvcache_gib: int,
+        kv_transfer: dict[str, Any] | None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         read_fd, write_fd = os.pipe()
-        cmd = [sys.executable, __file__, "--engine", "--model", str(model), "--reply-fd", str(write_fd),
-               "--max-model-len", str(max_model_len)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--engine",
+            "--model",
+            str(model),
+            "--reply-fd",
+            str(write_fd),
+            "--max-model-len",
+            str(max_model_len),
+        ]
         if kv_transfer is not None:
             cmd += ["--kv-transfer", json.dumps(kv_transfer)]
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "KVOFFLOAD_ENDPOINT")}
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "KVOFFLOAD_ENDPOINT")
+        }
         env.update(ENGINE_ENV, VLLM_CPU_KVCACHE_SPACE=str(kvcache_gib), **(extra_env or {}))
         self.log_path = log_path
         self._log = open(log_path, "w")
         self._shm: set[str] = set()
         started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
-                                     pass_fds=(write_fd,), env=env, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(write_fd,),
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
         os.close(write_fd)
         self._replies = os.fdopen(read_fd, "r")
         try:
@@ -193,7 +237,9 @@ class Engine:
         ready: list = []
         while not ready and time.monotonic() < deadline:
             self._note_shm()
-            ready, _, _ = select.select([self._replies], [], [], min(1.0, max(0.0, deadline - time.monotonic())))
+            ready, _, _ = select.select(
+                [self._replies], [], [], min(1.0, max(0.0, deadline - time.monotonic()))
+            )
         line = self._replies.readline() if ready else ""
         if not line:
             text = self.log_path.read_text(errors="replace")
@@ -297,17 +343,23 @@ class Service:
         from kvoffload.config import load_config
         from kvoffload.supervisor import Supervisor
 
-        cfg = load_config(None, {
-            "KVOFFLOAD_SERVICE__RUNTIME_DIR": str(home / "run"),
-            "KVOFFLOAD_SERVICE__LOG_LEVEL": "warning",
-            "KVOFFLOAD_DISK__ROOT": str(home / "disk"),
-        })
+        cfg = load_config(
+            None,
+            {
+                "KVOFFLOAD_SERVICE__RUNTIME_DIR": str(home / "run"),
+                "KVOFFLOAD_SERVICE__LOG_LEVEL": "warning",
+                "KVOFFLOAD_DISK__ROOT": str(home / "disk"),
+            },
+        )
         block_bytes = kv_block_bytes()
         self.cfg = msgspec.structs.replace(
             cfg,
-            pool=msgspec.structs.replace(cfg.pool, block_bytes=block_bytes, num_slots=pool_blocks,
-                                         unread_promotion_cap=1.0),
-            disk=msgspec.structs.replace(cfg.disk, capacity_bytes=disk_blocks * (block_bytes + 4096)),
+            pool=msgspec.structs.replace(
+                cfg.pool, block_bytes=block_bytes, num_slots=pool_blocks, unread_promotion_cap=1.0
+            ),
+            disk=msgspec.structs.replace(
+                cfg.disk, capacity_bytes=disk_blocks * (block_bytes + 4096)
+            ),
         )
         self.log_path = log_path
         self.supervisor = Supervisor(self.cfg, log_path=self.log_path)
@@ -337,15 +389,22 @@ class Service:
     def tiering(self) -> TieringStatus:
         return self.client.status().tiering
 
-    def wait_settled(self, ready_keys: int, disk_keys: int, timeout_s: float = 120.0) -> TieringStatus:
+    def wait_settled(
+        self, ready_keys: int, disk_keys: int, timeout_s: float = 120.0
+    ) -> TieringStatus:
         """Until the pool holds ``ready_keys`` ready keys (0: any), the disk tier indexes
         ``disk_keys`` keys and no store, tier job or cascade is left in flight."""
         deadline = time.monotonic() + timeout_s
         while True:
             t = self.tiering()
             ready = t.used_slots - t.writing_slots
-            if (ready >= ready_keys and t.writing_slots == 0 and t.jobs_in_flight == 0
-                    and t.cascade_backlog == 0 and t.tiers["disk"].indexed_keys >= disk_keys):
+            if (
+                ready >= ready_keys
+                and t.writing_slots == 0
+                and t.jobs_in_flight == 0
+                and t.cascade_backlog == 0
+                and t.tiers["disk"].indexed_keys >= disk_keys
+            ):
                 return t
             if time.monotonic() > deadline:
                 raise TimeoutError(f"kvoffload did not settle: {msgspec.json.encode(t)[:2000]!r}")
@@ -365,7 +424,11 @@ def prompts_for(lengths: list[int], count: int) -> dict[int, list[tuple[list[int
         triples = []
         for _ in range(count):
             prefix = rng.integers(3, VOCAB, size=length).tolist()
-            triples.append(tuple(prefix + rng.integers(3, VOCAB, size=SUFFIX_TOKENS).tolist() for _ in range(3)))
+            triples.append(
+                tuple(
+                    prefix + rng.integers(3, VOCAB, size=SUFFIX_TOKENS).tolist() for _ in range(3)
+                )
+            )
         out[length] = triples
     return out
 
@@ -396,7 +459,9 @@ def run_vllm(engine: Engine, prompts, runs: dict, problems: list[str]) -> None:
             runs["resident"][length].append(hit)
 
 
-def run_kvoffload(engine: Engine, service: Service, prompts, runs: dict, problems: list[str]) -> None:
+def run_kvoffload(
+    engine: Engine, service: Service, prompts, runs: dict, problems: list[str]
+) -> None:
     warm_up(engine)
     service.wait_settled(0, 0)
     stored = service.tiering().tiers["disk"].indexed_keys
@@ -446,7 +511,10 @@ BREAKDOWN_FIELDS = (
     ("first_lookup_ms", "request reaches the scheduler and its first lookup starts"),
     ("hit_known_ms", "the lookup answer that makes vLLM schedule the load is known"),
     ("load_submitted_ms", "the worker starts the step that copies the blocks"),
-    ("load_worker_ms", "the worker's load: copy pool slots -> vLLM KV blocks, verify their checksums"),
+    (
+        "load_worker_ms",
+        "the worker's load: copy pool slots -> vLLM KV blocks, verify their checksums",
+    ),
     ("load_reported_ms", "the scheduler learns the load finished"),
     ("done_ms", "generate() returns with the first token"),
     ("steps", "scheduler steps the request lived through"),
@@ -479,7 +547,9 @@ def _request_breakdown(events: list[dict[str, Any]], run: dict[str, Any]) -> dic
         "steps": len(steps),
         "match_ms": sum(e["d"] for e in matches) * 1e3,
         "lookup_rtt_ms": sum(e["d"] for e in window if e["ev"] == "schedule_end") * 1e3,
-        "step_interval_ms": ((steps[-1]["t"] - steps[0]["t"]) / (len(steps) - 1) * 1e3) if len(steps) > 1 else None,
+        "step_interval_ms": ((steps[-1]["t"] - steps[0]["t"]) / (len(steps) - 1) * 1e3)
+        if len(steps) > 1
+        else None,
     }
 
 
@@ -491,7 +561,9 @@ def breakdown(events: list[dict[str, Any]], runs: dict) -> dict[str, Any]:
         for length, by_prompt in runs[mode].items():
             rows = [_request_breakdown(events, run) for run in by_prompt]
             out[mode][str(length)] = {
-                name: statistics.median(v) if (v := [r[name] for r in rows if r[name] is not None]) else None
+                name: statistics.median(v)
+                if (v := [r[name] for r in rows if r[name] is not None])
+                else None
                 for name, _ in BREAKDOWN_FIELDS
             }
     return out
@@ -499,19 +571,26 @@ def breakdown(events: list[dict[str, Any]], runs: dict) -> dict[str, Any]:
 
 def print_breakdown(profile: dict[str, Any]) -> None:
     names = [name for name, _ in BREAKDOWN_FIELDS]
-    print("kvoffload hit TTFT breakdown (medians; ms since generate(); see kvoffload_breakdown.fields)")
+    print(
+        "kvoffload hit TTFT breakdown (medians; ms since generate(); see kvoffload_breakdown.fields)"
+    )
     print(f"{'mode':>9}{'prefix':>7}" + "".join(f"{n.removesuffix('_ms'):>18}" for n in names))
     for mode in ("kvoffload_pool", "kvoffload_disk", "kvoffload_resident"):
         for length, row in profile[mode].items():
-            cells = "".join(f"{'-' if row[n] is None else format(row[n], '.1f'):>18}" for n in names)
+            cells = "".join(
+                f"{'-' if row[n] is None else format(row[n], '.1f'):>18}" for n in names
+            )
             print(f"{mode.removeprefix('kvoffload_'):>9}{length:>7}{cells}")
 
 
 def summarize(lengths: list[int], runs: dict, native_ran: bool) -> list[dict[str, Any]]:
     rows = []
     for length in lengths:
-        med = {mode: statistics.median(r["s"] for r in by_len[length])
-               for mode, by_len in runs.items() if by_len[length]}
+        med = {
+            mode: statistics.median(r["s"] for r in by_len[length])
+            for mode, by_len in runs.items()
+            if by_len[length]
+        }
         reference = runs["resident"][length]
         hit_modes = ("kvoffload_pool", "kvoffload_disk", *(("vllm_native",) if native_ran else ()))
         same = all(
@@ -525,9 +604,15 @@ def summarize(lengths: list[int], runs: dict, native_ran: bool) -> list[dict[str
             "prefix_blocks": length // BLOCK_TOKENS,
             "prefix_bytes": length // BLOCK_TOKENS * kv_block_bytes(),
             **{f"{mode}_ttft_s": value for mode, value in med.items()},
-            "samples_s": {mode: [r["s"] for r in by_len[length]] for mode, by_len in runs.items() if by_len[length]},
+            "samples_s": {
+                mode: [r["s"] for r in by_len[length]]
+                for mode, by_len in runs.items()
+                if by_len[length]
+            },
             "first_token_same_as_resident": same,
-            "full_hits": {mode: sum(r["cached"] == length for r in runs[mode][length]) for mode in hit_modes},
+            "full_hits": {
+                mode: sum(r["cached"] == length for r in runs[mode][length]) for mode in hit_modes
+            },
             "pool_vs_resident": med["kvoffload_pool"] / med["resident"],
             "pool_vs_resident_same_engine": med["kvoffload_pool"] / med["kvoffload_resident"],
             "recompute_vs_pool": med["recompute"] / med["kvoffload_pool"],
@@ -541,9 +626,14 @@ def summarize(lengths: list[int], runs: dict, native_ran: bool) -> list[dict[str
 def targets(rows: list[dict[str, Any]], problems: list[str]) -> dict[str, Any]:
     longest = max(rows, key=lambda r: r["prefix_tokens"])
     met = {
-        "pool_within_1_5x_of_resident": all(r["pool_vs_resident"] <= POOL_VS_RESIDENT_MAX for r in rows),
-        "pool_5x_faster_than_recompute_at_longest": longest["recompute_vs_pool"] >= RECOMPUTE_VS_POOL_MIN,
-        "disk_never_slower_than_recompute": all(r["disk_vs_recompute"] <= DISK_VS_RECOMPUTE_MAX for r in rows),
+        "pool_within_1_5x_of_resident": all(
+            r["pool_vs_resident"] <= POOL_VS_RESIDENT_MAX for r in rows
+        ),
+        "pool_5x_faster_than_recompute_at_longest": longest["recompute_vs_pool"]
+        >= RECOMPUTE_VS_POOL_MIN,
+        "disk_never_slower_than_recompute": all(
+            r["disk_vs_recompute"] <= DISK_VS_RECOMPUTE_MAX for r in rows
+        ),
         "same_first_token": all(r["first_token_same_as_resident"] for r in rows),
         "every_hit_run_hit": not problems,
     }
@@ -555,18 +645,22 @@ def print_table(rows: list[dict[str, Any]], native: dict[str, Any]) -> None:
         value = row.get(f"{mode}_ttft_s")
         return f"{value * 1e3:.0f}" if value is not None else "-"
 
-    head = (f"{'prefix':>7}{'MiB':>5}{'recompute':>11}{'resident':>10}{'kvo cold':>10}{'kvo pool':>10}"
-            f"{'kvo res':>9}{'kvo disk':>10}{'native':>8}{'pool/res':>10}{'(same eng)':>11}{'rec/pool':>10}"
-            f"{'disk/rec':>10}  same token")
+    head = (
+        f"{'prefix':>7}{'MiB':>5}{'recompute':>11}{'resident':>10}{'kvo cold':>10}{'kvo pool':>10}"
+        f"{'kvo res':>9}{'kvo disk':>10}{'native':>8}{'pool/res':>10}{'(same eng)':>11}{'rec/pool':>10}"
+        f"{'disk/rec':>10}  same token"
+    )
     print("TTFT, ms (medians)")
     print(head)
     for r in rows:
-        print(f"{r['prefix_tokens']:>7}{r['prefix_bytes'] / 2**20:>5.0f}{ms(r, 'recompute'):>11}"
-              f"{ms(r, 'resident'):>10}{ms(r, 'kvoffload_cold'):>10}{ms(r, 'kvoffload_pool'):>10}"
-              f"{ms(r, 'kvoffload_resident'):>9}{ms(r, 'kvoffload_disk'):>10}{ms(r, 'vllm_native'):>8}"
-              f"{r['pool_vs_resident']:>10.2f}{r['pool_vs_resident_same_engine']:>11.2f}"
-              f"{r['recompute_vs_pool']:>10.1f}{r['disk_vs_recompute']:>10.2f}"
-              f"  {'yes' if r['first_token_same_as_resident'] else 'NO'}")
+        print(
+            f"{r['prefix_tokens']:>7}{r['prefix_bytes'] / 2**20:>5.0f}{ms(r, 'recompute'):>11}"
+            f"{ms(r, 'resident'):>10}{ms(r, 'kvoffload_cold'):>10}{ms(r, 'kvoffload_pool'):>10}"
+            f"{ms(r, 'kvoffload_resident'):>9}{ms(r, 'kvoffload_disk'):>10}{ms(r, 'vllm_native'):>8}"
+            f"{r['pool_vs_resident']:>10.2f}{r['pool_vs_resident_same_engine']:>11.2f}"
+            f"{r['recompute_vs_pool']:>10.1f}{r['disk_vs_recompute']:>10.2f}"
+            f"  {'yes' if r['first_token_same_as_resident'] else 'NO'}"
+        )
     if native.get("skipped"):
         print(f"vllm native CPU offloading: skipped: {native['reason']}")
 
@@ -577,10 +671,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     max_model_len = longest + SUFFIX_TOKENS + BLOCK_TOKENS
     longest_blocks = longest // BLOCK_TOKENS
     total_blocks = args.prompts * sum(lengths) // BLOCK_TOKENS
-    kvcache_gib = max(1, -(-(2 * (longest + SUFFIX_TOKENS) // BLOCK_TOKENS + 64) * kv_block_bytes() // 2**30))
+    kvcache_gib = max(
+        1, -(-(2 * (longest + SUFFIX_TOKENS) // BLOCK_TOKENS + 64) * kv_block_bytes() // 2**30)
+    )
     prompts = prompts_for(lengths, args.prompts)
-    modes = ("recompute", "resident", "kvoffload_cold", "kvoffload_pool", "kvoffload_resident", "kvoffload_disk",
-             "vllm_native")
+    modes = (
+        "recompute",
+        "resident",
+        "kvoffload_cold",
+        "kvoffload_pool",
+        "kvoffload_resident",
+        "kvoffload_disk",
+        "vllm_native",
+    )
     runs: dict[str, dict[int, list]] = {mode: {n: [] for n in lengths} for mode in modes}
     home = Path(tempfile.mkdtemp(prefix="kvo-bench-vllm-"))
     logs = Path(args.logs) if args.logs else home
@@ -603,20 +706,39 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             engines["vllm"] = {"start_s": engine.start_s}
             run_vllm(engine, prompts, runs, problems)
         step("vLLM without connector done")
-        with Service(home, 2 * longest_blocks + 64, total_blocks + 2 * longest_blocks,
-                     logs / "service.log") as service:
-            connector = {**KVOFFLOAD_CONNECTOR, "kv_connector_extra_config": {"endpoint": service.endpoint}}
+        with Service(
+            home, 2 * longest_blocks + 64, total_blocks + 2 * longest_blocks, logs / "service.log"
+        ) as service:
+            connector = {
+                **KVOFFLOAD_CONNECTOR,
+                "kv_connector_extra_config": {"endpoint": service.endpoint},
+            }
             probe_env = None
             if args.profile:
-                connector.update(kv_connector="ProbeConnector", kv_connector_module_path="bench_vllm_probe")
+                connector.update(
+                    kv_connector="ProbeConnector", kv_connector_module_path="bench_vllm_probe"
+                )
                 probe_dir = home / "probe"
                 probe_dir.mkdir()
                 scripts = str(Path(__file__).resolve().parent)
-                probe_env = {"KVO_BENCH_PROBE_DIR": str(probe_dir),
-                             "PYTHONPATH": os.pathsep.join(filter(None, [scripts, os.environ.get("PYTHONPATH")]))}
-            with Engine(model, logs / "engine-kvoffload.log", max_model_len, kvcache_gib, connector,
-                        probe_env) as engine:
-                engines["kvoffload"] = {"start_s": engine.start_s, "connector": connector["kv_connector"]}
+                probe_env = {
+                    "KVO_BENCH_PROBE_DIR": str(probe_dir),
+                    "PYTHONPATH": os.pathsep.join(
+                        filter(None, [scripts, os.environ.get("PYTHONPATH")])
+                    ),
+                }
+            with Engine(
+                model,
+                logs / "engine-kvoffload.log",
+                max_model_len,
+                kvcache_gib,
+                connector,
+                probe_env,
+            ) as engine:
+                engines["kvoffload"] = {
+                    "start_s": engine.start_s,
+                    "connector": connector["kv_connector"],
+                }
                 run_kvoffload(engine, service, prompts, runs, problems)
             link_downs = engine.log_path.read_text(errors="replace").count("kvoffload_link_down")
             if args.profile:
@@ -626,13 +748,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         native_cfg = {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": (longest_blocks + 64) * kv_block_bytes()},
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": (longest_blocks + 64) * kv_block_bytes()
+            },
         }
         if args.no_native:
             native = {"skipped": True, "reason": "--no-native"}
         else:
             try:
-                with Engine(model, logs / "engine-native.log", max_model_len, kvcache_gib, native_cfg) as engine:
+                with Engine(
+                    model, logs / "engine-native.log", max_model_len, kvcache_gib, native_cfg
+                ) as engine:
                     engines["vllm_native"] = {"start_s": engine.start_s}
                     run_native(engine, prompts, runs, problems)
                 native = {"skipped": False}
@@ -648,13 +774,21 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
     tiering = service_status.get("tiering", {})
     return {
-        "model": {**MODEL, "vocab": VOCAB, "dtype": "bfloat16", "block_tokens": BLOCK_TOKENS,
-                  "kv_block_bytes": kv_block_bytes()},
+        "model": {
+            **MODEL,
+            "vocab": VOCAB,
+            "dtype": "bfloat16",
+            "block_tokens": BLOCK_TOKENS,
+            "kv_block_bytes": kv_block_bytes(),
+        },
         "vllm_version": vllm.__version__,
         "kvoffload_commit": _git_commit(),
         "torch_version": torch.__version__,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "load_avg_at_end": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_avg_at_end": os.getloadavg(),
+        },
         "prompts_per_length": args.prompts,
         "suffix_tokens": SUFFIX_TOKENS,
         "max_model_len": max_model_len,
@@ -684,10 +818,20 @@ def _git_commit() -> str:
     """The checkout measured (``-dirty`` if the integration or this script have local changes)."""
     root = Path(__file__).resolve().parents[1]
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "kvoffload", "scripts"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "kvoffload", "scripts"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("-dirty" if dirty else "")
@@ -696,13 +840,22 @@ def _git_commit() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
-    parser.add_argument("--prompts", type=int, default=5, help="prefixes per length (medians over them)")
+    parser.add_argument(
+        "--prompts", type=int, default=5, help="prefixes per length (medians over them)"
+    )
     parser.add_argument("--out", default="results/bench_vllm.json")
-    parser.add_argument("--logs", default="", help="keep the engine and service logs in this directory")
-    parser.add_argument("--profile", action="store_true",
-                        help="time the connector's calls inside vLLM (scripts/bench_vllm_probe.py) and "
-                             "break the kvoffload hit TTFT down")
-    parser.add_argument("--no-native", action="store_true", help="do not try vLLM's own CPU offloading")
+    parser.add_argument(
+        "--logs", default="", help="keep the engine and service logs in this directory"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="time the connector's calls inside vLLM (scripts/bench_vllm_probe.py) and "
+        "break the kvoffload hit TTFT down",
+    )
+    parser.add_argument(
+        "--no-native", action="store_true", help="do not try vLLM's own CPU offloading"
+    )
     parser.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--reply-fd", type=int, help=argparse.SUPPRESS)
@@ -727,10 +880,14 @@ def main() -> None:
     for problem in report["problems"]:
         print(f"problem: {problem}")
     if report["kvoffload_link_downs"]:
-        print(f"the connector lost the service {report['kvoffload_link_downs']} time(s) (kvoffload_link_down "
-              "in the engine log): those requests were recomputed")
+        print(
+            f"the connector lost the service {report['kvoffload_link_downs']} time(s) (kvoffload_link_down "
+            "in the engine log): those requests were recomputed"
+        )
     met = report["targets"]["met"]
-    print("targets: " + ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in met.items()))
+    print(
+        "targets: " + ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in met.items())
+    )
     print(f"JSON in {out} ({report['seconds']:.0f} s)")
 
 

@@ -43,7 +43,9 @@ def _time_schedule_end(manager: KVOffloadManager) -> None:
 class ProbeConnector(KVOffloadConnector):
     def __init__(self, vllm_config, role, kv_cache_config) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        if self.connector_scheduler is not None and isinstance(self.scheduler.manager, KVOffloadManager):
+        if self.connector_scheduler is not None and isinstance(
+            self.scheduler.manager, KVOffloadManager
+        ):
             _time_schedule_end(self.scheduler.manager)
 
     # ---- scheduler side -------------------------------------------------------------------
@@ -62,8 +64,13 @@ class ProbeConnector(KVOffloadConnector):
     def build_connector_meta(self, scheduler_output):
         start = time.monotonic()
         meta = super().build_connector_meta(scheduler_output)
-        _emit("step", start, scheduled=scheduler_output.total_num_scheduled_tokens,
-              loads=len(meta.load_jobs), stores=len(meta.store_jobs))
+        _emit(
+            "step",
+            start,
+            scheduled=scheduler_output.total_num_scheduled_tokens,
+            loads=len(meta.load_jobs),
+            stores=len(meta.store_jobs),
+        )
         return meta
 
     def update_connector_output(self, connector_output):

@@ -50,7 +50,7 @@ block_bytes = {block_bytes}
 
 [disk]
 enabled = {str("disk" in workers).lower()}
-root = "{self.data / 'disk'}"
+root = "{self.data / "disk"}"
 capacity_bytes = 67108864
 
 [supervisor]
@@ -101,10 +101,15 @@ drain_timeout_s = 5.0
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             workers = self.status().workers
-            if all(n in workers and workers[n].index_complete and workers[n].pid not in exclude_pids for n in names):
+            if all(
+                n in workers and workers[n].index_complete and workers[n].pid not in exclude_pids
+                for n in names
+            ):
                 return workers
             time.sleep(0.1)
-        raise TimeoutError(f"workers {names} not ready: {self.status().workers}\n{self.log_path.read_text()[-3000:]}")
+        raise TimeoutError(
+            f"workers {names} not ready: {self.status().workers}\n{self.log_path.read_text()[-3000:]}"
+        )
 
     def log_events(self) -> list[dict]:
         return log_events_in(self.log_path)
@@ -157,7 +162,11 @@ def scrape_metrics(port: int, ready=lambda families: True, timeout_s: float = 10
     text = ""
     while True:
         try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            text = (
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+                .read()
+                .decode()
+            )
             families = {f.name: f for f in text_string_to_metric_families(text)}
             if ready(families):
                 return families
@@ -168,7 +177,9 @@ def scrape_metrics(port: int, ready=lambda families: True, timeout_s: float = 10
         time.sleep(0.1)
 
 
-def sample_value(families: dict, family: str, sample: str | None = None, **labels: str) -> float | None:
+def sample_value(
+    families: dict, family: str, sample: str | None = None, **labels: str
+) -> float | None:
     """The value of the one sample of ``family`` named ``sample`` (default: the family's own
     counter or gauge sample) with exactly these labels (histograms: plus ``le`` for buckets)."""
     for s in families[family].samples if family in families else ():

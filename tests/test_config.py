@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 
 import msgspec
 import pytest
+import tomllib
 
 from kvoffload.config import (
     Config,
@@ -216,7 +216,7 @@ def test_semantic_checks_name_key_and_source(env: dict[str, str], key: str) -> N
     assert err.value.key == key
     assert f"`{key}`" in str(err.value)
     var = next(iter(env))
-    key_of_var = var[len("KVOFFLOAD_"):].lower().replace("__", ".")
+    key_of_var = var[len("KVOFFLOAD_") :].lower().replace("__", ".")
     assert err.value.source == (var if key == key_of_var else "defaults")
 
 
@@ -228,7 +228,11 @@ def test_object_breaker_thresholds_and_stop_grace_are_settable(tmp_path: Path) -
     )
     cfg = load_config(path, env={"KVOFFLOAD_OBJECT__BREAKER_MAX_COOLDOWN_S": "4"})
     obj = cfg.object
-    assert (obj.breaker_failure_threshold, obj.breaker_cooldown_s, obj.breaker_max_cooldown_s) == (2, 0.5, 4.0)
+    assert (obj.breaker_failure_threshold, obj.breaker_cooldown_s, obj.breaker_max_cooldown_s) == (
+        2,
+        0.5,
+        4.0,
+    )
     assert cfg.supervisor.stop_grace_s == 1.5
 
 

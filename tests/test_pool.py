@@ -226,13 +226,14 @@ def test_register_cuda_without_cuda_is_false(pool: HostPool) -> None:
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_register_cuda_and_copy_from_gpu(pool_name: str) -> None:
     import torch
+
     pool = HostPool.create(pool_name, SLOTS, BLOCK)
     try:
         assert pool.register_cuda() is True
         host = torch.from_numpy(pool.slot_array(4))
         assert host.is_pinned()
-        source = torch.arange(BLOCK, device="cuda", dtype=torch.int64).remainder(251).to(
-            torch.uint8
+        source = (
+            torch.arange(BLOCK, device="cuda", dtype=torch.int64).remainder(251).to(torch.uint8)
         )
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -47,7 +47,9 @@ def test_manager_message_round_trip(msg):
 
 
 def test_reply_round_trip():
-    reply = p.Events(rid=3, finished=[p.DeviceJobFinished(1, "r", "load", False, [b"x" * 16], "boom")])
+    reply = p.Events(
+        rid=3, finished=[p.DeviceJobFinished(1, "r", "load", False, [b"x" * 16], "boom")]
+    )
     assert p.decode_client_reply(p.encode(reply)) == reply
 
 
@@ -57,8 +59,14 @@ def test_reply_round_trip():
         (p.Job(job_id=1, kind="teleport", keys=[]), p.decode_manager_message),
         (p.Control(action="reboot"), p.decode_manager_message),
         (p.Error(rid=1, code="whatever", message=""), p.decode_client_reply),
-        (p.Events(rid=1, finished=[p.DeviceJobFinished(1, "r", "copy", True)]), p.decode_client_reply),
-        (p.RegisterKV(rid=1, handle=p.KVHandle("h", "nfs", 8, [p.TensorSpec(4096)])), p.decode_client_request),
+        (
+            p.Events(rid=1, finished=[p.DeviceJobFinished(1, "r", "copy", True)]),
+            p.decode_client_reply,
+        ),
+        (
+            p.RegisterKV(rid=1, handle=p.KVHandle("h", "nfs", 8, [p.TensorSpec(4096)])),
+            p.decode_client_request,
+        ),
     ],
     ids=["job_kind", "control_action", "error_code", "device_job_kind", "handle_kind"],
 )
@@ -68,7 +76,9 @@ def test_words_outside_the_vocabulary_are_refused(msg, decode):
 
 
 def test_vocabulary_decodes_to_enums_equal_to_their_strings():
-    reply = p.decode_client_reply(p.encode(p.Error(rid=1, code=p.ErrorCode.NO_SPACE, message="full")))
+    reply = p.decode_client_reply(
+        p.encode(p.Error(rid=1, code=p.ErrorCode.NO_SPACE, message="full"))
+    )
     assert reply.code is p.ErrorCode.NO_SPACE and reply.code == "no_space"
     job = p.decode_manager_message(p.encode(p.Job(job_id=1, kind=p.JobKind.PROBE, keys=[])))
     assert job.kind is p.JobKind.PROBE

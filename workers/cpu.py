@@ -30,8 +30,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -136,7 +136,9 @@ class _CudaKV(_AttachedKV):
         except Exception as exc:
             if not isinstance(exc, AttachRefused):
                 exc = AttachRefused(f"handle {handle.handle_id}: {exc!r}")
-            log.error("kv_attach_refused", handle_id=handle.handle_id, kind=handle.kind, error=str(exc))
+            log.error(
+                "kv_attach_refused", handle_id=handle.handle_id, kind=handle.kind, error=str(exc)
+            )
             self._opened.set_exception(exc)
             return
         with self._lock:
@@ -221,7 +223,12 @@ class CpuBackend(NoIndexBackend):
     medium = "device"
 
     def __init__(self, cfg: Config | None = None) -> None:
-        self.capabilities = [JobKind.DEVICE_STORE, JobKind.DEVICE_LOAD, JobKind.VERIFY, HandleKind.SHM]
+        self.capabilities = [
+            JobKind.DEVICE_STORE,
+            JobKind.DEVICE_LOAD,
+            JobKind.VERIFY,
+            HandleKind.SHM,
+        ]
         if importlib.util.find_spec("torch") is not None and cuda_device_count() > 0:
             self.capabilities.append(HandleKind.CUDA_IPC)
         self.degraded = False
@@ -231,8 +238,13 @@ class CpuBackend(NoIndexBackend):
         self._lock = threading.Lock()
         self._handles: dict[str, _AttachedKV] = {}
         self._streams = threading.local()
-        self._counters = {"bytes_stored": 0, "bytes_loaded": 0, "keys_failed": 0,
-                          "slots_verified": 0, "slots_verify_failed": 0}
+        self._counters = {
+            "bytes_stored": 0,
+            "bytes_loaded": 0,
+            "keys_failed": 0,
+            "slots_verified": 0,
+            "slots_verify_failed": 0,
+        }
         self._parallelism = max(1, (cfg.cpu.threads if cfg is not None else 1))
         self._copy_pool = (
             ThreadPoolExecutor(self._parallelism - 1, thread_name_prefix="copy")
@@ -355,7 +367,9 @@ class CpuBackend(NoIndexBackend):
         for key, slot in zip(job.keys, job.slots):
             reason = headers.check(slot, key)
             if reason:
-                log.warning("slot_verify_failed", job_id=job.job_id, key=key.hex(), slot=slot, reason=reason)
+                log.warning(
+                    "slot_verify_failed", job_id=job.job_id, key=key.hex(), slot=slot, reason=reason
+                )
             else:
                 ok.append(key)
         failed = len(job.keys) - len(ok)
@@ -375,7 +389,13 @@ class CpuBackend(NoIndexBackend):
             try:
                 headers.stamp(slot, key, job.job_id)
             except Exception as exc:
-                log.error("slot_header_write_failed", job_id=job.job_id, key=key.hex(), slot=slot, error=repr(exc))
+                log.error(
+                    "slot_header_write_failed",
+                    job_id=job.job_id,
+                    key=key.hex(),
+                    slot=slot,
+                    error=repr(exc),
+                )
 
     def _copy(self, job: Job, kv: _AttachedKV) -> tuple[list[bytes], int, str]:
         """Copy every key of the job; a large job is split into contiguous ranges copied by
@@ -383,26 +403,34 @@ class CpuBackend(NoIndexBackend):
         pool = self._require_pool()
         count = len(job.keys)
         ranges = [range(count)]
-        if self._copy_pool is not None and count >= 2 and pool.block_bytes >= PARALLEL_MIN_BLOCK_BYTES:
+        if (
+            self._copy_pool is not None
+            and count >= 2
+            and pool.block_bytes >= PARALLEL_MIN_BLOCK_BYTES
+        ):
             parts = min(self._parallelism, count)
             bounds = [count * i // parts for i in range(parts + 1)]
             ranges = [range(bounds[i], bounds[i + 1]) for i in range(parts)]
-        futures = [self._copy_pool.submit(self._copy_range, job, kv, r) for r in ranges[1:]] if len(ranges) > 1 else []
+        futures = (
+            [self._copy_pool.submit(self._copy_range, job, kv, r) for r in ranges[1:]]
+            if len(ranges) > 1
+            else []
+        )
         outcomes = [self._copy_range(job, kv, ranges[0])] + [f.result() for f in futures]
         ok = [key for part_ok, _ in outcomes for key in part_ok]
         failures = [failure for _, part_failures in outcomes for failure in part_failures]
         nbytes = len(ok) * pool.block_bytes
         with self._lock:
-            self._counters["bytes_stored" if job.kind == JobKind.DEVICE_STORE else "bytes_loaded"] += nbytes
+            self._counters[
+                "bytes_stored" if job.kind == JobKind.DEVICE_STORE else "bytes_loaded"
+            ] += nbytes
             self._counters["keys_failed"] += len(failures)
-        error = (
-            f"{len(failures)} of {count} keys failed, first: {failures[0]}"
-            if failures
-            else ""
-        )
+        error = f"{len(failures)} of {count} keys failed, first: {failures[0]}" if failures else ""
         return ok, nbytes, error
 
-    def _copy_range(self, job: Job, kv: _AttachedKV, indices: range) -> tuple[list[bytes], list[str]]:
+    def _copy_range(
+        self, job: Job, kv: _AttachedKV, indices: range
+    ) -> tuple[list[bytes], list[str]]:
         """Copy keys ``indices`` of the job on this thread; (ok keys in order, failures)."""
         store = job.kind == JobKind.DEVICE_STORE
         num_slots = self._require_pool().num_slots

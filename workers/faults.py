@@ -91,7 +91,9 @@ class FaultInjector:
     def maybe_full(self, op: str, key: bytes = b"") -> None:
         """Raise ``InjectedFault`` (ENOSPC) for an ``enospc_fraction`` of medium writes."""
         if self._draw(self._spec.enospc_fraction):
-            raise InjectedFault(errno.ENOSPC, f"injected full medium on {op} for key {key.hex()[:16]}")
+            raise InjectedFault(
+                errno.ENOSPC, f"injected full medium on {op} for key {key.hex()[:16]}"
+            )
 
     def maybe_delay(self) -> float:
         """Sleep ``delay_s`` for a ``delay_fraction`` of calls; returns the seconds slept."""

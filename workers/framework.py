@@ -663,9 +663,7 @@ def run_worker(
             headers.close()
         pool.close()
         return EXIT_FAILED
-    worker = _Worker(
-        backend, spec, cfg, pool, faults, backend.job_threads(cfg), hello_timeout_s
-    )
+    worker = _Worker(backend, spec, cfg, pool, faults, backend.job_threads(cfg), hello_timeout_s)
     previous = {
         sig: signal.signal(sig, lambda *_: worker.request_stop())
         for sig in (signal.SIGTERM, signal.SIGINT)

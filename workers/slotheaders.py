@@ -42,7 +42,7 @@ class SlotHeaders:
         self._table.write(slot, header)
 
     def check(self, slot: int, key: bytes) -> str:
-        """"" when ``slot`` has a header for ``key`` that matches the slot's bytes, else why not."""
+        """ "" when ``slot`` has a header for ``key`` that matches the slot's bytes, else why not."""
         header = self._table.read(slot, self._fingerprint)
         if header is None:
             return "no valid header"

@@ -24,12 +24,16 @@ from .scheduler import Engine
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m kvoffload.engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvoffload.engine", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--endpoint", required=True, help="client endpoint of the service")
     parser.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists")
     parser.add_argument("--model", choices=sorted(MODELS), default="demo")
     parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--cache-blocks", type=int, default=512, help="blocks of the paged KV cache")
+    parser.add_argument(
+        "--cache-blocks", type=int, default=512, help="blocks of the paged KV cache"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--name", default=f"engine-{os.getpid()}")
     parser.add_argument("--logits", action="store_true", help="include every step's logits")
@@ -45,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = json.loads(Path(args.prompts).read_text())
     model = TinyDecoder(MODELS[args.model])
     with Engine.connect(model, args.endpoint, args.cache_blocks, args.name) as engine:
-        results = [engine.generate(list(p), args.max_new_tokens).to_dict(args.logits) for p in prompts]
+        results = [
+            engine.generate(list(p), args.max_new_tokens).to_dict(args.logits) for p in prompts
+        ]
     text = json.dumps(results)
     if args.out:
         Path(args.out).write_text(text)

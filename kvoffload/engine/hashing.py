@@ -31,6 +31,8 @@ def block_keys(tokens: Sequence[int], block_tokens: int, model_id: bytes) -> lis
     keys: list[bytes] = []
     prev = b""
     for i in range(len(ids) // block_tokens):
-        prev = hashlib.blake2b(prev + raw[i * step : (i + 1) * step] + model_id, digest_size=KEY_BYTES).digest()
+        prev = hashlib.blake2b(
+            prev + raw[i * step : (i + 1) * step] + model_id, digest_size=KEY_BYTES
+        ).digest()
         keys.append(prev)
     return keys

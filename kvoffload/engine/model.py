@@ -45,7 +45,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
-            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+            raise ValueError(
+                f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
@@ -91,7 +93,9 @@ class Rotary:
     other positions of the call, so chunked and whole-sequence passes rotate identically."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
-        self.inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.inv_freq = 1.0 / theta ** (
+            torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        )
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
@@ -125,7 +129,8 @@ class Attention(nn.Module):
         cfg = self.cfg
         t = x.shape[0]
         q, k, v = self.qkv(x).split(
-            [cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim], dim=-1
+            [cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim],
+            dim=-1,
         )
         q = Rotary.apply(q.view(t, cfg.heads, cfg.head_dim), *rope)
         k = Rotary.apply(k.view(t, cfg.kv_heads, cfg.head_dim), *rope)

@@ -27,13 +27,17 @@ class CacheFull(RuntimeError):
 
 
 class PagedKVCache:
-    def __init__(self, cfg: ModelConfig, tensors: list[torch.Tensor], shared: SharedKVCache | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tensors: list[torch.Tensor], shared: SharedKVCache | None = None
+    ) -> None:
         """``tensors``: ``2 * cfg.layers`` float32 tensors ``(num_blocks, block_tokens, kv_heads,
         head_dim)``; ``shared``: the segment they live in, if any (closed by ``close``)."""
         self.cfg = cfg
         self.num_blocks = int(tensors[0].shape[0])
         self.tensors = tensors
-        self._flat = [t.view(self.num_blocks * cfg.block_tokens, cfg.kv_heads, cfg.head_dim) for t in tensors]
+        self._flat = [
+            t.view(self.num_blocks * cfg.block_tokens, cfg.kv_heads, cfg.head_dim) for t in tensors
+        ]
         self._shared = shared
         self._free = list(range(self.num_blocks - 1, -1, -1))
 
@@ -70,7 +74,9 @@ class PagedKVCache:
     def allocate(self, count: int) -> list[int]:
         """``count`` free blocks, lowest ids first; CacheFull if there are fewer."""
         if count > len(self._free):
-            raise CacheFull(f"asked for {count} blocks, {len(self._free)} of {self.num_blocks} free")
+            raise CacheFull(
+                f"asked for {count} blocks, {len(self._free)} of {self.num_blocks} free"
+            )
         return [self._free.pop() for _ in range(count)]
 
     def free(self, blocks: list[int]) -> None:
@@ -93,7 +99,9 @@ class PagedKVCache:
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at ``slots`` (copies)."""
-        return self._flat[2 * layer].index_select(0, slots), self._flat[2 * layer + 1].index_select(0, slots)
+        return self._flat[2 * layer].index_select(0, slots), self._flat[2 * layer + 1].index_select(
+            0, slots
+        )
 
     # ---- block bytes ----------------------------------------------------------------------
 

@@ -175,10 +175,15 @@ class Engine:
             result.tokens.append(int(logits.argmax()))
             result.ttft_s = time.perf_counter() - started
             result.computed_tokens = len(prompt) - first
-            result.loaded = {k: self.cache.block_digest(b) for k, b in zip(prompt_keys[:reused], table[:reused], strict=True)}
+            result.loaded = {
+                k: self.cache.block_digest(b)
+                for k, b in zip(prompt_keys[:reused], table[:reused], strict=True)
+            }
             if self.client is not None:
                 result.served_by = self._attribute(min(from_pool, reused), reused, promoted_before)
-                self._offload(req_id, prompt_keys, 0 if request_level else reused, table, result, jobs)
+                self._offload(
+                    req_id, prompt_keys, 0 if request_level else reused, table, result, jobs
+                )
             tokens, steps = self.decode(prompt, result.tokens[0], table, max_new_tokens - 1)
             result.tokens.extend(tokens)
             result.logits = torch.stack([logits, *steps])
@@ -198,8 +203,12 @@ class Engine:
             result.block_table = table
         result.total_s = time.perf_counter() - started
         log.debug(
-            "request_done", req_id=req_id, prompt=len(prompt), reused_blocks=result.reused_blocks,
-            ttft_ms=round(result.ttft_s * 1000, 3), served_by=dict(result.served_by),
+            "request_done",
+            req_id=req_id,
+            prompt=len(prompt),
+            reused_blocks=result.reused_blocks,
+            ttft_ms=round(result.ttft_s * 1000, 3),
+            served_by=dict(result.served_by),
         )
         return result
 
@@ -268,11 +277,15 @@ class Engine:
         else:
             ok = set(done.successful_keys or ())
             reused = next((i for i, k in enumerate(keys[:ready]) if k not in ok), ready)
-            log.warning("load_partly_failed", req_id=req_id, asked=ready, reused=reused, error=done.error)
+            log.warning(
+                "load_partly_failed", req_id=req_id, asked=ready, reused=reused, error=done.error
+            )
         result.reused_blocks = reused
         return reused, from_pool, promoted_before
 
-    def _wait_lookup(self, req_id: str, keys: list[bytes], outcome: LookupOutcome) -> tuple[LookupOutcome, int]:
+    def _wait_lookup(
+        self, req_id: str, keys: list[bytes], outcome: LookupOutcome
+    ) -> tuple[LookupOutcome, int]:
         rounds = 1
         deadline = time.monotonic() + self.wait_budget_s
         while outcome.must_wait and time.monotonic() < deadline:
@@ -281,12 +294,16 @@ class Engine:
             outcome = self._client.lookup(req_id, keys)
             rounds += 1
         if outcome.must_wait:
-            log.warning("lookup_wait_budget_spent", req_id=req_id, rounds=rounds, ready=outcome.ready_prefix)
+            log.warning(
+                "lookup_wait_budget_spent", req_id=req_id, rounds=rounds, ready=outcome.ready_prefix
+            )
         return outcome, rounds
 
     def _promoted_per_tier(self) -> Counter:
         per_tier = self._client.status().tiering.per_tier
-        return Counter({name: c.promoted_keys_ok for name, c in per_tier.items() if name != "primary"})
+        return Counter(
+            {name: c.promoted_keys_ok for name, c in per_tier.items() if name != "primary"}
+        )
 
     def _attribute(self, from_pool: int, reused: int, promoted_before: Counter | None) -> Counter:
         served = Counter({POOL_TIER: from_pool} if from_pool else {})
@@ -304,7 +321,13 @@ class Engine:
         return served
 
     def _offload(
-        self, req_id: str, keys: list[bytes], first: int, table: list[int], result: Generation, jobs: dict
+        self,
+        req_id: str,
+        keys: list[bytes],
+        first: int,
+        table: list[int],
+        result: Generation,
+        jobs: dict,
     ) -> None:
         """Submit a store of blocks ``first..len(keys)-1`` (their K/V is complete)."""
         if first >= len(keys):

@@ -56,14 +56,19 @@ class ClientApi:
         state = self.state
         identity = frames[0]
         if len(frames) != 2:
-            state.reply(identity, p.Error(-1, ErrorCode.BAD_MESSAGE, f"expected one frame, got {len(frames) - 1}"))
+            state.reply(
+                identity,
+                p.Error(-1, ErrorCode.BAD_MESSAGE, f"expected one frame, got {len(frames) - 1}"),
+            )
             return
         frame = frames[1]
         try:
             msg = p.decode_client_request(frame)
         except p.ProtocolError as exc:
             log.warning("bad_client_message", error=str(exc)[:200])
-            state.reply(identity, p.Error(p.request_id_of(frame), ErrorCode.BAD_MESSAGE, str(exc)[:500]))
+            state.reply(
+                identity, p.Error(p.request_id_of(frame), ErrorCode.BAD_MESSAGE, str(exc)[:500])
+            )
             return
         session = state.sessions.get(identity)
         if session is None and not isinstance(msg, p.Connect):
@@ -119,7 +124,11 @@ class ClientApi:
 
     def _on_connect(self, identity, session, msg: p.Connect):
         if msg.version != p.PROTOCOL_VERSION:
-            return p.Error(msg.rid, ErrorCode.VERSION_MISMATCH, f"client protocol {msg.version} != manager's {p.PROTOCOL_VERSION}")
+            return p.Error(
+                msg.rid,
+                ErrorCode.VERSION_MISMATCH,
+                f"client protocol {msg.version} != manager's {p.PROTOCOL_VERSION}",
+            )
         if session is None:
             client_id = f"c{self._next_client}"
             self._next_client += 1
@@ -147,7 +156,9 @@ class ClientApi:
     def _on_new_request(self, identity, session: ClientSession, msg: p.NewRequest):
         scoped = session.scoped(msg.req_id)
         if self.tiering.has_request(scoped):
-            raise RequestError(ErrorCode.DUPLICATE_REQUEST, f"request {msg.req_id!r} is active or still finishing its stores"
+            raise RequestError(
+                ErrorCode.DUPLICATE_REQUEST,
+                f"request {msg.req_id!r} is active or still finishing its stores",
             )
         policy = self.tiering.on_new_request(ReqContext.from_params(scoped, msg.params))
         session.requests.add(scoped)
@@ -199,14 +210,18 @@ class ClientApi:
         block_of = dict(zip(reversed(msg.keys), reversed(msg.device_blocks)))
         blocks = [block_of[k] for k in out.keys_to_store]
         job = p.Job(0, p.JobKind.DEVICE_STORE, out.keys_to_store, out.slots, blocks, msg.handle_id)
-        job_id = self.workers.submit_device_job(session, scoped, msg.req_id, p.DeviceJobKind.STORE, job)
+        job_id = self.workers.submit_device_job(
+            session, scoped, msg.req_id, p.DeviceJobKind.STORE, job
+        )
         return p.JobAccepted(msg.rid, job_id, out.keys_to_store, out.evicted)
 
     def _on_load(self, identity, session: ClientSession, msg: p.Load):
         scoped = self._device_request(session, msg)
         slots = self.tiering.prepare_load(scoped, msg.keys)
         job = p.Job(0, p.JobKind.DEVICE_LOAD, msg.keys, slots, msg.device_blocks, msg.handle_id)
-        job_id = self.workers.submit_device_job(session, scoped, msg.req_id, p.DeviceJobKind.LOAD, job)
+        job_id = self.workers.submit_device_job(
+            session, scoped, msg.req_id, p.DeviceJobKind.LOAD, job
+        )
         return p.JobAccepted(msg.rid, job_id, list(msg.keys))
 
     def _on_prepare_store(self, identity, session: ClientSession, msg: p.PrepareStore):
@@ -225,9 +240,13 @@ class ClientApi:
         self._check_keys(msg.keys)
         scoped = session.scoped(msg.req_id)
         if msg.checksums is not None and len(msg.checksums) != len(msg.keys):
-            raise RequestError(ErrorCode.BAD_REQUEST, f"{len(msg.keys)} keys but {len(msg.checksums)} checksums")
+            raise RequestError(
+                ErrorCode.BAD_REQUEST, f"{len(msg.keys)} keys but {len(msg.checksums)} checksums"
+            )
         if not session.close_open_store(scoped, msg.keys):
-            raise RequestError(ErrorCode.NOT_PREPARED, "no prepared store with these keys for this request")
+            raise RequestError(
+                ErrorCode.NOT_PREPARED, "no prepared store with these keys for this request"
+            )
         self.tiering.complete_store(scoped, msg.keys, msg.success, msg.successful_keys)
         warm = self.state.warm
         if msg.checksums is not None and warm is not None:

@@ -29,7 +29,9 @@ class KVHandles:
         """Check and record the handle, then ask a connected cpu worker to attach it."""
         owner = self.by_id.get(handle.handle_id)
         if owner is not None and owner[0] != identity:
-            raise RequestError(ErrorCode.HANDLE_TAKEN, f"KV handle {handle.handle_id!r} belongs to another client")
+            raise RequestError(
+                ErrorCode.HANDLE_TAKEN, f"KV handle {handle.handle_id!r} belongs to another client"
+            )
         if handle.kind not in tuple(p.HandleKind):
             raise RequestError(ErrorCode.BAD_REQUEST, f"unknown KV handle kind {handle.kind!r}")
         problem = handle_problem(handle, self.state.cfg.pool.block_bytes)
@@ -38,7 +40,8 @@ class KVHandles:
         if problem:
             raise RequestError(ErrorCode.BAD_HANDLE, f"KV handle {handle.handle_id!r}: {problem}")
         if not self.cpu_serves(handle):
-            raise RequestError(ErrorCode.HANDLE_UNSUPPORTED,
+            raise RequestError(
+                ErrorCode.HANDLE_UNSUPPORTED,
                 f"KV handle {handle.handle_id!r}: no worker can serve {handle.kind} handles "
                 "(the cpu worker has no CUDA device); register a shared-memory KV cache instead",
             )
@@ -53,13 +56,21 @@ class KVHandles:
         """The client's handle, once the device blocks are checked against it."""
         owner_handle = self.by_id.get(handle_id)
         if owner_handle is None or owner_handle[0] != identity:
-            raise RequestError(ErrorCode.UNKNOWN_HANDLE, f"KV handle {handle_id!r} is not registered by this client")
+            raise RequestError(
+                ErrorCode.UNKNOWN_HANDLE,
+                f"KV handle {handle_id!r} is not registered by this client",
+            )
         handle = owner_handle[1]
         if len(blocks) != len(keys):
-            raise RequestError(ErrorCode.BAD_REQUEST, f"{len(keys)} keys but {len(blocks)} device blocks")
+            raise RequestError(
+                ErrorCode.BAD_REQUEST, f"{len(keys)} keys but {len(blocks)} device blocks"
+            )
         for block in blocks:
             if not 0 <= block < handle.num_blocks:
-                raise RequestError(ErrorCode.BLOCK_OUT_OF_RANGE, f"device block {block} outside 0..{handle.num_blocks - 1}")
+                raise RequestError(
+                    ErrorCode.BLOCK_OUT_OF_RANGE,
+                    f"device block {block} outside 0..{handle.num_blocks - 1}",
+                )
         return handle
 
     def cpu_serves(self, handle: p.KVHandle) -> bool:
@@ -96,7 +107,9 @@ class KVHandles:
         segment is opened read-only and stat'ed, never mapped."""
         name = handle.shm_name
         if is_run_segment(name):
-            return f"{name} is a segment of the service (host pool, slot header table), not a KV cache"
+            return (
+                f"{name} is a segment of the service (host pool, slot header table), not a KV cache"
+            )
         try:
             st = stat_segment(name, "shm segment")
         except (OSError, ValueError) as exc:

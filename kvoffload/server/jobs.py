@@ -60,12 +60,16 @@ class WorkerChannel:
             worker.inflight = msg.inflight
             worker.stats = msg.stats
 
-    def submit_device_job(self, session: ClientSession, scoped: str, req_id: str, kind: p.DeviceJobKind, job: p.Job) -> int:
+    def submit_device_job(
+        self, session: ClientSession, scoped: str, req_id: str, kind: p.DeviceJobKind, job: p.Job
+    ) -> int:
         """Track and send a device job; if it cannot be sent it finishes at once as failed
         (its event still reaches the client exactly once)."""
         state = self.state
         job.job_id = state.tiering.next_job_id()
-        state.device_jobs[job.job_id] = DeviceJob(session.identity, scoped, req_id, kind, list(job.keys))
+        state.device_jobs[job.job_id] = DeviceJob(
+            session.identity, scoped, req_id, kind, list(job.keys)
+        )
         session.device_jobs.add(job.job_id)
         if state.send_worker(CPU_WORKER, job):
             state.registry.live(CPU_WORKER).jobs.add(job.job_id)
@@ -152,12 +156,18 @@ class WorkerChannel:
             state.tiering.apply_result(
                 worker.name,
                 TransferResult(
-                    done.job_id, done.success, done.successful_keys, done.transfer_s,
-                    done.absent_keys, done.full_keys,
+                    done.job_id,
+                    done.success,
+                    done.successful_keys,
+                    done.transfer_s,
+                    done.absent_keys,
+                    done.full_keys,
                 ),
             )
         except TieringError as exc:
-            log.warning("job_result_rejected", worker=worker.name, job_id=done.job_id, error=str(exc))
+            log.warning(
+                "job_result_rejected", worker=worker.name, job_id=done.job_id, error=str(exc)
+            )
             return
         if not done.success:
             log.warning("tier_job_failed", tier=worker.name, job_id=done.job_id, error=done.error)

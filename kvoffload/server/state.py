@@ -93,7 +93,9 @@ class ManagerState:
             track_slot_invalidations=bool(spec.slot_table_name),
             first_job_id=time.time_ns() // 1000,
         )
-        for tier in self.tiering.tiers:  # online once its worker has said hello and announced its index
+        for (
+            tier
+        ) in self.tiering.tiers:  # online once its worker has said hello and announced its index
             self.tiering.set_tier_online(tier.name, False)
         self.warm = WarmRestart.open(spec, cfg, self.tiering)
         self.worker_names = {CPU_WORKER, *(t.name for t in self.tiering.tiers)}
@@ -182,7 +184,8 @@ class ManagerState:
         for entry in [e for e in self.pending_resets if now >= e[2]]:
             self.pending_resets.remove(entry)
             self.reply(
-                entry[0], p.Error(entry[1], p.ErrorCode.RESET_TIMEOUT, "jobs or cascades still in flight")
+                entry[0],
+                p.Error(entry[1], p.ErrorCode.RESET_TIMEOUT, "jobs or cascades still in flight"),
             )
 
     def answer_poll(self, session: ClientSession, force: bool = False) -> None:

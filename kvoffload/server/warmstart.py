@@ -33,7 +33,9 @@ log = structlog.get_logger()
 VERIFY_BATCH_KEYS = 4096
 
 
-def newest_per_key(found: list[tuple[int, BlockHeader]]) -> tuple[list[tuple[bytes, int]], list[int]]:
+def newest_per_key(
+    found: list[tuple[int, BlockHeader]],
+) -> tuple[list[tuple[bytes, int]], list[int]]:
     """Pick, for each key, the slot whose header has the highest generation (ties: the higher
     slot). Returns (winners as (key, slot) oldest generation first, the losing slots)."""
     best: dict[bytes, tuple[int, int]] = {}
@@ -55,7 +57,9 @@ def newest_per_key(found: list[tuple[int, BlockHeader]]) -> tuple[list[tuple[byt
 class WarmRestart:
     """Slot header bookkeeping of one manager process. Build it with ``open``."""
 
-    def __init__(self, table: SlotTable, fingerprint: bytes, tiering: TieringManager, block_bytes: int) -> None:
+    def __init__(
+        self, table: SlotTable, fingerprint: bytes, tiering: TieringManager, block_bytes: int
+    ) -> None:
         self._table = table
         self._fingerprint = fingerprint
         self._block_bytes = block_bytes
@@ -63,7 +67,13 @@ class WarmRestart:
         self._verifying: dict[int, list[bytes]] = {}
         self._started = time.monotonic()
         self._rebuilt_logged = False
-        self.counters = {"headers_found": 0, "adopted": 0, "duplicates": 0, "verified": 0, "dropped": 0}
+        self.counters = {
+            "headers_found": 0,
+            "adopted": 0,
+            "duplicates": 0,
+            "verified": 0,
+            "dropped": 0,
+        }
 
     @classmethod
     def open(cls, spec: RunSpec, cfg: Config, tiering: TieringManager) -> WarmRestart | None:
@@ -86,12 +96,16 @@ class WarmRestart:
             self._table.clear(slot)
         self._tiering.adopt(winners)
         self.counters.update(headers_found=len(found), adopted=len(winners), duplicates=len(losers))
-        log.info("slot_headers_found", headers=len(found), adopted=len(winners), duplicates=len(losers))
+        log.info(
+            "slot_headers_found", headers=len(found), adopted=len(winners), duplicates=len(losers)
+        )
 
     def stamp(self, slot: int, key: bytes, checksum: int, generation: int) -> None:
         """Describe ``slot`` as holding ``key`` whose bytes have xxh3 ``checksum`` (a direct
         store that landed; a restarted manager verifies the slot before serving it)."""
-        self._table.write(slot, BlockHeader(key, self._block_bytes, checksum, self._fingerprint, generation))
+        self._table.write(
+            slot, BlockHeader(key, self._block_bytes, checksum, self._fingerprint, generation)
+        )
 
     def checksum_of(self, slot: int, key: bytes) -> int:
         """The xxh3 the slot's header records for ``key``; 0 when the slot has no header for
@@ -112,7 +126,12 @@ class WarmRestart:
         jobs = []
         for start in range(0, len(todo), VERIFY_BATCH_KEYS):
             batch = todo[start : start + VERIFY_BATCH_KEYS]
-            job = p.Job(self._tiering.next_job_id(), p.JobKind.VERIFY, [k for k, _ in batch], [s for _, s in batch])
+            job = p.Job(
+                self._tiering.next_job_id(),
+                p.JobKind.VERIFY,
+                [k for k, _ in batch],
+                [s for _, s in batch],
+            )
             self._verifying[job.job_id] = job.keys
             jobs.append(job)
         return jobs

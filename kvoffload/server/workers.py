@@ -38,7 +38,9 @@ class WorkerRegistry:
     def live(self, name: str) -> WorkerState | None:
         return self.workers.get(name)
 
-    def hello(self, name: str, pid: int, medium: str, capabilities: list[str], now: float) -> WorkerState | None:
+    def hello(
+        self, name: str, pid: int, medium: str, capabilities: list[str], now: float
+    ) -> WorkerState | None:
         """Register a worker; returns the previous incarnation (whose jobs must fail) if any."""
         previous = self.workers.get(name)
         state = WorkerState(name, pid, medium, capabilities, now)

@@ -44,17 +44,32 @@ class EngineProcess:
         self.terminated = False
 
     @classmethod
-    def spawn(cls, endpoint: str, name: str, seed: int, workdir: Path, shm_prefix: str, extra: list[str]) -> "EngineProcess":
+    def spawn(
+        cls, endpoint: str, name: str, seed: int, workdir: Path, shm_prefix: str, extra: list[str]
+    ) -> EngineProcess:
         report = workdir / f"{name}.jsonl"
         log_file = open(workdir / f"{name}.log", "ab")
         try:
             proc = subprocess.Popen(
                 [
-                    sys.executable, "-m", "kvoffload.soak.engine",
-                    "--endpoint", endpoint, "--name", name, "--seed", str(seed),
-                    "--report", str(report), "--shm-prefix", shm_prefix, *extra,
+                    sys.executable,
+                    "-m",
+                    "kvoffload.soak.engine",
+                    "--endpoint",
+                    endpoint,
+                    "--name",
+                    name,
+                    "--seed",
+                    str(seed),
+                    "--report",
+                    str(report),
+                    "--shm-prefix",
+                    shm_prefix,
+                    *extra,
                 ],
-                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
             )
         finally:
             log_file.close()
@@ -95,7 +110,15 @@ class EnginePool:
     """The engines of one run (thread-safe). ``crashed`` lists engines that exited without
     being killed or terminated by the pool; they are replaced."""
 
-    def __init__(self, endpoint: str, workdir: Path, seed: int, count: int, token: str, extra: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        workdir: Path,
+        seed: int,
+        count: int,
+        token: str,
+        extra: Sequence[str] = (),
+    ) -> None:
         self.endpoint = endpoint
         self.workdir = workdir
         self.token = token
@@ -118,7 +141,12 @@ class EnginePool:
         name = f"e{self._next}"
         self._next += 1
         engine = EngineProcess.spawn(
-            self.endpoint, name, self._rng.randrange(1 << 30), self.workdir, f"{self.prefix}{name}-kv", self.extra
+            self.endpoint,
+            name,
+            self._rng.randrange(1 << 30),
+            self.workdir,
+            f"{self.prefix}{name}-kv",
+            self.extra,
         )
         self.live.append(engine)
         return engine

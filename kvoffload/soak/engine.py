@@ -49,7 +49,9 @@ log = structlog.get_logger()
 
 STATS_INTERVAL_S = 1.0
 CALL_OVERRUN_SLACK_S = 2.0
-RECONNECT_CODES = frozenset({ErrorCode.NOT_CONNECTED, ErrorCode.UNKNOWN_REQUEST, ErrorCode.UNKNOWN_HANDLE})
+RECONNECT_CODES = frozenset(
+    {ErrorCode.NOT_CONNECTED, ErrorCode.UNKNOWN_REQUEST, ErrorCode.UNKNOWN_HANDLE}
+)
 EXPECTED_CODES = frozenset(
     {ErrorCode.NO_SPACE, ErrorCode.NOT_READY, ErrorCode.WORKER_UNAVAILABLE, ErrorCode.DRAINING}
 )
@@ -108,7 +110,9 @@ class SoakEngine:
         self.rng = random.Random(opts.seed)
         self.report = Report(opts.report)
         self.counters: Counter[str] = Counter()
-        self.chains = [conversation_keys(opts.namespace, c, opts.max_blocks) for c in range(opts.conversations)]
+        self.chains = [
+            conversation_keys(opts.namespace, c, opts.max_blocks) for c in range(opts.conversations)
+        ]
         self.client: KVOffloadClient | None = None
         self.kv: SharedKVCache | None = None
         self.pool: HostPool | None = None
@@ -184,7 +188,9 @@ class SoakEngine:
     def _connect(self) -> bool:
         """New client, KV cache and registration; False while the manager does not answer."""
         try:
-            client = KVOffloadClient(self.opts.endpoint, timeout_s=self.opts.call_timeout_s, name=self.opts.name)
+            client = KVOffloadClient(
+                self.opts.endpoint, timeout_s=self.opts.call_timeout_s, name=self.opts.name
+            )
         except TimeoutError:
             self.counters["connect_timeouts"] += 1
             return False
@@ -193,7 +199,11 @@ class SoakEngine:
         info = client.info
         self.block_bytes = info.block_bytes
         half = info.block_bytes // 2
-        self.kv = SharedKVCache.create(f"{self.opts.shm_prefix}-{self.generation}", self.opts.max_blocks, [half, info.block_bytes - half])
+        self.kv = SharedKVCache.create(
+            f"{self.opts.shm_prefix}-{self.generation}",
+            self.opts.max_blocks,
+            [half, info.block_bytes - half],
+        )
         self.handle_id = f"{self.opts.name}-{self.generation}"
         if self.pool is None or self.pool.name != info.pool_name:
             if self.pool is not None:
@@ -313,7 +323,9 @@ class SoakEngine:
             if not outcome.must_wait:
                 break
             if time.monotonic() - started > self.opts.lookup_wait_s:
-                self.report.write("lookup_stuck", t0=started, t1=time.monotonic(), results=repr(outcome))
+                self.report.write(
+                    "lookup_stuck", t0=started, t1=time.monotonic(), results=repr(outcome)
+                )
                 self.counters["lookups_stuck"] += 1
                 break
             self.counters["lookup_waits"] += 1
@@ -441,7 +453,9 @@ class SoakEngine:
         while job_id not in self._results:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise JobLost(f"job {job_id} ({kind}) has no result after {self.opts.job_timeout_s} s")
+                raise JobLost(
+                    f"job {job_id} ({kind}) has no result after {self.opts.job_timeout_s} s"
+                )
             for event in self._call(self._client.poll, wait_ms=int(min(remaining, 0.5) * 1000)):
                 self._on_event(event)
         return self._results.pop(job_id)
@@ -483,12 +497,16 @@ class SoakEngine:
 
 
 def parse_args(argv: list[str] | None = None) -> EngineOptions:
-    parser = argparse.ArgumentParser(prog="kvoffload-soak-engine", description="synthetic soak engine")
+    parser = argparse.ArgumentParser(
+        prog="kvoffload-soak-engine", description="synthetic soak engine"
+    )
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--report", type=Path, required=True)
-    parser.add_argument("--shm-prefix", required=True, help="KV cache segment names start with this")
+    parser.add_argument(
+        "--shm-prefix", required=True, help="KV cache segment names start with this"
+    )
     parser.add_argument("--namespace", default="kvoffload-soak")
     parser.add_argument("--conversations", type=int, default=24)
     parser.add_argument("--max-blocks", type=int, default=12)
@@ -496,10 +514,16 @@ def parse_args(argv: list[str] | None = None) -> EngineOptions:
     parser.add_argument("--duration", type=float, default=0.0, help="seconds (0: until SIGTERM)")
     args = parser.parse_args(argv)
     return EngineOptions(
-        endpoint=args.endpoint, name=args.name, seed=args.seed, report=args.report,
-        shm_prefix=args.shm_prefix, namespace=args.namespace.encode(),
-        conversations=args.conversations, max_blocks=args.max_blocks,
-        direct_fraction=args.direct_fraction, duration_s=args.duration,
+        endpoint=args.endpoint,
+        name=args.name,
+        seed=args.seed,
+        report=args.report,
+        shm_prefix=args.shm_prefix,
+        namespace=args.namespace.encode(),
+        conversations=args.conversations,
+        max_blocks=args.max_blocks,
+        direct_fraction=args.direct_fraction,
+        duration_s=args.duration,
     )
 
 

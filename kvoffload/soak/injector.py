@@ -50,8 +50,12 @@ class PlannedFault:
 
 
 def plan_faults(
-    seed: int, duration_s: float, kinds: tuple[str, ...], warmup_s: float = 2.0,
-    cooldown_s: float = 2.0, spacing_s: float = 3.0,
+    seed: int,
+    duration_s: float,
+    kinds: tuple[str, ...],
+    warmup_s: float = 2.0,
+    cooldown_s: float = 2.0,
+    spacing_s: float = 3.0,
 ) -> list[PlannedFault]:
     """Faults at even times from ``warmup_s`` to ``duration_s - cooldown_s``, about
     ``spacing_s`` apart but never fewer than ``len(kinds)``; kinds in seeded-shuffled rounds."""
@@ -66,7 +70,9 @@ def plan_faults(
         rng.shuffle(round_)
         order += round_
     step = span / (count - 1) if count > 1 else 0.0
-    return [PlannedFault(round(warmup_s + i * step, 3), kind) for i, kind in enumerate(order[:count])]
+    return [
+        PlannedFault(round(warmup_s + i * step, 3), kind) for i, kind in enumerate(order[:count])
+    ]
 
 
 @dataclass
@@ -93,8 +99,14 @@ class Injector(threading.Thread):
     ``stop()`` and ``start()`` (the test S3 server) or None."""
 
     def __init__(
-        self, harness: ServiceHarness, engines: EnginePool, plan: list[PlannedFault], seed: int,
-        s3=None, recovery_timeout_s: float = 30.0, outage_s: float = 3.0,
+        self,
+        harness: ServiceHarness,
+        engines: EnginePool,
+        plan: list[PlannedFault],
+        seed: int,
+        s3=None,
+        recovery_timeout_s: float = 30.0,
+        outage_s: float = 3.0,
     ) -> None:
         super().__init__(name="soak-injector", daemon=True)
         self.harness = harness
@@ -146,7 +158,11 @@ class Injector(threading.Thread):
 
     def windows(self) -> list[tuple[float, float]]:
         """(start, end) of the faults that excuse client timeouts."""
-        return [(r.t_start, r.t_end or time.monotonic()) for r in self.state.records if r.kind in WINDOW_KINDS]
+        return [
+            (r.t_start, r.t_end or time.monotonic())
+            for r in self.state.records
+            if r.kind in WINDOW_KINDS
+        ]
 
     def _violation(self, kind: str, **detail) -> None:
         self.state.violations.append({"kind": kind, **detail})
@@ -157,10 +173,14 @@ class Injector(threading.Thread):
         """Wait until every named worker is back (pid not in ``exclude``); records the
         recovery time, or a ``no_recovery`` violation."""
         try:
-            self.harness.wait_workers(names, timeout_s=self.recovery_timeout_s, exclude_pids=exclude)
+            self.harness.wait_workers(
+                names, timeout_s=self.recovery_timeout_s, exclude_pids=exclude
+            )
         except TimeoutError as exc:
             record.outcome += " not_recovered"
-            self._violation("no_recovery", fault=record.kind, target=record.target, error=str(exc)[:300])
+            self._violation(
+                "no_recovery", fault=record.kind, target=record.target, error=str(exc)[:300]
+            )
             return False
         record.t_end = time.monotonic()
         record.recovery_s = round(record.t_end - record.t_start, 3)

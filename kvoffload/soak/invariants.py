@@ -22,7 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-EXCUSABLE_EVENTS = {"timeout": "timeout_outside_fault_window", "job_lost": "job_without_result", "lookup_stuck": "lookup_stuck"}
+EXCUSABLE_EVENTS = {
+    "timeout": "timeout_outside_fault_window",
+    "job_lost": "job_without_result",
+    "lookup_stuck": "lookup_stuck",
+}
 QUIESCENT_ZERO = ("pinned_slots", "writing_slots", "jobs_in_flight", "cascade_backlog")
 LOSS_EVENTS = {
     "cascade_dropped": "cascade_dropped",
@@ -70,7 +74,9 @@ class ReportReader:
                 except ValueError:
                     continue
                 if record.get("ev") == "stats":
-                    self.latest_stats[path] = {k: v for k, v in record.items() if k not in ("ev", "t")}
+                    self.latest_stats[path] = {
+                        k: v for k, v in record.items() if k not in ("ev", "t")
+                    }
                 elif record.get("ev") != "exit":
                     self.events.append(record)
 
@@ -82,10 +88,14 @@ class ReportReader:
 
 
 def _overlaps(t0: float, t1: float, windows: list[tuple[float, float]]) -> bool:
-    return any(t0 <= end + WINDOW_SLACK_S and start - WINDOW_SLACK_S <= t1 for start, end in windows)
+    return any(
+        t0 <= end + WINDOW_SLACK_S and start - WINDOW_SLACK_S <= t1 for start, end in windows
+    )
 
 
-def judge_engine_events(events: list[dict], windows: list[tuple[float, float]]) -> tuple[Counter, list[Violation]]:
+def judge_engine_events(
+    events: list[dict], windows: list[tuple[float, float]]
+) -> tuple[Counter, list[Violation]]:
     """(excused events by kind, violations) for the engines' events."""
     excused: Counter = Counter()
     violations: list[Violation] = []
@@ -98,13 +108,17 @@ def judge_engine_events(events: list[dict], windows: list[tuple[float, float]]) 
             if _overlaps(event.get("t0", 0.0), event.get("t1", 0.0), windows):
                 excused[kind] += 1
             else:
-                violations.append(Violation(EXCUSABLE_EVENTS[kind], {k: v for k, v in event.items() if k != "ev"}))
+                violations.append(
+                    Violation(EXCUSABLE_EVENTS[kind], {k: v for k, v in event.items() if k != "ev"})
+                )
     return excused, violations
 
 
 def is_quiescent(status: dict) -> bool:
     tiering = status["tiering"]
-    return all(tiering[name] == 0 for name in QUIESCENT_ZERO) and status["device_jobs_in_flight"] == 0
+    return (
+        all(tiering[name] == 0 for name in QUIESCENT_ZERO) and status["device_jobs_in_flight"] == 0
+    )
 
 
 def check_quiescent(status: dict | None) -> list[Violation]:
@@ -160,18 +174,32 @@ def check_acknowledged_blocks(missing: list[bytes], excused: dict[bytes, str]) -
     lost = [key for key in missing if key not in excused]
     if not lost:
         return []
-    return [Violation("acknowledged_block_lost", {"count": len(lost), "keys": [k.hex() for k in lost[:10]]})]
+    return [
+        Violation(
+            "acknowledged_block_lost", {"count": len(lost), "keys": [k.hex() for k in lost[:10]]}
+        )
+    ]
 
 
 def check_rss(peak_bytes: int, limit_bytes: int) -> list[Violation]:
     if peak_bytes > limit_bytes:
-        return [Violation("manager_rss_over_limit", {"peak_mb": peak_bytes >> 20, "limit_mb": limit_bytes >> 20})]
+        return [
+            Violation(
+                "manager_rss_over_limit",
+                {"peak_mb": peak_bytes >> 20, "limit_mb": limit_bytes >> 20},
+            )
+        ]
     return []
 
 
-def check_leftovers(shm: list[str], runtime_files: list[str], processes: list[int], client_segments: list[str]) -> list[Violation]:
+def check_leftovers(
+    shm: list[str], runtime_files: list[str], processes: list[int], client_segments: list[str]
+) -> list[Violation]:
     found = {
-        "shm": shm, "runtime_files": runtime_files, "processes": processes, "client_segments": client_segments,
+        "shm": shm,
+        "runtime_files": runtime_files,
+        "processes": processes,
+        "client_segments": client_segments,
     }
     found = {k: v for k, v in found.items() if v}
     return [Violation("leftovers", found)] if found else []
@@ -185,7 +213,11 @@ class IncarnationTotals:
         self._latest: dict[tuple[Any, str], dict[str, float]] = {}
 
     def update(self, incarnation: Any, group: str, counters: dict[str, Any]) -> None:
-        numeric = {k: v for k, v in counters.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        numeric = {
+            k: v
+            for k, v in counters.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         self._latest[(incarnation, group)] = numeric
 
     def totals(self) -> dict[str, dict[str, float]]:

@@ -14,9 +14,8 @@ import contextlib
 import itertools
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -34,7 +33,13 @@ def probe_keys(prefix: str, n: int) -> list[bytes]:
 
 
 class ProbeEngine:
-    def __init__(self, harness: ServiceHarness, name: str = "probe", blocks: int = 32, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        harness: ServiceHarness,
+        name: str = "probe",
+        blocks: int = 32,
+        timeout_s: float = 10.0,
+    ) -> None:
         self.client = harness.client(name, timeout_s=timeout_s)
         self.block_bytes = self.client.info.block_bytes
         self.kv = SharedKVCache.create(unique_kv_name(), blocks, [self.block_bytes])
@@ -47,7 +52,9 @@ class ProbeEngine:
         self.client.new_request(req)
         return req
 
-    def store(self, req: str, keys: list[bytes], wait_s: float = 20.0) -> p.DeviceJobFinished | None:
+    def store(
+        self, req: str, keys: list[bytes], wait_s: float = 20.0
+    ) -> p.DeviceJobFinished | None:
         """Write each key's block into device blocks 0.. and store them; the job's result."""
         for block, key in enumerate(keys):
             self.kv.tensors[0][block] = expected_block(key, self.block_bytes)
@@ -56,7 +63,9 @@ class ProbeEngine:
             return None
         return self.client.wait([accepted.job_id], timeout_s=wait_s)[accepted.job_id]
 
-    def load(self, req: str, keys: list[bytes], wait_s: float = 20.0) -> tuple[p.DeviceJobFinished, list[bytes]]:
+    def load(
+        self, req: str, keys: list[bytes], wait_s: float = 20.0
+    ) -> tuple[p.DeviceJobFinished, list[bytes]]:
         """Load keys into poisoned device blocks 0..; (result, keys reported loaded whose
         bytes are wrong)."""
         self.kv.tensors[0][: len(keys)] = POISON
@@ -66,8 +75,10 @@ class ProbeEngine:
         done = self.client.wait([job_id], timeout_s=wait_s)[job_id]
         loaded = set(keys) if done.success else set(done.successful_keys or ())
         wrong = [
-            key for block, key in enumerate(keys)
-            if key in loaded and not np.array_equal(self.kv.tensors[0][block], expected_block(key, self.block_bytes))
+            key
+            for block, key in enumerate(keys)
+            if key in loaded
+            and not np.array_equal(self.kv.tensors[0][block], expected_block(key, self.block_bytes))
         ]
         return done, wrong
 
@@ -86,7 +97,7 @@ class ProbeEngine:
         self.kv.close()
         self.kv.unlink()
 
-    def __enter__(self) -> "ProbeEngine":
+    def __enter__(self) -> ProbeEngine:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -99,7 +110,9 @@ def services(workdir: Path) -> Iterator[Callable[..., ServiceHarness]]:
     left a segment, a runtime file or a process raises AssertionError."""
     started: list[ServiceHarness] = []
 
-    def start(curve_keys: tuple[bytes, bytes, bytes] | None = None, **sections: dict) -> ServiceHarness:
+    def start(
+        curve_keys: tuple[bytes, bytes, bytes] | None = None, **sections: dict
+    ) -> ServiceHarness:
         harness = ServiceHarness(Path(workdir) / f"service{len(started)}", sections, curve_keys)
         started.append(harness)
         return harness.start()

@@ -58,12 +58,21 @@ DEFAULT_FAULTS = {
     "enospc_fraction": 0.02,
 }
 DISK_IO_COUNTERS = (
-    "injected_corruptions", "corrupt_blocks", "write_errors", "transient_errors", "enospc_errors",
-    "store_full", "absent_keys",
+    "injected_corruptions",
+    "corrupt_blocks",
+    "write_errors",
+    "transient_errors",
+    "enospc_errors",
+    "store_full",
+    "absent_keys",
 )
 CASCADE_COUNTERS = (
-    "cascaded_keys_ok", "cascade_keys_deferred", "cascade_keys_resubmitted", "cascade_dropped_evicted",
-    "cascade_dropped_tier_full", "cascade_dropped_retry_bound",
+    "cascaded_keys_ok",
+    "cascade_keys_deferred",
+    "cascade_keys_resubmitted",
+    "cascade_dropped_evicted",
+    "cascade_dropped_tier_full",
+    "cascade_dropped_retry_bound",
 )
 SAMPLE_INTERVAL_S = 1.0
 OVERRUN_S = 30.0
@@ -142,9 +151,13 @@ class SoakRun:
         if self.s3 is not None:
             self.s3.create_bucket(S3_BUCKET)
             return {
-                "enabled": True, "endpoint": self.s3.endpoint, "bucket": S3_BUCKET,
-                "prefix": f"soak-{self.token}", "region": self.s3.region,
-                "access_key_id": self.s3.access_key, "secret_access_key": self.s3.secret_key,
+                "enabled": True,
+                "endpoint": self.s3.endpoint,
+                "bucket": S3_BUCKET,
+                "prefix": f"soak-{self.token}",
+                "region": self.s3.region,
+                "access_key_id": self.s3.access_key,
+                "secret_access_key": self.s3.secret_key,
             }
         return opts.object_section
 
@@ -169,12 +182,18 @@ class SoakRun:
                 sections["object"] = obj
             harness = ServiceHarness(self.workdir, sections)
             harness.start()
-            self._say(f"[soak] service up: run {harness.run_id}, workers {harness.worker_names}, "
-                      f"{opts.clients} clients, {opts.duration_s:.0f} s, seed {opts.seed}; work dir {self.workdir}")
-            engines = EnginePool(harness.endpoint, self.workdir, opts.seed, opts.clients, self.token)
+            self._say(
+                f"[soak] service up: run {harness.run_id}, workers {harness.worker_names}, "
+                f"{opts.clients} clients, {opts.duration_s:.0f} s, seed {opts.seed}; work dir {self.workdir}"
+            )
+            engines = EnginePool(
+                harness.endpoint, self.workdir, opts.seed, opts.clients, self.token
+            )
             engines.start()
             plan = plan_faults(opts.seed, opts.duration_s, self._kinds(), spacing_s=opts.spacing_s)
-            injector = Injector(harness, engines, plan, opts.seed, s3=self.s3 if self._kinds_include_s3() else None)
+            injector = Injector(
+                harness, engines, plan, opts.seed, s3=self.s3 if self._kinds_include_s3() else None
+            )
             injector.start()
             self._load_phase(harness, engines, injector, time.monotonic())
             end_status = self._end_phase(harness, engines, injector)
@@ -185,9 +204,14 @@ class SoakRun:
             if self._own_s3 and self.s3 is not None:
                 self.s3.stop()
         segments = engines.unlink_leftover_segments()
-        self.violations += check_leftovers(leftovers.shm, leftovers.runtime_files, leftovers.processes, segments)
+        self.violations += check_leftovers(
+            leftovers.shm, leftovers.runtime_files, leftovers.processes, segments
+        )
         excused, engine_violations = judge_engine_events(self.reader.events, injector.windows())
-        injected = [Violation(v["kind"], {k: x for k, x in v.items() if k != "kind"}) for v in injector.state.violations]
+        injected = [
+            Violation(v["kind"], {k: x for k, x in v.items() if k != "kind"})
+            for v in injector.state.violations
+        ]
         self.violations = engine_violations + injected + self.violations
         summary = self._summary(harness, engines, injector, end_status, leftovers, excused, started)
         if opts.keep or (opts.keep is None and not summary["ok"]):
@@ -199,7 +223,9 @@ class SoakRun:
     def _kinds_include_s3(self) -> bool:
         return "s3_outage" in self._kinds()
 
-    def _load_phase(self, harness: ServiceHarness, engines: EnginePool, injector: Injector, started: float) -> None:
+    def _load_phase(
+        self, harness: ServiceHarness, engines: EnginePool, injector: Injector, started: float
+    ) -> None:
         """Sample and report until ``duration_s`` after ``started`` and the injector is done."""
         deadline = started + self.opts.duration_s
         next_progress = time.monotonic() + self.opts.progress_interval_s
@@ -228,7 +254,9 @@ class SoakRun:
                 self.worker_totals.update(worker["pid"], name, worker["stats"])
             disk = status["workers"].get("disk", {}).get("stats", {})
             if disk.get("capacity_bytes"):
-                self.disk_fill_peak = max(self.disk_fill_peak, disk["used_bytes"] / disk["capacity_bytes"])
+                self.disk_fill_peak = max(
+                    self.disk_fill_peak, disk["used_bytes"] / disk["capacity_bytes"]
+                )
         self.reader.read(engines.reports())
         for name, code in engines.replace_crashed():
             self.violations.append(Violation("engine_crashed", {"engine": name, "exit_code": code}))
@@ -247,7 +275,9 @@ class SoakRun:
             f"violations {broken + len(self.violations) + len(injector.state.violations)}"
         )
 
-    def _end_phase(self, harness: ServiceHarness, engines: EnginePool, injector: Injector) -> dict | None:
+    def _end_phase(
+        self, harness: ServiceHarness, engines: EnginePool, injector: Injector
+    ) -> dict | None:
         injector.halt()
         injector.join()
         for name in engines.stop_all():
@@ -287,22 +317,41 @@ class SoakRun:
     def _sweep(self, harness: ServiceHarness) -> None:
         """Load and verify every conversation's full chain once more through a fresh client."""
         report = self.workdir / "sweep.jsonl"
-        engine = SoakEngine(EngineOptions(
-            endpoint=harness.endpoint, name="sweep", seed=self.opts.seed, report=report,
-            shm_prefix=f"/kvoffload-soak-{self.token}-sweep-kv", direct_fraction=0.0,
-        ))
+        engine = SoakEngine(
+            EngineOptions(
+                endpoint=harness.endpoint,
+                name="sweep",
+                seed=self.opts.seed,
+                report=report,
+                shm_prefix=f"/kvoffload-soak-{self.token}-sweep-kv",
+                direct_fraction=0.0,
+            )
+        )
         engine.sweep()
         self.reader.read([report])
 
     def _check_durability(self, harness: ServiceHarness) -> None:
         """Reset the pool, then bring back every acknowledged block on its own; a block that
         does not come back is a violation unless the service logged why it was lost."""
-        acked = sorted({bytes.fromhex(k) for e in self.reader.events if e.get("ev") == "acked" for k in e["keys"]})
+        acked = sorted(
+            {
+                bytes.fromhex(k)
+                for e in self.reader.events
+                if e.get("ev") == "acked"
+                for k in e["keys"]
+            }
+        )
         report = self.workdir / "durability.jsonl"
-        engine = SoakEngine(EngineOptions(
-            endpoint=harness.endpoint, name="durability", seed=self.opts.seed, report=report,
-            shm_prefix=f"/kvoffload-soak-{self.token}-durability-kv", direct_fraction=0.0,
-        ))
+        engine = SoakEngine(
+            EngineOptions(
+                endpoint=harness.endpoint,
+                name="durability",
+                seed=self.opts.seed,
+                report=report,
+                shm_prefix=f"/kvoffload-soak-{self.token}-durability-kv",
+                direct_fraction=0.0,
+            )
+        )
         try:
             missing = engine.recover(acked)
         except (TimeoutError, JobLost, Reconnect, KVOffloadError) as exc:
@@ -322,12 +371,20 @@ class SoakRun:
 
     # ---- summary --------------------------------------------------------------------------
 
-    def _summary(self, harness, engines, injector, status, leftovers, excused, started: float) -> dict:
+    def _summary(
+        self, harness, engines, injector, status, leftovers, excused, started: float
+    ) -> dict:
         t = self.reader.totals()
         sweep = self.reader.latest_stats.get(self.workdir / "sweep.jsonl", {})
         workers = self.worker_totals.totals()
         records = [
-            {"at_s": round(r.t_start - started, 2), "kind": r.kind, "target": r.target, "outcome": r.outcome, "recovery_s": r.recovery_s}
+            {
+                "at_s": round(r.t_start - started, 2),
+                "kind": r.kind,
+                "target": r.target,
+                "outcome": r.outcome,
+                "recovery_s": r.recovery_s,
+            }
             for r in injector.state.records
         ]
         recoveries = [r["recovery_s"] for r in records if r["recovery_s"] is not None]
@@ -341,7 +398,8 @@ class SoakRun:
             "clients": self.opts.clients,
             "tiers": harness.worker_names,
             "setup": {
-                "pool_slots": cfg.pool.num_slots, "block_bytes": cfg.pool.block_bytes,
+                "pool_slots": cfg.pool.num_slots,
+                "block_bytes": cfg.pool.block_bytes,
                 "disk_capacity_blocks": cfg.disk.capacity_bytes // (cfg.pool.block_bytes + 4096),
                 "request_lease_s": cfg.service.request_lease_s,
                 "heartbeat_timeout_s": cfg.service.heartbeat_timeout_s,
@@ -349,27 +407,37 @@ class SoakRun:
             },
             "requests": t["requests"],
             "jobs": {
-                "submitted": t["jobs_submitted"], "finished": t["jobs_finished"],
+                "submitted": t["jobs_submitted"],
+                "finished": t["jobs_finished"],
                 "lost_in_fault_windows": excused["job_lost"],
                 "load": {k: t[f"load_jobs_{k}"] for k in ("ok", "partial", "failed")},
                 "store": {k: t[f"store_jobs_{k}"] for k in ("ok", "partial", "failed")},
             },
             "blocks": {
-                "looked_up": t["blocks_looked_up"], "hit": t["blocks_hit"],
-                "verified": t["blocks_verified"], "wrong": t["wrong_blocks"],
-                "stored": t["store_blocks_ok"], "store_failed": t["store_blocks_failed"],
+                "looked_up": t["blocks_looked_up"],
+                "hit": t["blocks_hit"],
+                "verified": t["blocks_verified"],
+                "wrong": t["wrong_blocks"],
+                "stored": t["store_blocks_ok"],
+                "store_failed": t["store_blocks_failed"],
                 "load_failed": t["load_blocks_failed"],
             },
             "bytes": {"verified": t["bytes_verified"], "stored": t["bytes_stored"]},
             "direct_path": {"loads": t["direct_loads"], "stores": t["direct_stores"]},
-            "errors_by_code": {k[len("error_"):]: v for k, v in sorted(t.items()) if k.startswith("error_")},
+            "errors_by_code": {
+                k[len("error_") :]: v for k, v in sorted(t.items()) if k.startswith("error_")
+            },
             "client": {
-                "reconnects": t["reconnects"], "timeouts": t["timeouts"],
-                "timeouts_excused": excused["timeout"], "connect_timeouts": t["connect_timeouts"],
+                "reconnects": t["reconnects"],
+                "timeouts": t["timeouts"],
+                "timeouts_excused": excused["timeout"],
+                "connect_timeouts": t["connect_timeouts"],
             },
             "faults": {
                 "injected": injector.counts(),
-                "stop_worker_outcomes": dict(Counter(r["outcome"] for r in records if r["kind"] == "stop_worker")),
+                "stop_worker_outcomes": dict(
+                    Counter(r["outcome"] for r in records if r["kind"] == "stop_worker")
+                ),
                 "disk_io": {k: int(workers.get("disk", {}).get(k, 0)) for k in DISK_IO_COUNTERS},
                 "disk_fill_peak": round(self.disk_fill_peak, 3),
                 "device_copy_failures": int(workers.get("cpu", {}).get("keys_failed", 0)),
@@ -379,29 +447,55 @@ class SoakRun:
                 "supervisor_restarts": harness.restarts(),
                 "clients_replaced": engines.replaced,
                 "recovery_s_max": max(recoveries, default=None),
-                "recovery_s_mean": round(sum(recoveries) / len(recoveries), 3) if recoveries else None,
+                "recovery_s_mean": round(sum(recoveries) / len(recoveries), 3)
+                if recoveries
+                else None,
             },
             "hits_by_tier": {
-                tier: {k: int(c.get(k, 0)) for k in ("lookups_hit", "lookups_hit_pending", "lookups_miss", "promoted_keys_ok", "cascaded_keys_ok", "evictions")}
+                tier: {
+                    k: int(c.get(k, 0))
+                    for k in (
+                        "lookups_hit",
+                        "lookups_hit_pending",
+                        "lookups_miss",
+                        "promoted_keys_ok",
+                        "cascaded_keys_ok",
+                        "evictions",
+                    )
+                }
                 for tier, c in self.tier_totals.totals().items()
             },
             "quiescence": {
-                k: tiering.get(k) for k in ("pinned_slots", "writing_slots", "jobs_in_flight", "unread_promotion_pins", "requests")
-            } | {"device_jobs_in_flight": (status or {}).get("device_jobs_in_flight")},
+                k: tiering.get(k)
+                for k in (
+                    "pinned_slots",
+                    "writing_slots",
+                    "jobs_in_flight",
+                    "unread_promotion_pins",
+                    "requests",
+                )
+            }
+            | {"device_jobs_in_flight": (status or {}).get("device_jobs_in_flight")},
             "workers_at_end": {n: w["pid"] for n, w in (status or {}).get("workers", {}).items()},
             "manager_rss_mb": {
                 "peak": round(self.rss_peak / 2**20, 1),
                 "final": round((self.rss_final or 0) / 2**20, 1),
                 "limit": self.opts.rss_limit_mb,
             },
-            "sweep": {"blocks_verified": sweep.get("blocks_verified", 0), "wrong": sweep.get("wrong_blocks", 0)},
+            "sweep": {
+                "blocks_verified": sweep.get("blocks_verified", 0),
+                "wrong": sweep.get("wrong_blocks", 0),
+            },
             "durability": self.durability,
             "cascades": {
                 tier: {k: int(c.get(k, 0)) for k in CASCADE_COUNTERS}
-                for tier, c in self.tier_totals.totals().items() if tier != "primary"
+                for tier, c in self.tier_totals.totals().items()
+                if tier != "primary"
             },
             "leftovers": {
-                "shm": leftovers.shm, "runtime_files": leftovers.runtime_files, "processes": leftovers.processes,
+                "shm": leftovers.shm,
+                "runtime_files": leftovers.runtime_files,
+                "processes": leftovers.processes,
                 "client_segments_reclaimed_after_kills": len(engines.reclaimed_segments),
             },
             "violation_count": len(self.violations),
@@ -417,14 +511,26 @@ def run_soak(opts: SoakOptions) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load and faults (default 60)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule and the workload")
-    parser.add_argument("--clients", type=int, default=3, help="synthetic engine processes (default 3)")
+    parser.add_argument(
+        "--duration", type=float, default=60.0, help="seconds of load and faults (default 60)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the fault schedule and the workload"
+    )
+    parser.add_argument(
+        "--clients", type=int, default=3, help="synthetic engine processes (default 3)"
+    )
     parser.add_argument("--json-out", type=Path, help="also write the JSON summary here")
-    parser.add_argument("--s3", action="store_true", help="add the object tier on a local SeaweedFS (and stop/start it)")
+    parser.add_argument(
+        "--s3",
+        action="store_true",
+        help="add the object tier on a local SeaweedFS (and stop/start it)",
+    )
     parser.add_argument("--config", help="take the object tier ([object]) from this config file")
     parser.add_argument("--rss-limit-mb", type=int, default=512, help="largest manager RSS allowed")
-    parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, reports) even on success")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work dir (logs, reports) even on success"
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> SoakOptions:
@@ -433,12 +539,22 @@ def options_from_args(args: argparse.Namespace) -> SoakOptions:
         obj = load_config(args.config).object
         if obj.enabled:
             object_section = {
-                "enabled": True, "endpoint": obj.endpoint, "bucket": obj.bucket, "prefix": obj.prefix,
-                "region": obj.region, "access_key_id": obj.access_key_id, "secret_access_key": obj.secret_access_key,
+                "enabled": True,
+                "endpoint": obj.endpoint,
+                "bucket": obj.bucket,
+                "prefix": obj.prefix,
+                "region": obj.region,
+                "access_key_id": obj.access_key_id,
+                "secret_access_key": obj.secret_access_key,
             }
     return SoakOptions(
-        duration_s=args.duration, seed=args.seed, clients=args.clients,
-        s3=args.s3, object_section=object_section, rss_limit_mb=args.rss_limit_mb, keep=True if args.keep else None,
+        duration_s=args.duration,
+        seed=args.seed,
+        clients=args.clients,
+        s3=args.s3,
+        object_section=object_section,
+        rss_limit_mb=args.rss_limit_mb,
+        keep=True if args.keep else None,
     )
 
 

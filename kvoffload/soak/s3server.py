@@ -174,7 +174,9 @@ class S3Server:
         if self.running:
             raise S3ServerError(f"already running as pid {self.pid}")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key)
+        env = dict(
+            os.environ, AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key
+        )
         self._log = open(self.log_path, "ab")
         self._proc = proc = subprocess.Popen(
             self._command(),
@@ -257,7 +259,13 @@ class S3Server:
         if self.running:
             self.kill()
 
-    def client(self, *, timeout_s: float = 5.0, access_key: str | None = None, secret_key: str | None = None):
+    def client(
+        self,
+        *,
+        timeout_s: float = 5.0,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+    ):
         """A plain boto3 S3 client for this server (path-style, no retries)."""
         return boto3.client(
             "s3",

@@ -20,9 +20,10 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import psutil
@@ -54,7 +55,12 @@ SOAK_DEFAULTS: dict[str, dict[str, Any]] = {
         "read_threads": 2,
         "write_threads": 1,
     },
-    "object": {"verdict_timeout_s": 2.0, "request_timeout_s": 2.0, "max_retries": 1, "io_threads": 4},
+    "object": {
+        "verdict_timeout_s": 2.0,
+        "request_timeout_s": 2.0,
+        "max_retries": 1,
+        "io_threads": 4,
+    },
     "supervisor": {
         "restart_backoff_initial_s": 0.2,
         "restart_backoff_max_s": 2.0,
@@ -120,7 +126,10 @@ class ServiceHarness:
     runtime dir is a short fresh directory under the system temp dir (AF_UNIX path limit)."""
 
     def __init__(
-        self, workdir: Path, sections: dict[str, dict] | None = None, curve_keys: tuple[bytes, bytes, bytes] | None = None
+        self,
+        workdir: Path,
+        sections: dict[str, dict] | None = None,
+        curve_keys: tuple[bytes, bytes, bytes] | None = None,
     ) -> None:
         """``curve_keys``: (client public, client secret, server public) for a tcp:// endpoint."""
         self.curve_keys = curve_keys
@@ -162,7 +171,7 @@ class ServiceHarness:
 
     # ---- start and watch ------------------------------------------------------------------
 
-    def start(self, ready_timeout_s: float = 60.0) -> "ServiceHarness":
+    def start(self, ready_timeout_s: float = 60.0) -> ServiceHarness:
         """Start the supervisor and its watcher; return once every worker's index is in."""
         spec = self.supervisor.start()
         self.endpoint = spec.client_endpoint
@@ -189,12 +198,16 @@ class ServiceHarness:
 
     # ---- clients and status ---------------------------------------------------------------
 
-    def client(self, name: str = "soak", timeout_s: float = 5.0, connect_within_s: float = 30.0) -> KVOffloadClient:
+    def client(
+        self, name: str = "soak", timeout_s: float = 5.0, connect_within_s: float = 30.0
+    ) -> KVOffloadClient:
         """A connected client; retries while the manager does not answer."""
         deadline = time.monotonic() + connect_within_s
         while True:
             try:
-                return KVOffloadClient(self.endpoint, timeout_s=timeout_s, name=name, curve_keys=self.curve_keys)
+                return KVOffloadClient(
+                    self.endpoint, timeout_s=timeout_s, name=name, curve_keys=self.curve_keys
+                )
             except TimeoutError:
                 if time.monotonic() > deadline:
                     raise
@@ -206,7 +219,10 @@ class ServiceHarness:
             try:
                 if self._status_client is None:
                     self._status_client = KVOffloadClient(
-                        self.endpoint, timeout_s=timeout_s, name="soak-status", curve_keys=self.curve_keys
+                        self.endpoint,
+                        timeout_s=timeout_s,
+                        name="soak-status",
+                        curve_keys=self.curve_keys,
                     )
                 return msgspec.to_builtins(self._status_client.status())
             except (TimeoutError, KVOffloadError):
@@ -218,7 +234,9 @@ class ServiceHarness:
         if client is not None:
             client.close()
 
-    def wait_status(self, predicate: Callable[[dict], bool], timeout_s: float, interval_s: float = 0.1) -> dict | None:
+    def wait_status(
+        self, predicate: Callable[[dict], bool], timeout_s: float, interval_s: float = 0.1
+    ) -> dict | None:
         """The first status for which ``predicate`` holds, or None after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -243,7 +261,9 @@ class ServiceHarness:
 
         status = self.wait_status(ready, timeout_s)
         if status is None:
-            raise TimeoutError(f"workers {list(names)} not ready in {timeout_s} s; see {self.log_path}")
+            raise TimeoutError(
+                f"workers {list(names)} not ready in {timeout_s} s; see {self.log_path}"
+            )
         return status
 
     # ---- processes ------------------------------------------------------------------------
@@ -313,7 +333,7 @@ class ServiceHarness:
             processes=sorted(pid for pid in self.spawned_pids if self.is_own_child(pid)),
         )
 
-    def __enter__(self) -> "ServiceHarness":
+    def __enter__(self) -> ServiceHarness:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -28,8 +28,9 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Iterable, Sequence
+from typing import Any
 
 from ..logs import get_logger
 from ..vocab import LookupResult, MissReason
@@ -462,9 +463,7 @@ class TieringManager:
         if room:
             self._send_cascade(tier_idx, keys[:room], req_id)
 
-    def _allocate(
-        self, keys: Sequence[Key], protected: Collection[Key]
-    ) -> Allocation | None:
+    def _allocate(self, keys: Sequence[Key], protected: Collection[Key]) -> Allocation | None:
         """``PrimaryIndex.allocate`` that evicts keys still waiting for a cascade only when
         nothing else can make room."""
         waiting = [k for tier in self.tiers for k in tier.backlog]
@@ -479,7 +478,9 @@ class TieringManager:
         self.tiers[tier_idx].inflight_cascade_keys += len(keys)
         self._submit(TransferJob(0, tier_idx, JobKind.CASCADE, keys, slots, req_id))
 
-    def _cascade_done(self, tier_idx: int, ok: list[Key], failed: list[Key], full: set[Key]) -> None:
+    def _cascade_done(
+        self, tier_idx: int, ok: list[Key], failed: list[Key], full: set[Key]
+    ) -> None:
         """A cascade's keys: stored ones leave the backlog; failed ones wait there for their
         backoff, or are given up (tier full, retry bound)."""
         tier = self.tiers[tier_idx]
@@ -601,9 +602,7 @@ class TieringManager:
                 if pending is None:
                     continue
                 self._submit(
-                    TransferJob(
-                        0, tier_idx, JobKind.PROMOTION, pending.keys, pending.slots, req_id
-                    )
+                    TransferJob(0, tier_idx, JobKind.PROMOTION, pending.keys, pending.slots, req_id)
                 )
 
     def expire_probes(self) -> list[int]:
@@ -664,7 +663,9 @@ class TieringManager:
         """A tier's worker (re)started and will announce its whole index again."""
         self.tiers[self.tier_index(tier_name)].index.clear()
 
-    def apply_index_update(self, tier_name: str, added: Iterable[Key], removed: Iterable[Key]) -> None:
+    def apply_index_update(
+        self, tier_name: str, added: Iterable[Key], removed: Iterable[Key]
+    ) -> None:
         self.tiers[self.tier_index(tier_name)].apply_index_update(added, removed)
 
     def _apply(self, job: TransferJob, result: TransferResult) -> None:
@@ -703,7 +704,12 @@ class TieringManager:
         return state is not None and not state.is_finished
 
     def _complete_promotion(
-        self, job: TransferJob, tier: SecondaryTier, ok: list[Key], failed: list[Key], absent: set[Key]
+        self,
+        job: TransferJob,
+        tier: SecondaryTier,
+        ok: list[Key],
+        failed: list[Key],
+        absent: set[Key],
     ) -> None:
         self.primary.complete_write(failed, False)
         landed = self.primary.complete_write(ok, True)

@@ -9,7 +9,7 @@ nothing.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 from .types import Key
 

@@ -10,7 +10,7 @@ With ``track_invalidations`` every slot freed or handed to a new key is recorded
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from ..vocab import LookupResult
 from .policies import make_policy
@@ -22,7 +22,9 @@ WRITING = -1
 class PrimaryIndex:
     """Pure bookkeeping: who owns which slot. Never touches bytes."""
 
-    def __init__(self, num_slots: int, policy: str = "lru", track_invalidations: bool = False) -> None:
+    def __init__(
+        self, num_slots: int, policy: str = "lru", track_invalidations: bool = False
+    ) -> None:
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
         self.num_slots = num_slots
@@ -74,9 +76,7 @@ class PrimaryIndex:
     def evictable_count(self) -> int:
         return self._evictable
 
-    def allocate(
-        self, keys: Iterable[Key], protected: Collection[Key]
-    ) -> Allocation | None:
+    def allocate(self, keys: Iterable[Key], protected: Collection[Key]) -> Allocation | None:
         """Reserve slots (ref_cnt -1) for the keys not yet present; None, changing nothing,
         when not enough slots can be freed without evicting pinned, in-flight or protected
         keys."""

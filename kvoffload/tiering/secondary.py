@@ -11,8 +11,8 @@ No I/O here: the tiering manager turns what the proxy asks for into jobs.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import Collection, Iterable
 
 from ..vocab import LookupResult, MissReason
 from .types import Key, Locality, Medium, OffloadPolicy
@@ -72,7 +72,9 @@ class SecondaryTier:
         found = self.verdicts.lookup(key, req_id)
         if found is None:
             return LookupResult.RETRY, MissReason.PROBING
-        return (LookupResult.HIT, MissReason.NONE) if found else (LookupResult.MISS, MissReason.ABSENT)
+        return (
+            (LookupResult.HIT, MissReason.NONE) if found else (LookupResult.MISS, MissReason.ABSENT)
+        )
 
     def knows(self, key: Key) -> bool:
         """True if the tier is known to hold the key (no probe is started)."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from ..vocab import LookupResult
 from .types import CascadeDrop, JobKind
@@ -59,7 +60,9 @@ class TierCounters:
         else:
             self.probe_jobs += 1
 
-    def job_finished(self, kind: JobKind, success: bool, ok_keys: int, seconds: float | None) -> None:
+    def job_finished(
+        self, kind: JobKind, success: bool, ok_keys: int, seconds: float | None
+    ) -> None:
         self.active_jobs -= 1
         self.transfer_time_s += seconds or 0.0
         if kind is JobKind.PROMOTION:

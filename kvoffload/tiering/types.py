@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Collection, Mapping, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from ..logs import get_logger
 from ..vocab import ErrorCode, LookupResult, MissReason, must_wait
@@ -202,7 +203,7 @@ class ReqContext:
     params: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_params(cls, req_id: str, params: Mapping[str, Any] | None = None) -> "ReqContext":
+    def from_params(cls, req_id: str, params: Mapping[str, Any] | None = None) -> ReqContext:
         params = dict(params or {})
         return cls(req_id, parse_tier_filter(params.get("kv_load_tiers")), params)
 

@@ -11,8 +11,8 @@ transient load failure forgets a positive verdict (``forget``), so a later looku
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from .types import Key
 

@@ -21,7 +21,6 @@ from kvoffload.kvcache import SharedKVCache
 from kvoffload.pool import HostPool
 from kvoffload.protocol import FaultSpec, Job, JobKind
 from kvoffload.tiering import LookupResult
-
 from workers.backend import Backend, BackendOutcome
 from workers.disk.worker import DiskBackend
 from workers.faults import FaultInjector
@@ -65,8 +64,10 @@ def start_backend(tmp_path: Path, pool: HostPool):
     started: list[DiskBackend] = []
 
     def start(faults: FaultInjector | None = None, capacity_records: int = 64) -> DiskBackend:
-        cfg = Config(pool=PoolConfig(num_slots=SLOTS, block_bytes=BLOCK, layout_id=LAYOUT_ID),
-                     disk=DiskConfig(root=str(tmp_path / "disk"), capacity_bytes=capacity_records * RECORD))
+        cfg = Config(
+            pool=PoolConfig(num_slots=SLOTS, block_bytes=BLOCK, layout_id=LAYOUT_ID),
+            disk=DiskConfig(root=str(tmp_path / "disk"), capacity_bytes=capacity_records * RECORD),
+        )
         backend = DiskBackend(cfg)
         backend.start(pool, faults or FaultInjector())
         started.append(backend)
@@ -111,7 +112,7 @@ def find_payload(root: Path, key: bytes) -> tuple[Path, int]:
         raw = path.read_bytes()
         for offset in range(0, len(raw), RECORD):
             try:
-                header = decode_header(raw[offset:offset + HEADER_SIZE], FP)
+                header = decode_header(raw[offset : offset + HEADER_SIZE], FP)
             except CorruptBlock:
                 continue
             if header.key == key:
@@ -119,9 +120,14 @@ def find_payload(root: Path, key: bytes) -> tuple[Path, int]:
     raise AssertionError(f"no record for {key!r}")
 
 
-def test_backend_protocol_cascade_promote_and_restart(start_backend, pool: HostPool, tmp_path: Path) -> None:
+def test_backend_protocol_cascade_promote_and_restart(
+    start_backend, pool: HostPool, tmp_path: Path
+) -> None:
     backend = start_backend()
-    assert isinstance(backend, Backend) and backend.capabilities == [JobKind.PROMOTE, JobKind.CASCADE]
+    assert isinstance(backend, Backend) and backend.capabilities == [
+        JobKind.PROMOTE,
+        JobKind.CASCADE,
+    ]
     keys = keys_of("k", 8)
     originals = fill(pool, range(8), seed=1)
     done = run(backend, JobKind.CASCADE, keys, list(range(8)))
@@ -150,8 +156,9 @@ def test_backend_protocol_cascade_promote_and_restart(start_backend, pool: HostP
     assert slot_bytes(pool, range(16, 24)) == originals
 
 
-def test_corrupt_and_torn_copies_fail_and_are_removed_transient_keeps(start_backend, pool: HostPool,
-                                                                      tmp_path: Path) -> None:
+def test_corrupt_and_torn_copies_fail_and_are_removed_transient_keeps(
+    start_backend, pool: HostPool, tmp_path: Path
+) -> None:
     faults = ScriptedFaults()
     backend = start_backend(faults)
     keys = keys_of("c", 3)
@@ -206,7 +213,9 @@ def test_enospc_fails_keys_and_degrades_until_a_put_succeeds(start_backend, pool
     assert added == [] and sorted(removed) == sorted(keys)
 
     done = run(backend, JobKind.CASCADE, keys, [0, 1])
-    assert done.ok_keys == keys and backend.degraded is False and backend.stats()["degraded"] is False
+    assert (
+        done.ok_keys == keys and backend.degraded is False and backend.stats()["degraded"] is False
+    )
     assert backend.take_index_changes() == (keys, [])
     assert run(backend, JobKind.PROMOTE, keys, [2, 3]).ok_keys == keys
     assert slot_bytes(pool, [2, 3]) == originals
@@ -270,7 +279,10 @@ def test_configured_corruption_and_failures(start_backend, pool: HostPool) -> No
     assert backend.stats()["enospc_errors"] == 1
     faults.replace(FaultSpec())
     assert run(backend, JobKind.CASCADE, [key], [0]).ok_keys == [key] and not backend.degraded
-    assert run(backend, JobKind.PROMOTE, [key], [1]).ok_keys == [key] and pool.slot(1).tobytes() == original
+    assert (
+        run(backend, JobKind.PROMOTE, [key], [1]).ok_keys == [key]
+        and pool.slot(1).tobytes() == original
+    )
 
 
 # ---- end to end ------------------------------------------------------------------------------
@@ -310,7 +322,9 @@ def clear_blocks(kv: SharedKVCache, blocks: list[int]) -> None:
         tensor[blocks] = 0
 
 
-def promote_and_load(client, kv: SharedKVCache, req: str, keys: list[bytes], blocks: list[int]) -> None:
+def promote_and_load(
+    client, kv: SharedKVCache, req: str, keys: list[bytes], blocks: list[int]
+) -> None:
     """A fresh request finds ``keys`` only on disk (HIT_PENDING), waits for HIT, loads them."""
     clear_blocks(kv, blocks)
     client.new_request(req)
@@ -331,8 +345,9 @@ def promote_and_load(client, kv: SharedKVCache, req: str, keys: list[bytes], blo
 
 def test_end_to_end_through_the_service_with_worker_kill(start_service) -> None:  # noqa: F811
     service = start_service(workers=("cpu", "disk"))
-    kv = SharedKVCache.create(f"/kvoffload-disktest-{uuid.uuid4().hex[:12]}", 32,
-                              [SERVICE_BLOCK // 2, SERVICE_BLOCK // 2])
+    kv = SharedKVCache.create(
+        f"/kvoffload-disktest-{uuid.uuid4().hex[:12]}", 32, [SERVICE_BLOCK // 2, SERVICE_BLOCK // 2]
+    )
     try:
         randomize(kv, seed=10)
         keys = [f"disk-e2e-{i}".encode().ljust(16, b".") for i in range(8)]
@@ -361,4 +376,6 @@ def test_end_to_end_through_the_service_with_worker_kill(start_service) -> None:
         kv.close()
         kv.unlink()
     assert service.stop() == 0
-    assert not [n for n in os.listdir("/dev/shm") if service.run_id in n or kv.name.lstrip("/") in n]
+    assert not [
+        n for n in os.listdir("/dev/shm") if service.run_id in n or kv.name.lstrip("/") in n
+    ]

@@ -32,13 +32,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def payload_for(key: bytes, version: int = 0, size: int = BLOCK) -> bytes:
     """Deterministic block content: 8-byte version, then bytes seeded by (key, version)."""
-    seed = int.from_bytes(hashlib.blake2b(key + version.to_bytes(8, "little"), digest_size=8).digest(), "little")
+    seed = int.from_bytes(
+        hashlib.blake2b(key + version.to_bytes(8, "little"), digest_size=8).digest(), "little"
+    )
     return version.to_bytes(8, "little") + np.random.default_rng(seed).bytes(size - 8)
 
 
 def assert_self_consistent(key: bytes, data: bytes) -> None:
     version = int.from_bytes(data[:8], "little")
-    assert data == payload_for(key, version, len(data)), f"bytes of {key!r} are not a version ever written"
+    assert data == payload_for(key, version, len(data)), (
+        f"bytes of {key!r} are not a version ever written"
+    )
 
 
 def slot(data: bytes | None = None, size: int = BLOCK) -> mmap.mmap:
@@ -61,7 +65,7 @@ def find_record(store: DiskStore, key: bytes) -> tuple[Path, int]:
         raw = path.read_bytes()
         for offset in range(0, len(raw), store.record_size):
             try:
-                header = decode_header(raw[offset:offset + HEADER_SIZE], FP)
+                header = decode_header(raw[offset : offset + HEADER_SIZE], FP)
             except CorruptBlock:
                 continue
             if header.key == key:
@@ -74,10 +78,13 @@ def open_store(tmp_path: Path):
     """Factory: open a DiskStore under tmp_path/"store" (closed at teardown)."""
     stores: list[DiskStore] = []
 
-    def make(capacity_records: int = 64, fingerprint: bytes = FP, block_bytes: int = BLOCK,
-             **kwargs) -> DiskStore:
+    def make(
+        capacity_records: int = 64, fingerprint: bytes = FP, block_bytes: int = BLOCK, **kwargs
+    ) -> DiskStore:
         record = 4096 + -(-block_bytes // 4096) * 4096
-        store = DiskStore(tmp_path / "store", block_bytes, fingerprint, capacity_records * record, **kwargs)
+        store = DiskStore(
+            tmp_path / "store", block_bytes, fingerprint, capacity_records * record, **kwargs
+        )
         store.open()
         stores.append(store)
         return store
@@ -226,9 +233,16 @@ def crash_writer_main(root: str, direct_io: str, kill_op: str, kill_at: int, par
             if calls["n"] == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    store = DiskStore(root, BLOCK, FP, CRASH_CAPACITY * RECORD, records_per_slab=16,
-                      durability="fsync" if kill_op == "fsync" else "none",
-                      direct_io=None if direct_io == "probe" else False, fault_hook=hook)
+    store = DiskStore(
+        root,
+        BLOCK,
+        FP,
+        CRASH_CAPACITY * RECORD,
+        records_per_slab=16,
+        durability="fsync" if kill_op == "fsync" else "none",
+        direct_io=None if direct_io == "probe" else False,
+        fault_hook=hook,
+    )
     store.open()
     src = slot()
     for version in range(1, 200_000):
@@ -241,20 +255,27 @@ def crash_writer_main(root: str, direct_io: str, kill_op: str, kill_at: int, par
             print("ready", flush=True)
 
 
-@pytest.mark.parametrize("direct_io, kill_op, kill_at", [
-    ("probe", "none", 0),
-    ("off", "none", 0),
-    ("probe", "invalidate", 70),
-    ("probe", "write_payload", 95),
-    ("off", "write_header", 130),
-    ("probe", "fsync", 41),
-    ("off", "allocate", 2),
-])
-def test_kill_9_leaves_only_complete_blocks(tmp_path: Path, direct_io: str, kill_op: str, kill_at: int) -> None:
+@pytest.mark.parametrize(
+    "direct_io, kill_op, kill_at",
+    [
+        ("probe", "none", 0),
+        ("off", "none", 0),
+        ("probe", "invalidate", 70),
+        ("probe", "write_payload", 95),
+        ("off", "write_header", 130),
+        ("probe", "fsync", 41),
+        ("off", "allocate", 2),
+    ],
+)
+def test_kill_9_leaves_only_complete_blocks(
+    tmp_path: Path, direct_io: str, kill_op: str, kill_at: int
+) -> None:
     root = tmp_path / "store"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(Path(__file__).parent)]))
-    code = (f"from test_slab import crash_writer_main; "
-            f"crash_writer_main({str(root)!r}, {direct_io!r}, {kill_op!r}, {kill_at}, {os.getpid()})")
+    code = (
+        f"from test_slab import crash_writer_main; "
+        f"crash_writer_main({str(root)!r}, {direct_io!r}, {kill_op!r}, {kill_at}, {os.getpid()})"
+    )
     for round_number in range(2):
         child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
         try:
@@ -478,8 +499,10 @@ def test_threads_put_and_get_concurrently(open_store) -> None:
     for thread in threads:
         thread.join(30)
     assert errors == []
-    assert sorted(store.keys()) == sorted([b"t%d-%d" % (n, i) for n in range(4) for i in range(12)]
-                                          + [b"shared-%d" % i for i in range(3)])
+    assert sorted(store.keys()) == sorted(
+        [b"t%d-%d" % (n, i) for n in range(4) for i in range(12)]
+        + [b"shared-%d" % i for i in range(3)]
+    )
     assert store.used_bytes == len(store.keys()) * RECORD
     for key in store.keys():
         assert_self_consistent(key, read(store, key))
@@ -572,11 +595,14 @@ def _filesystem_type(path: Path) -> str:
     best, fstype = "", ""
     for line in Path("/proc/mounts").read_text().splitlines():
         mount_point, kind = line.split()[1:3]
-        inside = mount_point == "/" or str(path) == mount_point or str(path).startswith(mount_point + "/")
+        inside = (
+            mount_point == "/"
+            or str(path) == mount_point
+            or str(path).startswith(mount_point + "/")
+        )
         if inside and len(mount_point) > len(best):
             best, fstype = mount_point, kind
     return fstype
-
 
 
 def test_the_store_is_private_root_and_directory_0700_and_files_0600(tmp_path: Path) -> None:
@@ -586,7 +612,11 @@ def test_the_store_is_private_root_and_directory_0700_and_files_0600(tmp_path: P
     try:
         store.put(b"k" * 16, slot(payload_for(b"k" * 16)))
         assert mode(root) == 0o700 and mode(store.directory) == 0o700
-        files = [store.directory / "layout.json", store.directory / "lock", *store.directory.glob("slab-*.kvs")]
+        files = [
+            store.directory / "layout.json",
+            store.directory / "lock",
+            *store.directory.glob("slab-*.kvs"),
+        ]
         assert len(files) == 3 and [mode(f) for f in files] == [0o600] * 3
     finally:
         store.close()

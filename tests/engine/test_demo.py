@@ -20,7 +20,18 @@ from kvoffload.engine import Engine
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.pool import HostPool
 
-SMALL = ["--conversations", "2", "--turns", "2", "--blocks-per-turn", "2", "--new-tokens", "4", "--seed", "7"]
+SMALL = [
+    "--conversations",
+    "2",
+    "--turns",
+    "2",
+    "--blocks-per-turn",
+    "2",
+    "--new-tokens",
+    "4",
+    "--seed",
+    "7",
+]
 
 
 @pytest.fixture
@@ -56,11 +67,14 @@ def created_segments(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def demo_config(tmp_path: Path):
-    return load_config(None, {
-        "KVOFFLOAD_SERVICE__RUNTIME_DIR": str(tmp_path / "run"),
-        "KVOFFLOAD_DISK__ROOT": str(tmp_path / "disk"),
-        "KVOFFLOAD_POOL__NUM_SLOTS": "128",
-    })
+    return load_config(
+        None,
+        {
+            "KVOFFLOAD_SERVICE__RUNTIME_DIR": str(tmp_path / "run"),
+            "KVOFFLOAD_DISK__ROOT": str(tmp_path / "disk"),
+            "KVOFFLOAD_POOL__NUM_SLOTS": "128",
+        },
+    )
 
 
 def test_demo_passes_and_serves_every_phase_from_its_tier(
@@ -79,7 +93,10 @@ def test_demo_passes_and_serves_every_phase_from_its_tier(
     assert sorted(phases) == ["1 pool", "2 process", "3 reset", "4 restart"]
     assert all(r["served_by"].keys() == {"pool"} for r in phases["1 pool"] if r["turn"] > 0)
     assert all(r["engine"] == "second" and r["kv"] == "same" for r in phases["2 process"])
-    assert all(r["served_by"].keys() == {"disk"} and r["kv"] == "same" for r in phases["3 reset"] + phases["4 restart"])
+    assert all(
+        r["served_by"].keys() == {"disk"} and r["kv"] == "same"
+        for r in phases["3 reset"] + phases["4 restart"]
+    )
     assert len(created_segments) == 4  # main engine and pool, twice (the restart)
     assert not [n for n in created_segments if os.path.exists(f"/dev/shm{n}")]
 
@@ -98,8 +115,21 @@ def test_demo_fails_when_loaded_kv_is_altered(
     monkeypatch.setattr(Engine, "_reuse_prefix", reuse_then_flip_a_bit)
     out = tmp_path / "demo.json"
     args = build_parser().parse_args(
-        ["demo", "--conversations", "1", "--turns", "2", "--blocks-per-turn", "2", "--new-tokens", "2",
-         "--seed", "3", "--json-out", str(out)]
+        [
+            "demo",
+            "--conversations",
+            "1",
+            "--turns",
+            "2",
+            "--blocks-per-turn",
+            "2",
+            "--new-tokens",
+            "2",
+            "--seed",
+            "3",
+            "--json-out",
+            str(out),
+        ]
     )
     assert run_demo(demo_config(tmp_path), args) == 1
     assert "FAIL" in capsys.readouterr().out

@@ -50,7 +50,9 @@ def engines(model: TinyDecoder) -> Iterator[Callable[[str, str], Engine]]:
 def conversation(seed: int) -> tuple[list[int], list[int]]:
     """A first prompt of 6 full blocks + 5 tokens, and a follow-up that extends it."""
     gen = torch.Generator().manual_seed(seed)
-    first = torch.randint(0, DEMO_MODEL.vocab_size, (PREFIX_BLOCKS * BT + 5,), generator=gen).tolist()
+    first = torch.randint(
+        0, DEMO_MODEL.vocab_size, (PREFIX_BLOCKS * BT + 5,), generator=gen
+    ).tolist()
     extra = torch.randint(0, DEMO_MODEL.vocab_size, (27,), generator=gen).tolist()
     return first, first + extra
 
@@ -62,7 +64,9 @@ def write_prefix(engine: Engine, prompt: list[int]) -> Generation:
     return written
 
 
-def on_own_kv(engine: Engine, written: Generation, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+def on_own_kv(
+    engine: Engine, written: Generation, prompt: list[int]
+) -> tuple[list[int], torch.Tensor]:
     """Generate after ``prompt`` on the writer's in-memory K/V of the shared prefix, in the same
     steps (and tensor shapes) as a reader that loaded the prefix."""
     need = -(-(len(prompt) + NEW_TOKENS - 1) // BT)
@@ -81,11 +85,15 @@ def recompute(model: TinyDecoder, prompt: list[int]) -> Generation:
         return engine.generate(prompt, NEW_TOKENS)
 
 
-def assert_reader_matches(reader: Engine, read: Generation, writer: Engine, written: Generation, model, prompt) -> None:
+def assert_reader_matches(
+    reader: Engine, read: Generation, writer: Engine, written: Generation, model, prompt
+) -> None:
     assert read.reused_blocks == PREFIX_BLOCKS
     assert read.computed_tokens == len(prompt) - PREFIX_BLOCKS * BT
     for i in range(PREFIX_BLOCKS):
-        assert reader.cache.block_bytes(read.block_table[i]) == writer.cache.block_bytes(written.block_table[i]), i
+        assert reader.cache.block_bytes(read.block_table[i]) == writer.cache.block_bytes(
+            written.block_table[i]
+        ), i
     assert read.loaded == {k: written.stored[k] for k in writer.keys(prompt)[:PREFIX_BLOCKS]}
     own_tokens, own_logits = on_own_kv(writer, written, prompt)
     assert torch.equal(read.logits, own_logits)
@@ -132,7 +140,9 @@ def test_prefix_from_the_disk_tier_after_reset(start_service, engines, model) ->
     assert_reader_matches(reader, read, writer, written, model, follow_up)
 
 
-def test_second_engine_process_reuses_the_first_engines_blocks(start_service, engines, model, tmp_path) -> None:
+def test_second_engine_process_reuses_the_first_engines_blocks(
+    start_service, engines, model, tmp_path
+) -> None:
     service = start_service(workers=("cpu", "disk"))
     first, follow_up = conversation(seed=3)
     writer = engines(service.endpoint, "writer")
@@ -141,10 +151,24 @@ def test_second_engine_process_reuses_the_first_engines_blocks(start_service, en
     prompts.write_text(json.dumps([follow_up]))
     out = tmp_path / "out.json"
     subprocess.run(
-        [sys.executable, "-m", "kvoffload.engine", "--endpoint", service.endpoint, "--prompts", str(prompts),
-         "--max-new-tokens", str(NEW_TOKENS), "--threads", str(torch.get_num_threads()), "--logits",
-         "--out", str(out)],
-        check=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "kvoffload.engine",
+            "--endpoint",
+            service.endpoint,
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--threads",
+            str(torch.get_num_threads()),
+            "--logits",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        timeout=120,
     )
     [other] = json.loads(out.read_text())
     assert other["reused_blocks"] == PREFIX_BLOCKS and other["served_by"] == {"pool": PREFIX_BLOCKS}
@@ -181,7 +205,10 @@ verdict_timeout_s = 10.0
 
     def in_s3() -> bool:
         tiering = service.status().tiering
-        return tiering.jobs_in_flight == 0 and tiering.per_tier["object"].cascaded_keys_ok >= PREFIX_BLOCKS
+        return (
+            tiering.jobs_in_flight == 0
+            and tiering.per_tier["object"].cascaded_keys_ok >= PREFIX_BLOCKS
+        )
 
     wait_until(in_s3, 30.0, "the cascade to S3")
     writer.client.reset_cache()

@@ -27,7 +27,11 @@ def test_keys_are_the_same_in_another_process() -> None:
         "t = json.loads(sys.argv[1]); print(json.dumps([k.hex() for k in block_keys(t, 16, b'model-a')]))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(prompt)], capture_output=True, text=True, check=True, timeout=60
+        [sys.executable, "-c", code, json.dumps(prompt)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     )
     assert json.loads(out.stdout) == [k.hex() for k in block_keys(prompt, BT, MODEL)]
 
@@ -42,7 +46,14 @@ def test_first_keys_follow_the_documented_chain() -> None:
 
 def test_only_full_blocks_get_keys() -> None:
     prompt = tokens(64)
-    assert [len(block_keys(prompt[:n], BT, MODEL)) for n in (0, 15, 16, 31, 63, 64)] == [0, 0, 1, 1, 3, 4]
+    assert [len(block_keys(prompt[:n], BT, MODEL)) for n in (0, 15, 16, 31, 63, 64)] == [
+        0,
+        0,
+        1,
+        1,
+        3,
+        4,
+    ]
     assert block_keys(prompt[:63], BT, MODEL) == block_keys(prompt, BT, MODEL)[:3]
     assert all(len(k) == KEY_BYTES for k in block_keys(prompt, BT, MODEL))
 

@@ -19,7 +19,9 @@ def model() -> TinyDecoder:
 
 
 def prompt(n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, DEMO_MODEL.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, DEMO_MODEL.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def kv_of(cache: PagedKVCache, table: list[int], length: int) -> list[torch.Tensor]:
@@ -44,9 +46,9 @@ def test_cache_built_in_two_halves_matches_one_full_pass(model: TinyDecoder) -> 
     assert torch.equal(halves.argmax(-1), full.argmax(-1))
     for a, b in zip(kv_of(paged, table, 100), kv_of(whole, whole_table, 100), strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
-    assert not torch.equal(second[0], model(tokens[45:46], 0, PagedKVCache.local(model.cfg, 1), [0])), (
-        "the second half must depend on the first half's K/V"
-    )
+    assert not torch.equal(
+        second[0], model(tokens[45:46], 0, PagedKVCache.local(model.cfg, 1), [0])
+    ), "the second half must depend on the first half's K/V"
 
 
 def test_same_shapes_give_identical_bits_whatever_the_blocks(model: TinyDecoder) -> None:
@@ -56,7 +58,10 @@ def test_same_shapes_give_identical_bits_whatever_the_blocks(model: TinyDecoder)
     model(tokens[:48], 0, a, ta)
     model(tokens[:48], 0, b, tb)
     assert all(a.block_bytes(x) == b.block_bytes(y) for x, y in zip(ta[:3], tb[:3], strict=True))
-    assert torch.equal(model(tokens[48:], 48, a, ta, all_logits=True), model(tokens[48:], 48, b, tb, all_logits=True))
+    assert torch.equal(
+        model(tokens[48:], 48, a, ta, all_logits=True),
+        model(tokens[48:], 48, b, tb, all_logits=True),
+    )
 
 
 def test_greedy_decoding_matches_teacher_forcing(model: TinyDecoder) -> None:
@@ -66,7 +71,9 @@ def test_greedy_decoding_matches_teacher_forcing(model: TinyDecoder) -> None:
     assert len(out.tokens) == 10 and out.logits.shape == (10, model.cfg.vocab_size)
     assert out.computed_tokens == 37 and out.reused_blocks == 0
     cache = PagedKVCache.local(model.cfg, 8)
-    forced = model(torch.tensor(tokens + out.tokens[:-1]), 0, cache, cache.allocate(3), all_logits=True)[36:]
+    forced = model(
+        torch.tensor(tokens + out.tokens[:-1]), 0, cache, cache.allocate(3), all_logits=True
+    )[36:]
     torch.testing.assert_close(out.logits, forced, atol=ATOL, rtol=0)
     assert forced.argmax(-1).tolist() == out.tokens
 
@@ -80,7 +87,11 @@ def test_weights_come_from_the_seed_alone(model: TinyDecoder) -> None:
 
 def test_block_geometry_matches_a_pool_slot(model: TinyDecoder) -> None:
     cfg = model.cfg
-    assert cfg.block_bytes == 2 * cfg.layers * cfg.block_tokens * cfg.kv_heads * cfg.head_dim * 4 == 65536
+    assert (
+        cfg.block_bytes
+        == 2 * cfg.layers * cfg.block_tokens * cfg.kv_heads * cfg.head_dim * 4
+        == 65536
+    )
     cache = PagedKVCache.shared(cfg, 4)
     name = cache.segment.name
     try:

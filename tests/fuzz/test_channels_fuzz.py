@@ -29,7 +29,10 @@ RSS is compared between rounds."""
 CRASH_EVENTS = {"message_handling_crashed", "client_request_crashed"}
 CLIENT_TAGS = [t.__struct_config__.tag for t in p.ClientRequest.__args__]
 WORKER_TAGS = [t.__struct_config__.tag for t in p.WorkerMessage.__args__]
-FIELDS = sorted({f for t in p.ClientRequest.__args__ + p.WorkerMessage.__args__ for f in t.__struct_fields__} - {"rid"})
+FIELDS = sorted(
+    {f for t in p.ClientRequest.__args__ + p.WorkerMessage.__args__ for f in t.__struct_fields__}
+    - {"rid"}
+)
 
 
 @pytest.fixture
@@ -81,7 +84,13 @@ def valid_request(rng: random.Random) -> bytes:
                 p.PrepareLoad(rid=rid, req_id=f"r{rng.randrange(5)}", keys=keys),
                 p.CompleteLoad(rid=rid, req_id="r0", keys=keys),
                 p.CompleteStore(rid=rid, req_id="r1", keys=keys, success=False),
-                p.Store(rid=rid, req_id="r1", keys=keys, device_blocks=[rng.randrange(-3, 9) for _ in keys], handle_id="none"),
+                p.Store(
+                    rid=rid,
+                    req_id="r1",
+                    keys=keys,
+                    device_blocks=[rng.randrange(-3, 9) for _ in keys],
+                    handle_id="none",
+                ),
                 p.Poll(rid=rid, wait_ms=rng.randrange(100)),
                 p.FinishRequest(rid=rid, req_id=f"r{rng.randrange(5)}"),
                 p.Touch(rid=rid, keys=keys),
@@ -129,10 +138,14 @@ def fuzz_client_endpoint(endpoint: str, rng: random.Random) -> None:
         for n in range(MESSAGES_PER_ROUND):
             frames = bound_long_polls(client_message(rng)) if n else [OVERSIZED]
             sock.send_multipart(frames)
-            assert sock.poll(REPLY_TIMEOUT_MS), f"message {n} ({[f[:40] for f in frames]}) got no reply"
+            assert sock.poll(REPLY_TIMEOUT_MS), (
+                f"message {n} ({[f[:40] for f in frames]}) got no reply"
+            )
             reply = p.decode_client_reply(sock.recv())
             if len(frames) > 1:
-                assert isinstance(reply, p.Error) and reply.code == "bad_message" and reply.rid == -1
+                assert (
+                    isinstance(reply, p.Error) and reply.code == "bad_message" and reply.rid == -1
+                )
             elif isinstance(reply, p.Error) and reply.code == "bad_message":
                 assert reply.rid == p.request_id_of(frames[0])
             else:
@@ -156,12 +169,23 @@ def fuzz_job_endpoint(endpoint: str, rng: random.Random) -> None:
             elif pick < 0.6:
                 frames = [random_structure(rng, WORKER_TAGS)]
             elif pick < 0.8:
-                frames = [p.encode(rng.choice([
-                    p.WorkerHello(version=p.PROTOCOL_VERSION, worker=identity, medium="device", pid=1),
-                    p.JobDone(job_id=rng.randrange(2**62), success=True),
-                    p.IndexUpdate(added=[rng.randbytes(32)], complete=True),
-                    p.Heartbeat(inflight=rng.randrange(9)),
-                ]))]
+                frames = [
+                    p.encode(
+                        rng.choice(
+                            [
+                                p.WorkerHello(
+                                    version=p.PROTOCOL_VERSION,
+                                    worker=identity,
+                                    medium="device",
+                                    pid=1,
+                                ),
+                                p.JobDone(job_id=rng.randrange(2**62), success=True),
+                                p.IndexUpdate(added=[rng.randbytes(32)], complete=True),
+                                p.Heartbeat(inflight=rng.randrange(9)),
+                            ]
+                        )
+                    )
+                ]
             else:
                 frames = [rng.randbytes(8) for _ in range(rng.randrange(2, 4))]
             sock.send_multipart(frames)

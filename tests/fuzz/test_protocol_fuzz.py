@@ -30,7 +30,9 @@ scalars = (
 )
 values = st.recursive(
     scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=20,
 )
 tagged = st.builds(
@@ -49,7 +51,9 @@ SAMPLES = [
     p.Job(job_id=1, kind="cascade", keys=[b"k" * 16], slots=[3]),
     p.Control(action="faults", faults=p.FaultSpec(fail_fraction=0.5)),
 ]
-DEEP_IN_MAP = b"\x83\xa1t\xabnew_request\xa3rid\x05\xa6params\x81\xa1x" + b"\x91" * 100_000 + b"\xc0"
+DEEP_IN_MAP = (
+    b"\x83\xa1t\xabnew_request\xa3rid\x05\xa6params\x81\xa1x" + b"\x91" * 100_000 + b"\xc0"
+)
 """A NewRequest with rid 5 whose params hold a value nested 100k levels deep."""
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -136,6 +140,8 @@ def test_a_boolean_rid_is_not_echoed():
 def test_the_rid_of_a_frame_nested_too_deep_to_decode_is_still_read():
     assert p.request_id_of(DEEP_IN_MAP) == 5
     rid_after = b"\x82\xa1x" + b"\x91" * 100_000 + b"\xc0" + b"\xa3rid\x07"
-    assert p.request_id_of(rid_after) == -1, "the scan is bounded: a rid after a huge value is not looked for"
+    assert p.request_id_of(rid_after) == -1, (
+        "the scan is bounded: a rid after a huge value is not looked for"
+    )
     assert p.request_id_of(msgspec.msgpack.encode({"params": {"a": [1, 2]}, "rid": 9})) == 9
     assert p.request_id_of(b"\x82\xa1t\xa1x\xa3rid") == -1  # truncated

@@ -22,12 +22,12 @@ from kvoffload.config import Config, ObjectConfig, PoolConfig
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.pool import HostPool
 from kvoffload.protocol import FaultSpec, Job, JobKind
-from kvoffload.tiering import LookupResult
+from kvoffload.runspec import EXIT_REFUSED, RunSpec
 from kvoffload.soak.s3server import S3Server
 from kvoffload.soak.service import shm_names_containing
+from kvoffload.tiering import LookupResult
 from workers.backend import Backend
 from workers.faults import FaultInjector
-from kvoffload.runspec import EXIT_REFUSED, RunSpec
 from workers.object.breaker import CircuitBreaker
 from workers.object.worker import ObjectBackend
 
@@ -73,7 +73,9 @@ def make_config(s3_server: S3Server, bucket: str, prefix: str, **object_fields) 
         max_retries=1,
     )
     fields.update(object_fields)
-    return Config(pool=PoolConfig(num_slots=SLOTS, block_bytes=BLOCK), object=ObjectConfig(**fields))
+    return Config(
+        pool=PoolConfig(num_slots=SLOTS, block_bytes=BLOCK), object=ObjectConfig(**fields)
+    )
 
 
 @pytest.fixture
@@ -96,14 +98,19 @@ def make_pool() -> Iterator[Callable[[], HostPool]]:
 
 
 @pytest.fixture
-def make_backend(s3_server: S3Server, bucket: str, make_pool) -> Iterator[Callable[..., tuple[ObjectBackend, HostPool]]]:
+def make_backend(
+    s3_server: S3Server, bucket: str, make_pool
+) -> Iterator[Callable[..., tuple[ObjectBackend, HostPool]]]:
     """Started backends sharing one prefix (like nodes sharing a bucket), each with its own pool."""
     prefix = f"kv/{uuid.uuid4().hex[:8]}"
     backends: list[ObjectBackend] = []
 
-    def make(faults: FaultInjector | None = None, breaker: CircuitBreaker | None = None,
-             **object_fields) -> tuple[ObjectBackend, HostPool]:
-        backend = ObjectBackend(make_config(s3_server, bucket, prefix, **object_fields), breaker=breaker)
+    def make(
+        faults: FaultInjector | None = None, breaker: CircuitBreaker | None = None, **object_fields
+    ) -> tuple[ObjectBackend, HostPool]:
+        backend = ObjectBackend(
+            make_config(s3_server, bucket, prefix, **object_fields), breaker=breaker
+        )
         backends.append(backend)
         pool = make_pool()
         backend.start(pool, faults or FaultInjector())
@@ -150,7 +157,9 @@ def test_cascade_probe_promote_and_cross_node_sharing(make_backend) -> None:
     msgspec.msgpack.encode(stats)
 
 
-def test_promote_partial_failure_absent_and_corrupt(make_backend, s3_server: S3Server, bucket: str) -> None:
+def test_promote_partial_failure_absent_and_corrupt(
+    make_backend, s3_server: S3Server, bucket: str
+) -> None:
     rng = np.random.default_rng(2)
     backend, pool = make_backend()
     keys = [key(i, "partial") for i in range(3)]
@@ -167,7 +176,9 @@ def test_promote_partial_failure_absent_and_corrupt(make_backend, s3_server: S3S
 
     outcome = backend.run_job(job(2, JobKind.PROMOTE, keys, [5, 6, 7]))
     assert outcome.ok_keys == [good]
-    assert outcome.absent_keys == [absent, corrupt], "absent and corrupt are confirmed, not transient"
+    assert outcome.absent_keys == [absent, corrupt], (
+        "absent and corrupt are confirmed, not transient"
+    )
     assert outcome.nbytes == BLOCK
     assert "2 of 3 keys failed" in outcome.error
     assert slot_bytes(pool, 5) == data[good]
@@ -217,7 +228,9 @@ def test_fault_fail_fraction_fails_each_operation(make_backend) -> None:
     assert outcome.ok_keys == [] and "InjectedFault" in outcome.error
     assert backend.stats()["puts"] == 2 and backend.stats()["put_failures"] == 2
     loaded = backend.run_job(job(3, JobKind.PROMOTE, [key(1)], [0]))
-    assert loaded.ok_keys == [] and loaded.absent_keys == [], "a transient GET failure confirms nothing"
+    assert loaded.ok_keys == [] and loaded.absent_keys == [], (
+        "a transient GET failure confirms nothing"
+    )
 
 
 def test_fault_corrupt_fraction_corrupts_what_puts_store_not_the_slot(make_backend) -> None:
@@ -230,12 +243,18 @@ def test_fault_corrupt_fraction_corrupts_what_puts_store_not_the_slot(make_backe
     assert [slot_bytes(pool, slot) for slot in range(2)] == data, "the pool slots are never altered"
     assert backend.stats()["injected_corruptions"] == 2
     loaded = backend.run_job(job(2, JobKind.PROMOTE, keys, [4, 5]))
-    assert loaded.ok_keys == [] and loaded.absent_keys == keys, "each stored copy fails its checksum"
-    assert backend.run_job(job(3, JobKind.PROBE, keys)).absent_keys == keys, "the corrupt copies were deleted"
+    assert loaded.ok_keys == [] and loaded.absent_keys == keys, (
+        "each stored copy fails its checksum"
+    )
+    assert backend.run_job(job(3, JobKind.PROBE, keys)).absent_keys == keys, (
+        "the corrupt copies were deleted"
+    )
 
 
 def test_breaker_thresholds_come_from_the_object_config(make_backend) -> None:
-    backend, _ = make_backend(breaker_failure_threshold=2, breaker_cooldown_s=0.25, breaker_max_cooldown_s=0.5)
+    backend, _ = make_backend(
+        breaker_failure_threshold=2, breaker_cooldown_s=0.25, breaker_max_cooldown_s=0.5
+    )
     breaker = backend.store.breaker
     assert breaker.snapshot()["cooldown_s"] == 0.25
     breaker.record_failure()
@@ -286,8 +305,13 @@ def test_outage_opens_breaker_and_recovers(make_backend, s3_server: S3Server) ->
         time.sleep(0.1)
     assert not backend.degraded
     after = fill(pool, 1, rng)
-    assert backend.run_job(job(31, JobKind.CASCADE, [key(3, "outage")], [1])).ok_keys == [key(3, "outage")]
-    assert backend.run_job(job(32, JobKind.PROMOTE, [k, key(3, "outage")], [4, 5])).ok_keys == [k, key(3, "outage")]
+    assert backend.run_job(job(31, JobKind.CASCADE, [key(3, "outage")], [1])).ok_keys == [
+        key(3, "outage")
+    ]
+    assert backend.run_job(job(32, JobKind.PROMOTE, [k, key(3, "outage")], [4, 5])).ok_keys == [
+        k,
+        key(3, "outage"),
+    ]
     assert (slot_bytes(pool, 4), slot_bytes(pool, 5)) == (before, after)
     assert backend.stats()["breaker"]["opened_total"] >= 1
 
@@ -295,7 +319,9 @@ def test_outage_opens_breaker_and_recovers(make_backend, s3_server: S3Server) ->
 # --- the worker process ----------------------------------------------------------------------
 
 
-def run_object_worker(tmp_path: Path, cfg: Config) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def run_object_worker(
+    tmp_path: Path, cfg: Config
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """``python -m workers.object`` with a spec for ``cfg`` whose pool and manager do not exist."""
     spec = RunSpec(
         run_id="objtest",
@@ -309,7 +335,11 @@ def run_object_worker(tmp_path: Path, cfg: Config) -> tuple[subprocess.Completed
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     proc = subprocess.run(
         [sys.executable, "-m", "workers.object", "--spec", str(path), "--hello-timeout", "2"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=30,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
     return proc, events
@@ -322,7 +352,9 @@ def run_object_worker(tmp_path: Path, cfg: Config) -> tuple[subprocess.Completed
         ({"bucket": "kvo-no-such-bucket"}, "does not exist"),
     ],
 )
-def test_worker_exits_2_when_the_store_is_unusable(tmp_path, s3_server: S3Server, bucket: str, change, expected) -> None:
+def test_worker_exits_2_when_the_store_is_unusable(
+    tmp_path, s3_server: S3Server, bucket: str, change, expected
+) -> None:
     cfg = make_config(s3_server, bucket, "kv/startup")
     cfg = msgspec.structs.replace(cfg, object=msgspec.structs.replace(cfg.object, **change))
     proc, events = run_object_worker(tmp_path, cfg)
@@ -333,7 +365,9 @@ def test_worker_exits_2_when_the_store_is_unusable(tmp_path, s3_server: S3Server
     assert not [e for e in events if e["event"] in ("worker_started", "pool_attach_failed")]
 
 
-def test_worker_with_a_usable_store_goes_on_to_the_manager(tmp_path, s3_server: S3Server, bucket: str) -> None:
+def test_worker_with_a_usable_store_goes_on_to_the_manager(
+    tmp_path, s3_server: S3Server, bucket: str
+) -> None:
     proc, events = run_object_worker(tmp_path, make_config(s3_server, bucket, "kv/startup"))
     names = [e["event"] for e in events]
     assert "object_store_ready" in names and "object_store_unusable" not in names
@@ -345,7 +379,9 @@ def test_worker_with_a_usable_store_goes_on_to_the_manager(tmp_path, s3_server: 
 
 @pytest.fixture
 def kv() -> Iterator[SharedKVCache]:
-    cache = SharedKVCache.create(f"/kvoffload-kvtest-{uuid.uuid4().hex[:12]}", 32, [BLOCK // 2, BLOCK // 2])
+    cache = SharedKVCache.create(
+        f"/kvoffload-kvtest-{uuid.uuid4().hex[:12]}", 32, [BLOCK // 2, BLOCK // 2]
+    )
     rng = np.random.default_rng(5)
     for tensor in cache.tensors:
         tensor[:] = rng.integers(0, 256, size=tensor.shape, dtype=np.uint8)
@@ -383,7 +419,9 @@ verdict_timeout_s = 10.0
 """
 
 
-def lookup_until_hit(client, req: str, keys: list[bytes], timeout_s: float = 20.0) -> list[LookupResult]:
+def lookup_until_hit(
+    client, req: str, keys: list[bytes], timeout_s: float = 20.0
+) -> list[LookupResult]:
     """Repeat the lookup (ending steps) until every key is HIT; returns the sequence of
     distinct results seen for the first key. A MISS fails the test."""
     seen: list[LookupResult] = []
@@ -401,12 +439,18 @@ def lookup_until_hit(client, req: str, keys: list[bytes], timeout_s: float = 20.
         time.sleep(0.02)
 
 
-def test_second_node_hits_blocks_the_first_node_stored(start_service, s3_server: S3Server, bucket: str, kv) -> None:
+def test_second_node_hits_blocks_the_first_node_stored(
+    start_service, s3_server: S3Server, bucket: str, kv
+) -> None:
     """Two services (two pools, two managers) on one bucket: a prefix computed on one node is
     a hit on the other, and loads bit-exact."""
     prefix = f"fleet/{uuid.uuid4().hex[:8]}"
-    node_a = start_service(workers=("cpu", "object"), extra_config=object_section(s3_server, bucket, prefix))
-    node_b = start_service(workers=("cpu", "object"), extra_config=object_section(s3_server, bucket, prefix))
+    node_a = start_service(
+        workers=("cpu", "object"), extra_config=object_section(s3_server, bucket, prefix)
+    )
+    node_b = start_service(
+        workers=("cpu", "object"), extra_config=object_section(s3_server, bucket, prefix)
+    )
     keys = [key(i, "fleet") for i in range(6)]
     with node_a.client("engine-a") as a:
         a.register_kv(kv.handle("kv-a"))
@@ -418,7 +462,11 @@ def test_second_node_hits_blocks_the_first_node_stored(start_service, s3_server:
     with node_b.client("engine-b") as b:
         b.register_kv(kv.handle("kv-b"))
         b.new_request("r")
-        assert lookup_until_hit(b, "r", keys) == [LookupResult.RETRY, LookupResult.HIT_PENDING, LookupResult.HIT]
+        assert lookup_until_hit(b, "r", keys) == [
+            LookupResult.RETRY,
+            LookupResult.HIT_PENDING,
+            LookupResult.HIT,
+        ]
         loaded = b.load("r", keys, list(range(20, 26)), "kv-b")
         assert b.wait([loaded.job_id])[loaded.job_id].success
         for i in range(6):
@@ -435,7 +483,8 @@ def test_blocks_come_back_from_s3_after_reset(
     prefix = f"e2e/{uuid.uuid4().hex[:8]}"
     service = start_service(
         workers=("cpu", "object"),
-        extra_config=object_section(s3_server, bucket, prefix) + f"\n[faults]\nrelease_failures = {release_failures}\n",
+        extra_config=object_section(s3_server, bucket, prefix)
+        + f"\n[faults]\nrelease_failures = {release_failures}\n",
     )
     keys = [key(i, "e2e") for i in range(8)]
     raw = s3_server.client()
@@ -480,7 +529,9 @@ def test_blocks_come_back_from_s3_after_reset(
     assert names.count("object_slots_released") == release_failures
     errors = [e for e in events if e.get("proc") == "object" and e.get("level") == "error"]
     assert len(errors) == release_failures, errors
-    assert not [e for e in events if e["event"] in ("job_result_rejected", "device_job_result_rejected")]
+    assert not [
+        e for e in events if e["event"] in ("job_result_rejected", "device_job_result_rejected")
+    ]
     run_id = service.run_id
     assert service.stop() == 0
     assert shm_names_containing(run_id) == []

@@ -173,7 +173,9 @@ def test_exists_many_mixed(store: S3BlockStore, pool: SlotPool) -> None:
     assert store.exists_many([]) == []
 
 
-def test_object_name_is_prefix_fingerprint_key_hex(store, s3_server: S3Server, bucket: str, pool: SlotPool) -> None:
+def test_object_name_is_prefix_fingerprint_key_hex(
+    store, s3_server: S3Server, bucket: str, pool: SlotPool
+) -> None:
     fill(pool.slot(0))
     store.put(b"\x00\xffab", pool.slot(0))
     name = store.object_key(b"\x00\xffab")
@@ -183,7 +185,9 @@ def test_object_name_is_prefix_fingerprint_key_hex(store, s3_server: S3Server, b
     assert body[HEADER_SIZE:] == bytes(pool.slot(0))
 
 
-def test_deleted_behind_the_stores_back_is_keyerror(store, s3_server, bucket, pool: SlotPool) -> None:
+def test_deleted_behind_the_stores_back_is_keyerror(
+    store, s3_server, bucket, pool: SlotPool
+) -> None:
     fill(pool.slot(0))
     store.put(key(3), pool.slot(0))
     s3_server.client().delete_object(Bucket=bucket, Key=store.object_key(key(3)))
@@ -216,7 +220,9 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
-def test_corrupt_object_confirmed_then_deleted(corruption, store, s3_server, bucket, pool: SlotPool) -> None:
+def test_corrupt_object_confirmed_then_deleted(
+    corruption, store, s3_server, bucket, pool: SlotPool
+) -> None:
     client = s3_server.client()
     fill(pool.slot(0))
     store.put(key(1), pool.slot(0))
@@ -224,7 +230,9 @@ def test_corrupt_object_confirmed_then_deleted(corruption, store, s3_server, buc
     store.put(key(2), pool.slot(0))
     good = client.get_object(Bucket=bucket, Key=store.object_key(key(1)))["Body"].read()
     other = client.get_object(Bucket=bucket, Key=store.object_key(key(2)))["Body"].read()
-    client.put_object(Bucket=bucket, Key=store.object_key(key(1)), Body=CORRUPTIONS[corruption](good, other))
+    client.put_object(
+        Bucket=bucket, Key=store.object_key(key(1)), Body=CORRUPTIONS[corruption](good, other)
+    )
 
     dst = pool.slot(1)
     dst[:] = b"\x5a" * BLOCK
@@ -238,7 +246,9 @@ def test_corrupt_object_confirmed_then_deleted(corruption, store, s3_server, buc
     assert raw_object_exists(s3_server, bucket, store.object_key(key(2)))
 
 
-def test_corruption_seen_once_is_not_deleted(store, s3_server, bucket, pool: SlotPool, monkeypatch) -> None:
+def test_corruption_seen_once_is_not_deleted(
+    store, s3_server, bucket, pool: SlotPool, monkeypatch
+) -> None:
     data = fill(pool.slot(0))
     store.put(key(5), pool.slot(0))
     real_fetch = store._fetch
@@ -256,7 +266,9 @@ def test_corruption_seen_once_is_not_deleted(store, s3_server, bucket, pool: Slo
     assert raw_object_exists(s3_server, bucket, store.object_key(key(5)))
 
 
-def test_other_fingerprint_does_not_see_blocks(make_store, s3_server, bucket, pool: SlotPool) -> None:
+def test_other_fingerprint_does_not_see_blocks(
+    make_store, s3_server, bucket, pool: SlotPool
+) -> None:
     ours = make_store()
     theirs = make_store(fingerprint=deployment_fingerprint(BLOCK, "other-layout"))
     fill(pool.slot(0))
@@ -372,9 +384,13 @@ def test_release_failure_keeps_the_transfer_error(make_store, pool: SlotPool) ->
     pool.close()
 
 
-def test_outage_opens_breaker_and_probe_recovers(make_store, s3_server: S3Server, pool: SlotPool) -> None:
+def test_outage_opens_breaker_and_probe_recovers(
+    make_store, s3_server: S3Server, pool: SlotPool
+) -> None:
     breaker = CircuitBreaker(failure_threshold=3, base_cooldown_s=0.5, max_cooldown_s=2.0)
-    store = make_store(breaker=breaker, request_timeout_s=2.0, max_retries=1, retry_base_delay_s=0.01)
+    store = make_store(
+        breaker=breaker, request_timeout_s=2.0, max_retries=1, retry_base_delay_s=0.01
+    )
     before = fill(pool.slot(0))
     store.put(key(1), pool.slot(0))
 
@@ -417,7 +433,9 @@ def test_outage_opens_breaker_and_probe_recovers(make_store, s3_server: S3Server
     assert breaker.snapshot()["opened_total"] >= 1
 
 
-def test_hung_server_fails_within_request_timeout(make_store, s3_server: S3Server, pool: SlotPool) -> None:
+def test_hung_server_fails_within_request_timeout(
+    make_store, s3_server: S3Server, pool: SlotPool
+) -> None:
     store = make_store(request_timeout_s=1.0, max_retries=1, retry_base_delay_s=0.01)
     data = fill(pool.slot(0))
     store.put(key(1), pool.slot(0))
@@ -438,7 +456,13 @@ def test_hung_server_fails_within_request_timeout(make_store, s3_server: S3Serve
 
 
 def make_breaker(clock: FakeClock, **overrides) -> CircuitBreaker:
-    settings = dict(failure_threshold=3, base_cooldown_s=1.0, max_cooldown_s=4.0, probe_timeout_s=10.0, clock=clock)
+    settings = dict(
+        failure_threshold=3,
+        base_cooldown_s=1.0,
+        max_cooldown_s=4.0,
+        probe_timeout_s=10.0,
+        clock=clock,
+    )
     settings.update(overrides)
     return CircuitBreaker(**settings)
 
@@ -495,7 +519,11 @@ def test_breaker_probe_success_closes_and_resets_cooldown() -> None:
     assert breaker.state == "closed"
     assert logs[0]["event"] == "object_breaker_closed"
     snap = breaker.snapshot()
-    assert snap["cooldown_s"] == 1.0 and snap["consecutive_failures"] == 0 and snap["opened_total"] == 2
+    assert (
+        snap["cooldown_s"] == 1.0
+        and snap["consecutive_failures"] == 0
+        and snap["opened_total"] == 2
+    )
     breaker.before_call()
     breaker.before_call()
 
@@ -548,7 +576,9 @@ def test_breaker_rejects_bad_settings() -> None:
 def test_retry_delays_grow_jittered_and_capped() -> None:
     policy = RetryPolicy(max_retries=5, base_delay_s=0.1, max_delay_s=0.5)
     assert [policy.delay(i, rand=1.0) for i in range(5)] == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.5])
-    assert [policy.delay(i, rand=0.0) for i in range(5)] == pytest.approx([0.05, 0.1, 0.2, 0.25, 0.25])
+    assert [policy.delay(i, rand=0.0) for i in range(5)] == pytest.approx(
+        [0.05, 0.1, 0.2, 0.25, 0.25]
+    )
     assert all(0.05 <= policy.delay(0) <= 0.1 for _ in range(100))
     with pytest.raises(ValueError):
         RetryPolicy(max_retries=-1)
@@ -568,14 +598,30 @@ def _s3_error(status: str, code: str | None = None) -> str:
         (FileNotFoundError(_s3_error("404 Not Found", "NoSuchKey")), ErrorKind.NOT_FOUND, False),
         (FileNotFoundError(_s3_error("404 Not Found", "NoSuchBucket")), ErrorKind.NO_BUCKET, False),
         (GenericError(_s3_error("404 Not Found", "NoSuchBucket")), ErrorKind.NO_BUCKET, False),
-        (PermissionDeniedError(_s3_error("403 Forbidden", "SignatureDoesNotMatch")), ErrorKind.AUTH, False),
+        (
+            PermissionDeniedError(_s3_error("403 Forbidden", "SignatureDoesNotMatch")),
+            ErrorKind.AUTH,
+            False,
+        ),
         (GenericError(_s3_error("403 Forbidden", "InvalidAccessKeyId")), ErrorKind.AUTH, False),
         (GenericError(_s3_error("503 Service Unavailable", "SlowDown")), ErrorKind.THROTTLED, True),
         (GenericError(_s3_error("429 Too Many Requests")), ErrorKind.THROTTLED, True),
-        (GenericError(_s3_error("500 Internal Server Error", "InternalError")), ErrorKind.SERVER, True),
-        (GenericError(_s3_error("503 Service Unavailable", "ServiceUnavailable")), ErrorKind.SERVER, True),
+        (
+            GenericError(_s3_error("500 Internal Server Error", "InternalError")),
+            ErrorKind.SERVER,
+            True,
+        ),
+        (
+            GenericError(_s3_error("503 Service Unavailable", "ServiceUnavailable")),
+            ErrorKind.SERVER,
+            True,
+        ),
         (GenericError(_s3_error("400 Bad Request", "InvalidArgument")), ErrorKind.REJECTED, False),
-        (GenericError("GET http://x in 1ms - HTTP error: error sending request"), ErrorKind.CONNECTION, True),
+        (
+            GenericError("GET http://x in 1ms - HTTP error: error sending request"),
+            ErrorKind.CONNECTION,
+            True,
+        ),
         (ConnectionResetError("reset by peer"), ErrorKind.CONNECTION, True),
         (TimeoutError("timed out"), ErrorKind.CONNECTION, True),
     ],

@@ -62,13 +62,17 @@ def test_runtime_dir_is_0700_and_pool_and_run_spec_are_0600(start_service):
 
 def test_tcp_endpoint_without_curve_keys_is_refused(tmp_path):
     config = tmp_path / "tcp.toml"
-    config.write_text(f'[service]\nclient_endpoint = "tcp://127.0.0.1:1"\nruntime_dir = "{tmp_path / "run"}"\n')
+    config.write_text(
+        f'[service]\nclient_endpoint = "tcp://127.0.0.1:1"\nruntime_dir = "{tmp_path / "run"}"\n'
+    )
     with pytest.raises(ConfigError) as err:
         load_config(config, env={})
     assert err.value.key == "service.curve_server_secret_file" and "CURVE" in str(err.value)
     serve = subprocess.run(
         [sys.executable, "-m", "kvoffload.cli", "serve", "--config", str(config)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert serve.returncode == 2 and "CURVE" in serve.stderr
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
@@ -129,7 +133,9 @@ def test_keys_of_wrong_length_are_refused_and_path_like_keys_stay_opaque(start_s
             expect_error("bad_key", engine.client.store, req, [bad], [0], engine.handle_id)
             expect_error("bad_key", engine.client.prepare_store, req, [bad])
         assert engine.store(req, HOSTILE_KEYS).success
-        assert harness.wait_status(lambda s: s["tiering"]["tiers"]["disk"]["indexed_keys"] == len(HOSTILE_KEYS), 10)
+        assert harness.wait_status(
+            lambda s: s["tiering"]["tiers"]["disk"]["indexed_keys"] == len(HOSTILE_KEYS), 10
+        )
         engine.client.finish_request(req)
         engine.client.reset_cache()
         req = engine.new_request()
@@ -137,8 +143,14 @@ def test_keys_of_wrong_length_are_refused_and_path_like_keys_stay_opaque(start_s
         done, wrong = engine.load(req, HOSTILE_KEYS)
         assert done.success and wrong == []
     names = [name for _, dirs, files in os.walk(harness.workdir) for name in dirs + files]
-    assert not [n for n in names if any(part in n for part in ("passwd", "shadow", "..", "windows", "ключ"))]
-    assert sorted(p.name for p in harness.workdir.iterdir()) == ["disk", "kvoffload.toml", "service.log"]
+    assert not [
+        n for n in names if any(part in n for part in ("passwd", "shadow", "..", "windows", "ключ"))
+    ]
+    assert sorted(p.name for p in harness.workdir.iterdir()) == [
+        "disk",
+        "kvoffload.toml",
+        "service.log",
+    ]
     assert os.stat("/etc/passwd").st_mtime_ns == passwd_before
 
 
@@ -157,7 +169,11 @@ def test_out_of_range_blocks_and_unprepared_completions_get_typed_errors(start_s
         expect_error("not_pinned", client.complete_load, req, keys)
         expect_error("unknown_request", client.lookup, "no-such-request", keys)
         tiering = harness.status()["tiering"]
-        assert (tiering["used_slots"], tiering["pinned_slots"], tiering["writing_slots"]) == (0, 0, 0)
+        assert (tiering["used_slots"], tiering["pinned_slots"], tiering["writing_slots"]) == (
+            0,
+            0,
+            0,
+        )
 
 
 def test_a_client_cannot_touch_another_clients_requests_handles_pins_or_events(start_service):
@@ -175,7 +191,9 @@ def test_a_client_cannot_touch_another_clients_requests_handles_pins_or_events(s
         expect_error("unknown_handle", b.client.load, req, keys, [0, 1, 2], a.handle_id)
         expect_error("handle_taken", b.client.register_kv, a.kv.handle(a.handle_id))
         tiering = harness.status()["tiering"]
-        assert (tiering["pinned_slots"], tiering["writing_slots"]) == (3, 1), "a's pins and store must be intact"
+        assert (tiering["pinned_slots"], tiering["writing_slots"]) == (3, 1), (
+            "a's pins and store must be intact"
+        )
         accepted = a.client.load(req, keys, [3, 4, 5], a.handle_id)
         assert b.client.poll(wait_ms=300) == []
         assert accepted.job_id in a.client.wait([accepted.job_id])
@@ -191,7 +209,13 @@ def test_a_client_cannot_register_the_host_pool_as_its_kv_cache(start_service):
     with ProbeEngine(harness, "victim") as victim, harness.client("attacker") as attacker:
         assert victim.store(victim.new_request(), keys).success
         info = attacker.info
-        pool_as_kv = p.KVHandle("pool", "shm", info.num_slots, [p.TensorSpec(row_bytes=info.block_bytes)], info.pool_name)
+        pool_as_kv = p.KVHandle(
+            "pool",
+            "shm",
+            info.num_slots,
+            [p.TensorSpec(row_bytes=info.block_bytes)],
+            info.pool_name,
+        )
         try:
             attacker.register_kv(pool_as_kv)
         except KVOffloadError:
@@ -224,7 +248,10 @@ def test_register_kv_refuses_bad_handles_and_says_why(start_service):
     alias = f"/kvoffload-kv-alias-{harness.run_id}"
     os.link(f"/dev/shm{slot_table}", f"/dev/shm{alias}")
     try:
-        with ProbeEngine(harness, "owner", blocks=8) as engine, harness.client("attacker") as attacker:
+        with (
+            ProbeEngine(harness, "owner", blocks=8) as engine,
+            harness.client("attacker") as attacker,
+        ):
             info, kv = attacker.info, engine.kv
 
             def shm(name=kv.name, blocks=8, rows=None, **fields) -> p.KVHandle:
@@ -235,7 +262,10 @@ def test_register_kv_refuses_bad_handles_and_says_why(start_service):
             cases = {
                 "host pool": (shm(info.pool_name, info.num_slots), "segment of the service"),
                 "slot header table": (shm(slot_table, 1), "segment of the service"),
-                "slot table under another name": (shm(alias, 1), "another name of a segment of the service"),
+                "slot table under another name": (
+                    shm(alias, 1),
+                    "another name of a segment of the service",
+                ),
                 "missing segment": (shm("/kvoffload-kv-no-such-segment"), "does not exist"),
                 "negative offset": (shm(offset=-4096), "offset must be >= 0, got -4096"),
                 "no blocks": (shm(blocks=0), "num_blocks must be > 0, got 0"),
@@ -243,18 +273,30 @@ def test_register_kv_refuses_bad_handles_and_says_why(start_service):
                 "past the segment": (shm(blocks=9), "outside the"),
                 "rows too short": (shm(rows=[p.TensorSpec(row_bytes=half)]), f"sum to {half}"),
                 "no tensors": (p.KVHandle("h", "shm", 8, [], kv.name), "at least one tensor"),
-                "no handle id": (p.KVHandle("", "shm", 8, [p.TensorSpec(row_bytes=info.block_bytes)], kv.name), "handle_id"),
+                "no handle id": (
+                    p.KVHandle("", "shm", 8, [p.TensorSpec(row_bytes=info.block_bytes)], kv.name),
+                    "handle_id",
+                ),
             }
             for case, (handle, reason) in cases.items():
                 with pytest.raises(KVOffloadError) as err:
                     attacker.register_kv(handle)
-                assert err.value.code == "bad_handle" and reason in err.value.message, (case, err.value)
-            junk = p.KVHandle("h", "cuda_ipc", 8, [p.TensorSpec(row_bytes=info.block_bytes, ipc={"junk": 1})])
+                assert err.value.code == "bad_handle" and reason in err.value.message, (
+                    case,
+                    err.value,
+                )
+            junk = p.KVHandle(
+                "h", "cuda_ipc", 8, [p.TensorSpec(row_bytes=info.block_bytes, ipc={"junk": 1})]
+            )
             with pytest.raises(KVOffloadError) as err:
                 attacker.register_kv(junk)
-            assert err.value.code == "bad_message" and "junk" in err.value.message, "refused by decoding"
+            assert err.value.code == "bad_message" and "junk" in err.value.message, (
+                "refused by decoding"
+            )
             attacker.register_kv(kv.handle("same-cache"))
-            assert harness.wait_status(lambda s: s["workers"]["cpu"]["stats"].get("kv_handles") == 2, 5)
+            assert harness.wait_status(
+                lambda s: s["workers"]["cpu"]["stats"].get("kv_handles") == 2, 5
+            )
     finally:
         os.unlink(f"/dev/shm{alias}")
 

@@ -17,9 +17,8 @@ from kvoffload import protocol as p
 from kvoffload.client import KVOffloadError
 from kvoffload.cuda_host import cuda_device_count
 from kvoffload.kvcache import SharedKVCache
-from kvoffload.tiering import LookupResult
-
 from kvoffload.soak.service import shm_names_containing
+from kvoffload.tiering import LookupResult
 from tests.service_process import free_port, sample_value, scrape_metrics
 
 BLOCK = 65536
@@ -31,7 +30,9 @@ def keys_for(prefix: str, n: int) -> list[bytes]:
 
 @pytest.fixture
 def kv():
-    cache = SharedKVCache.create(f"/kvoffload-kvtest-{os.getpid()}-{time.monotonic_ns()}", 32, [BLOCK // 2, BLOCK // 2])
+    cache = SharedKVCache.create(
+        f"/kvoffload-kvtest-{os.getpid()}-{time.monotonic_ns()}", 32, [BLOCK // 2, BLOCK // 2]
+    )
     rng = np.random.default_rng(7)
     for t in cache.tensors:
         t[:] = rng.integers(0, 256, size=t.shape, dtype=np.uint8)
@@ -115,7 +116,11 @@ def test_malformed_frames_on_client_channel(start_service):
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(service.endpoint)
     try:
-        for frame in [b"\xc1\xc1", msgspec.msgpack.encode({"t": "lookup", "rid": 9, "keys": 3}), b"\x00" * (p.MAX_MESSAGE_BYTES + 10)]:
+        for frame in [
+            b"\xc1\xc1",
+            msgspec.msgpack.encode({"t": "lookup", "rid": 9, "keys": 3}),
+            b"\x00" * (p.MAX_MESSAGE_BYTES + 10),
+        ]:
             raw.send(frame)
             assert raw.poll(5000)
             reply = p.decode_client_reply(raw.recv())
@@ -137,8 +142,16 @@ def test_bad_worker_hello_is_refused(start_service):
     zctx = zmq.Context.instance()
     jobs_endpoint = f"ipc://{service.base / (service.run_id + '-jobs.sock')}"
     for identity, hello, reason in [
-        (b"cpu", p.WorkerHello(version=p.PROTOCOL_VERSION + 5, worker="cpu", medium="cpu", pid=1), "protocol version"),
-        (b"bogus", p.WorkerHello(version=p.PROTOCOL_VERSION, worker="bogus", medium="cpu", pid=1), "unknown worker"),
+        (
+            b"cpu",
+            p.WorkerHello(version=p.PROTOCOL_VERSION + 5, worker="cpu", medium="cpu", pid=1),
+            "protocol version",
+        ),
+        (
+            b"bogus",
+            p.WorkerHello(version=p.PROTOCOL_VERSION, worker="bogus", medium="cpu", pid=1),
+            "unknown worker",
+        ),
     ]:
         sock = zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity + b"-probe" if identity == b"cpu" else identity)
@@ -163,7 +176,10 @@ def test_killed_worker_fails_its_jobs_and_is_restarted(start_service):
             c.register_kv(big.handle("big"))
             c.new_request("r")
             old_pid = service.status().workers["cpu"].pid
-            accepted = [c.store("r", keys_for(f"b{j}", 16), list(range(16 * j, 16 * j + 16)), "big") for j in range(4)]
+            accepted = [
+                c.store("r", keys_for(f"b{j}", 16), list(range(16 * j, 16 * j + 16)), "big")
+                for j in range(4)
+            ]
             os.kill(old_pid, signal.SIGKILL)
             results = c.wait([a.job_id for a in accepted], timeout_s=30)
             assert len(results) == 4  # every job got its one result, none hung
@@ -220,7 +236,9 @@ def test_shutdown_kills_children_that_ignore_sigterm_after_the_grace_period(star
     assert not [c for c in stubborn if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert shm_names_containing(service.run_id) == []
     assert [f for f in os.listdir(service.base) if service.run_id in f] == []
-    killed = [e["child"] for e in service.log_events() if e.get("event") == "child_killed_after_grace"]
+    killed = [
+        e["child"] for e in service.log_events() if e.get("event") == "child_killed_after_grace"
+    ]
     assert sorted(killed) == ["engine0", "engine1"]
 
 
@@ -231,7 +249,9 @@ def test_status_cli_and_metrics_endpoint(start_service, kv):
     service = start_service(workers=("cpu", "disk"), service_options=f"metrics_port = {port}")
     out = subprocess.run(
         [sys.executable, "-m", "kvoffload.cli", "status", "--config", str(service.config)],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 0, out.stderr
     assert "cpu" in out.stdout and "slots used" in out.stdout
@@ -277,7 +297,9 @@ def test_status_cli_and_metrics_endpoint(start_service, kv):
         "kvoffload_worker_capacity_bytes": "gauge",
         "process_resident_memory_bytes": "gauge",
     }
-    assert {name: families[name].type for name in expected_types if name in families} == expected_types
+    assert {
+        name: families[name].type for name in expected_types if name in families
+    } == expected_types
     for family in families.values():
         assert family.documentation, f"{family.name} has no HELP text"
 
@@ -286,7 +308,12 @@ def test_status_cli_and_metrics_endpoint(start_service, kv):
     assert sample_value(families, "kvoffload_tier_lookups", tier="disk", result="miss") == 1
     assert sample_value(families, "kvoffload_tier_jobs", tier="disk", kind="cascade") >= 1
     for reason in ("evicted", "tier_full", "retry_bound"):
-        assert sample_value(families, "kvoffload_tier_cascade_dropped_keys", tier="disk", reason=reason) == 0
+        assert (
+            sample_value(
+                families, "kvoffload_tier_cascade_dropped_keys", tier="disk", reason=reason
+            )
+            == 0
+        )
     assert sample_value(families, "kvoffload_worker_bytes_stored", worker="cpu") == 4 * BLOCK
     assert sample_value(families, "kvoffload_worker_up", worker="cpu") == 1
     assert sample_value(families, "kvoffload_pool_pinned_slots") == 0
@@ -312,13 +339,22 @@ def test_a_cuda_handle_is_refused_at_registration_when_no_worker_has_cuda(start_
     service = start_service()
     cpu_pid = service.status().workers["cpu"].pid
     ipc = {
-        "size": [32, BLOCK // 2], "stride": [BLOCK // 2, 1], "tensor_offset": 0,
-        "dtype": "torch.float16", "device": 0, "handle": b"\x01" * 64,
-        "storage_size_bytes": 32 * BLOCK, "storage_offset_bytes": 0,
-        "ref_counter_handle": b"\x02" * 16, "ref_counter_offset": 0, "event_handle": None,
+        "size": [32, BLOCK // 2],
+        "stride": [BLOCK // 2, 1],
+        "tensor_offset": 0,
+        "dtype": "torch.float16",
+        "device": 0,
+        "handle": b"\x01" * 64,
+        "storage_size_bytes": 32 * BLOCK,
+        "storage_offset_bytes": 0,
+        "ref_counter_handle": b"\x02" * 16,
+        "ref_counter_offset": 0,
+        "event_handle": None,
         "event_sync_required": False,
     }
-    handle = p.KVHandle("gpu", "cuda_ipc", 32, [p.TensorSpec(row_bytes=BLOCK, ipc=p.CudaIpcFields(**ipc))])
+    handle = p.KVHandle(
+        "gpu", "cuda_ipc", 32, [p.TensorSpec(row_bytes=BLOCK, ipc=p.CudaIpcFields(**ipc))]
+    )
     with service.client("engine") as c:
         started = time.monotonic()
         with pytest.raises(KVOffloadError) as err:

@@ -16,9 +16,8 @@ import pytest
 from kvoffload.client import KVOffloadClient, KVOffloadError, ServiceUnavailable
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.pool import HostPool
-from kvoffload.tiering import LookupResult
-
 from kvoffload.soak.service import shm_names_containing
+from kvoffload.tiering import LookupResult
 
 BLOCK = 65536
 SOURCE_BLOCKS = 32
@@ -32,7 +31,9 @@ def keys_for(prefix: str, n: int) -> list[bytes]:
 @pytest.fixture
 def kv():
     """48 device blocks of random bytes: 0..31 are stored, 32..47 receive loads."""
-    cache = SharedKVCache.create(f"/kvoffload-kvwarm-{os.getpid()}-{time.monotonic_ns()}", 48, [BLOCK // 2, BLOCK // 2])
+    cache = SharedKVCache.create(
+        f"/kvoffload-kvwarm-{os.getpid()}-{time.monotonic_ns()}", 48, [BLOCK // 2, BLOCK // 2]
+    )
     rng = np.random.default_rng(11)
     for t in cache.tensors:
         t[:] = rng.integers(0, 256, size=t.shape, dtype=np.uint8)
@@ -70,7 +71,11 @@ def wait_for_new_manager(service, old_pid: int, timeout_s: float = 20.0) -> dict
         except (TimeoutError, KVOffloadError):
             continue
         warm = status.warm_restart
-        if status.pid != old_pid and "cpu" in status.workers and (warm is None or warm.unverified == 0):
+        if (
+            status.pid != old_pid
+            and "cpu" in status.workers
+            and (warm is None or warm.unverified == 0)
+        ):
             return status
         time.sleep(0.05)
     raise TimeoutError(f"no verified new manager:\n{service.log_path.read_text()[-3000:]}")
@@ -105,7 +110,12 @@ def test_ready_blocks_survive_a_manager_crash_and_nothing_unverified_is_served(s
     old.close()
 
     assert msgspec.to_builtins(after.warm_restart) == {
-        "headers_found": 63, "adopted": 63, "duplicates": 0, "verified": 62, "dropped": 1, "unverified": 0,
+        "headers_found": 63,
+        "adopted": 63,
+        "duplicates": 0,
+        "verified": 62,
+        "dropped": 1,
+        "unverified": 0,
     }
     tiering = after.tiering
     assert (tiering.used_slots, tiering.pinned_slots, tiering.writing_slots) == (62, 0, 0)
@@ -114,7 +124,9 @@ def test_ready_blocks_survive_a_manager_crash_and_nothing_unverified_is_served(s
         new.register_kv(kv.handle("kv"))
         new.new_request("r2")
         results = {key: new.lookup("r2", [key]).results[0] for key in [*keys, torn_key]}
-        assert results[keys[0]] is MISS, "an evicted key's header was cleared when its slot was reused"
+        assert results[keys[0]] is MISS, (
+            "an evicted key's header was cleared when its slot was reused"
+        )
         assert results[keys[40]] is MISS, "a slot that fails its checksum is dropped"
         assert results[torn_key] is MISS, "a write in flight at the crash is never served"
         assert [k for k, r in results.items() if r is not HIT] == [keys[0], keys[40], torn_key]
@@ -159,7 +171,9 @@ def test_with_slot_headers_off_a_restarted_manager_starts_cold(start_service, kv
         assert new.lookup("r", keys).results == [MISS]
 
 
-def test_a_client_reconnects_after_a_manager_restart_with_its_handles_and_requests(start_service, kv):
+def test_a_client_reconnects_after_a_manager_restart_with_its_handles_and_requests(
+    start_service, kv
+):
     service = start_service()
     keys = keys_for("again", 8)
     manual = service.client("manual")
@@ -184,8 +198,12 @@ def test_a_client_reconnects_after_a_manager_restart_with_its_handles_and_reques
             t[SOURCE_BLOCKS:] = 0
         targets = list(range(SOURCE_BLOCKS, SOURCE_BLOCKS + len(keys)))
         accepted = manual.load("r", keys, targets, "kv")
-        assert manual.wait([accepted.job_id])[accepted.job_id].success, "handle kv is registered again"
-        assert [block_bytes(kv, t) for t in targets] == [block_bytes(kv, b) for b in range(len(keys))]
+        assert manual.wait([accepted.job_id])[accepted.job_id].success, (
+            "handle kv is registered again"
+        )
+        assert [block_bytes(kv, t) for t in targets] == [
+            block_bytes(kv, b) for b in range(len(keys))
+        ]
         manual.finish_request("r")
 
         assert auto.lookup("a", keys).results == [HIT] * len(keys), "reconnected by itself"

@@ -45,7 +45,9 @@ def test_stopped_worker_is_killed_by_the_manager_its_job_fails_and_it_is_restart
             done = engine.store(engine.new_request(), keys, wait_s=timeout_s + 10)
             assert not done.success, "a job sent to a stopped worker cannot succeed"
             assert time.monotonic() - started < timeout_s + 5
-            assert wait_for(lambda: not harness.is_own_child(pid), 10), "the manager did not kill the silent worker"
+            assert wait_for(lambda: not harness.is_own_child(pid), 10), (
+                "the manager did not kill the silent worker"
+            )
         finally:
             harness.signal_child(pid, signal.SIGCONT)
         harness.wait_workers(["cpu"], exclude_pids={pid})
@@ -132,11 +134,15 @@ def test_job_ids_are_not_reused_after_a_manager_restart(start_service):
 def test_a_copy_running_when_the_manager_dies_cannot_overwrite_a_reused_slot(start_service):
     # seed 13 delays the first copy (the old manager's store) and none of the next two.
     harness = start_service(
-        disk=NO_DISK, pool={"num_slots": 1}, faults={"delay_s": 3.0, "delay_fraction": 0.5, "seed": 13}
+        disk=NO_DISK,
+        pool={"num_slots": 1},
+        faults={"delay_s": 3.0, "delay_fraction": 0.5, "seed": 13},
     )
     old_engine = ProbeEngine(harness, "old")
     old_engine.kv.tensors[0][0] = 0xAA
-    old_engine.client.store(old_engine.new_request(), probe_keys("old", 1), [0], old_engine.handle_id)
+    old_engine.client.store(
+        old_engine.new_request(), probe_keys("old", 1), [0], old_engine.handle_id
+    )
     started = time.monotonic()
     kill_manager(harness)
     harness.wait_workers(["cpu"])
@@ -246,7 +252,12 @@ def cascades_settled(status: dict) -> bool:
     tiering = status["tiering"]
     unverified = (status.get("warm_restart") or {}).get("unverified", 0)
     workers_ready = all(w["index_complete"] for w in status["workers"].values())
-    return tiering["jobs_in_flight"] == 0 and tiering["cascade_backlog"] == 0 and unverified == 0 and workers_ready
+    return (
+        tiering["jobs_in_flight"] == 0
+        and tiering["cascade_backlog"] == 0
+        and unverified == 0
+        and workers_ready
+    )
 
 
 def assert_all_come_back_after_reset(engine: ProbeEngine, keys: list[bytes]) -> None:
@@ -254,7 +265,9 @@ def assert_all_come_back_after_reset(engine: ProbeEngine, keys: list[bytes]) -> 
     for start in range(0, len(keys), 8):
         chunk = keys[start : start + 8]
         req = engine.new_request()
-        assert engine.lookup_ready(req, chunk).ready_prefix == len(chunk), "an acknowledged block was lost"
+        assert engine.lookup_ready(req, chunk).ready_prefix == len(chunk), (
+            "an acknowledged block was lost"
+        )
         done, wrong = engine.load(req, chunk)
         assert done.success and wrong == []
         engine.client.finish_request(req)
@@ -268,8 +281,12 @@ def test_blocks_stored_while_the_disk_worker_is_down_reach_the_disk_once_it_is_b
         assert harness.signal_child(pid, signal.SIGSTOP)
         try:
             assert engine.store(engine.new_request(), keys[:8]).success  # its cascade hangs
-            assert wait_for(lambda: harness.worker_pid("disk") != pid, 15), "the manager did not drop the worker"
-            assert engine.store(engine.new_request(), keys[8:]).success  # the worker is down or restarting
+            assert wait_for(lambda: harness.worker_pid("disk") != pid, 15), (
+                "the manager did not drop the worker"
+            )
+            assert engine.store(
+                engine.new_request(), keys[8:]
+            ).success  # the worker is down or restarting
         finally:
             harness.signal_child(pid, signal.SIGCONT)
         harness.wait_workers(["disk"], exclude_pids={pid})

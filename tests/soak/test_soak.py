@@ -31,14 +31,21 @@ def assert_invariants(summary: dict, kinds: tuple[str, ...]) -> None:
     assert summary["blocks"]["wrong"] == 0 and summary["sweep"]["wrong"] == 0
     assert summary["blocks"]["verified"] > 0 and summary["sweep"]["blocks_verified"] > 0
     durability = summary["durability"]
-    assert durability["acknowledged"] > 0 and durability["came_back"] > 0 and durability["lost"] == 0, durability
+    assert (
+        durability["acknowledged"] > 0 and durability["came_back"] > 0 and durability["lost"] == 0
+    ), durability
     assert summary["jobs"]["finished"] > 0
     disk_io = summary["faults"]["disk_io"]
     assert disk_io["injected_corruptions"] > 0 and disk_io["write_errors"] > 0, disk_io
     assert disk_io["enospc_errors"] > 0, disk_io
     assert summary["faults"]["disk_fill_peak"] > 0.9, "the small disk tier should fill up and evict"
     quiet = summary["quiescence"]
-    assert (quiet["pinned_slots"], quiet["writing_slots"], quiet["jobs_in_flight"], quiet["device_jobs_in_flight"]) == (0, 0, 0, 0)
+    assert (
+        quiet["pinned_slots"],
+        quiet["writing_slots"],
+        quiet["jobs_in_flight"],
+        quiet["device_jobs_in_flight"],
+    ) == (0, 0, 0, 0)
     assert sorted(summary["workers_at_end"]) == sorted(summary["tiers"])
     leftovers = summary["leftovers"]
     assert (leftovers["shm"], leftovers["runtime_files"], leftovers["processes"]) == ([], [], [])
@@ -51,7 +58,15 @@ def assert_invariants(summary: dict, kinds: tuple[str, ...]) -> None:
 def short_soak() -> tuple[dict, str]:
     out = io.StringIO()
     summary = run_soak(
-        SoakOptions(duration_s=14, seed=7, clients=2, kinds=PROCESS_FAULTS, spacing_s=3.0, out=out, keep=False)
+        SoakOptions(
+            duration_s=14,
+            seed=7,
+            clients=2,
+            kinds=PROCESS_FAULTS,
+            spacing_s=3.0,
+            out=out,
+            keep=False,
+        )
     )
     return summary, out.getvalue()
 
@@ -72,7 +87,9 @@ def test_no_client_kv_cache_stays_mapped_after_a_manager_restart(short_soak):
 
 def test_soak_60s_with_object_tier_and_outages(s3_server):
     """The CI soak: 60 s with every fault kind, object-store outages included."""
-    summary = run_soak(SoakOptions(duration_s=60, seed=11, clients=3, s3_server=s3_server, keep=False))
+    summary = run_soak(
+        SoakOptions(duration_s=60, seed=11, clients=3, s3_server=s3_server, keep=False)
+    )
     assert_invariants(summary, FAULT_KINDS)
     assert "object" in summary["tiers"]
 
@@ -86,7 +103,11 @@ def test_a_wrong_byte_or_another_keys_block_never_verifies():
     assert mismatch(block, expected_block(keys[0], 4096)) is None
     assert mismatch(expected_block(keys[1], 4096), expected_block(keys[0], 4096)) is not None
     block[1234] ^= 1
-    assert mismatch(block, expected_block(keys[0], 4096)) == {"first_offset": 1234, "bytes_differ": 1, "poison": False}
+    assert mismatch(block, expected_block(keys[0], 4096)) == {
+        "first_offset": 1234,
+        "bytes_differ": 1,
+        "poison": False,
+    }
     assert mismatch(np.full(4096, POISON, np.uint8), expected_block(keys[0], 4096))["poison"]
 
 

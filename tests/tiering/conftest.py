@@ -3,7 +3,15 @@
 import pytest
 import structlog
 
-from kvoffload.tiering import JobKind, TransferResult, Locality, Medium, ReqContext, TieringManager, TierSpec
+from kvoffload.tiering import (
+    JobKind,
+    Locality,
+    Medium,
+    ReqContext,
+    TieringManager,
+    TierSpec,
+    TransferResult,
+)
 
 
 def k(i: int) -> bytes:
@@ -56,7 +64,10 @@ class Harness:
             if job.kind is JobKind.PROBE:
                 present = [key for key in job.keys if key in (found or ())]
                 absent = [key for key in job.keys if key not in present]
-                self.m.apply_result(tier, TransferResult(job.job_id, not absent, present or None, absent_keys=absent))
+                self.m.apply_result(
+                    tier,
+                    TransferResult(job.job_id, not absent, present or None, absent_keys=absent),
+                )
             else:
                 self.m.apply_result(tier, TransferResult(job.job_id, success, successful_keys))
 

@@ -14,8 +14,14 @@ from .conftest import k
         ([{"medium": "storage"}], (TierMatcher(Medium.STORAGE),)),
         ([{"medium": "CPU"}], (TierMatcher(Medium.CPU),)),
         ([{}], (TierMatcher(),)),
-        ([{"medium": "storage", "locality": "Remote"}], (TierMatcher(Medium.STORAGE, Locality.REMOTE),)),
-        ([{"medium": "cpu"}, {"locality": "local"}], (TierMatcher(Medium.CPU), TierMatcher(None, Locality.LOCAL))),
+        (
+            [{"medium": "storage", "locality": "Remote"}],
+            (TierMatcher(Medium.STORAGE, Locality.REMOTE),),
+        ),
+        (
+            [{"medium": "cpu"}, {"locality": "local"}],
+            (TierMatcher(Medium.CPU), TierMatcher(None, Locality.LOCAL)),
+        ),
         ([], ()),
     ],
 )

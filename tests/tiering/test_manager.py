@@ -4,12 +4,12 @@ import pytest
 
 from kvoffload.tiering import (
     JobKind,
-    TransferResult,
     LookupResult,
     MissReason,
     OffloadPolicy,
     ReqContext,
     TieringManager,
+    TransferResult,
 )
 from kvoffload.tiering.types import (
     Evicted,
@@ -134,7 +134,9 @@ def test_cascade_skips_keys_tier_already_holds(h):
 def test_cascade_over_the_pin_bound_waits_unpinned_and_uses_no_job_id():
     from kvoffload.tiering import Locality, Medium, TierSpec
 
-    m = TieringManager(5, [TierSpec("disk", Medium.STORAGE, Locality.LOCAL, max_inflight_cascade_keys=2)])
+    m = TieringManager(
+        5, [TierSpec("disk", Medium.STORAGE, Locality.LOCAL, max_inflight_cascade_keys=2)]
+    )
     m.on_new_request(ReqContext("r"))
     out = m.prepare_store("r", [k(1), k(2)])
     m.complete_store("r", out.keys_to_store)
@@ -161,7 +163,12 @@ def test_cascade_over_the_pin_bound_waits_unpinned_and_uses_no_job_id():
 
 
 def dropped(logs, reason):
-    return [key for e in logs if e["event"] == "cascade_dropped" and e["reason"] == reason for key in e["keys"]]
+    return [
+        key
+        for e in logs
+        if e["event"] == "cascade_dropped" and e["reason"] == reason
+        for key in e["keys"]
+    ]
 
 
 def test_cascade_failed_by_a_worker_crash_is_retried_once_the_worker_is_back(h):
@@ -178,7 +185,12 @@ def test_cascade_failed_by_a_worker_crash_is_retried_once_the_worker_is_back(h):
     h.m.set_tier_online("disk", True)
     h.m.end_step()
     (retry,) = h.jobs()
-    assert (h.m.tiers[retry.tier].name, retry.kind, retry.keys, retry.req_id) == ("disk", JobKind.CASCADE, [k(1), k(2)], None)
+    assert (h.m.tiers[retry.tier].name, retry.kind, retry.keys, retry.req_id) == (
+        "disk",
+        JobKind.CASCADE,
+        [k(1), k(2)],
+        None,
+    )
     h.answer([retry])
     assert h.m.tiers[0].index == {k(1), k(2)}
     assert h.m.snapshot()["cascade_backlog"] == 0 and not h.m.has_pending_work()
@@ -217,7 +229,10 @@ def test_a_failure_after_the_backlog_emptied_is_still_retried(h):
     h.clock.now += 1
     assert h.m.has_pending_work()
     h.m.end_step()
-    assert sorted((h.m.tiers[j.tier].name, j.keys[0]) for j in h.jobs()) == [("disk", k(2)), ("mem2", k(2))]
+    assert sorted((h.m.tiers[j.tier].name, j.keys[0]) for j in h.jobs()) == [
+        ("disk", k(2)),
+        ("mem2", k(2)),
+    ]
 
 
 def test_failed_cascades_back_off_and_are_dropped_at_the_retry_bound(captured_logs):
@@ -255,7 +270,9 @@ def test_a_full_tier_drops_the_keys_without_retry(h, captured_logs):
     for job in h.jobs():
         tier = h.m.tiers[job.tier].name
         full = [k(2)] if tier == "disk" else []
-        h.m.apply_result(tier, TransferResult(job.job_id, False, [k(1)] if full else None, full_keys=full))
+        h.m.apply_result(
+            tier, TransferResult(job.job_id, False, [k(1)] if full else None, full_keys=full)
+        )
     assert dropped(captured_logs, "tier_full") == [k(2).hex()]
     assert h.m.stats.tier(1).cascade_dropped_tier_full == 1
     h.clock.now += 60
@@ -297,7 +314,9 @@ def test_reset_gives_up_the_backlog_as_evicted_after_a_flush(h, captured_logs):
     h.answer(h.jobs())
     h.m.flush_cascade_backlogs()
     h.m.end_step()
-    assert h.jobs() == [] and h.m.cascade_backlog(online_only=True) == 0 and h.m.cascade_backlog() == 1
+    assert (
+        h.jobs() == [] and h.m.cascade_backlog(online_only=True) == 0 and h.m.cascade_backlog() == 1
+    )
     h.m.reset_cache()
     assert dropped(captured_logs, "evicted") == [k(1).hex()]
     assert h.m.cascade_backlog() == 0
@@ -348,7 +367,9 @@ def test_promotion_from_secondary(h):
     assert reply.results == [HIT, HIT]
 
 
-@pytest.mark.parametrize("successful", [[1, 3], None, []], ids=["partial", "legacy-none", "legacy-empty"])
+@pytest.mark.parametrize(
+    "successful", [[1, 3], None, []], ids=["partial", "legacy-none", "legacy-empty"]
+)
 def test_failed_promotion_keeps_only_successful_blocks(h, successful):
     put_in_tier(h, "disk", [k(1), k(2), k(3)])
     r = h.new()
@@ -907,7 +928,9 @@ def test_result_after_finish_creates_no_request_state_and_a_reused_id_starts_fre
     tracked = h.m.snapshot()["tiers"][tier]["tracked_requests"]
     assert tracked == (1 if probed else 0), "no state may be created for a finished request"
     h.new("r")
-    assert h.m.lookup("r", [k(1)]).results == [RETRY if probed else HIT_PENDING], "a reused id starts fresh"
+    assert h.m.lookup("r", [k(1)]).results == [RETRY if probed else HIT_PENDING], (
+        "a reused id starts fresh"
+    )
 
 
 def test_on_new_request_policy():
@@ -924,7 +947,9 @@ def test_prepare_store_cascades_existing_blocks_to_request_level_tiers(new_keys)
     writer = h.new("w")
     h.store(writer, [k(1), k(2), k(3)])
     for job in h.jobs():  # the chunk-level cascades of the writer find the tiers full
-        h.m.apply_result(h.m.tiers[job.tier].name, TransferResult(job.job_id, False, full_keys=job.keys))
+        h.m.apply_result(
+            h.m.tiers[job.tier].name, TransferResult(job.job_id, False, full_keys=job.keys)
+        )
     r = h.new("r")
     fresh = [k(10 + i) for i in range(new_keys)]
     out = h.m.prepare_store(r, [k(1), k(2), k(3), *fresh])

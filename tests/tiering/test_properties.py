@@ -4,7 +4,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvoffload.tiering import JobKind, TransferResult, Locality, Medium, ReqContext, TieringManager, TierSpec
+from kvoffload.tiering import (
+    JobKind,
+    Locality,
+    Medium,
+    ReqContext,
+    TieringManager,
+    TierSpec,
+    TransferResult,
+)
 from kvoffload.tiering.primary import WRITING
 from kvoffload.tiering.types import RequestFinishedError, UnknownJob
 
@@ -196,7 +204,9 @@ class TieringMachine(RuleBasedStateMachine):
         for tier in self.m.tiers:
             assert tier.inflight_cascade_keys >= 0
             for key, entry in tier.backlog.items():
-                assert entry.in_flight or self.m.primary.lookup(key).name == "HIT", "backlog keys are ready"
+                assert entry.in_flight or self.m.primary.lookup(key).name == "HIT", (
+                    "backlog keys are ready"
+                )
         for event in self.m.take_events():
             self._forget(event.keys)
 
@@ -221,7 +231,9 @@ class TieringMachine(RuleBasedStateMachine):
         assert self.m.primary.writing_count() == 0
         assert not self.m.has_pending_work()
         assert self.m.jobs_in_flight() == 0
-        assert self.m.cascade_backlog() == 0, "every waiting cascade went out once its tier was back"
+        assert self.m.cascade_backlog() == 0, (
+            "every waiting cascade went out once its tier was back"
+        )
 
 
 TieringMachine.TestCase.settings = settings(

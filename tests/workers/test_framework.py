@@ -252,7 +252,9 @@ def test_invalid_jobs_fail_without_touching_the_pool(manager, make_pool, spawn, 
     assert dones[3].error.startswith("invalid_job")
     assert dones[4].error.startswith("invalid_job")
     assert 5 not in manager.job_dones(), "a kind outside JobKind is refused by decoding"
-    assert any("teleport" in e.get("error", "") for e in events_named(worker, "bad_manager_message"))
+    assert any(
+        "teleport" in e.get("error", "") for e in events_named(worker, "bad_manager_message")
+    )
     assert not pool.as_numpy().any()
 
     manager.send(IDENTITY, store(7, [key], [3]))
@@ -428,7 +430,9 @@ def test_job_done_success_partial_and_none():
     assert not none.success and none.successful_keys is None and none.error == "failed"
     assert none.absent_keys == []
     gone = job_done_of(job, BackendOutcome(ok_keys=[b"a"], absent_keys=[b"b", b"a", b"zz"]), 0.0)
-    assert gone.successful_keys == [b"a"] and gone.absent_keys == [b"b"], "only failed keys of the job"
+    assert gone.successful_keys == [b"a"] and gone.absent_keys == [b"b"], (
+        "only failed keys of the job"
+    )
 
 
 def test_validate_job_rules():

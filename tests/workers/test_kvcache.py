@@ -94,7 +94,11 @@ def test_attach_rejects_bad_handles(kv):
     with pytest.raises(ValueError, match="outside"):
         SharedKVCache.attach(too_far)
     gone = KVHandle(
-        handle_id="h", kind=HandleKind.SHM, num_blocks=8, tensors=good.tensors, shm_name=unique_kv_name()
+        handle_id="h",
+        kind=HandleKind.SHM,
+        num_blocks=8,
+        tensors=good.tensors,
+        shm_name=unique_kv_name(),
     )
     with pytest.raises(FileNotFoundError):
         SharedKVCache.attach(gone)
@@ -136,9 +140,17 @@ def test_close_with_live_views_is_deferred_and_unlink_removes_the_name():
 
 def cuda_fields(size, stride, dtype="torch.float16", **over):
     fields = {
-        "size": size, "stride": stride, "tensor_offset": 0, "dtype": dtype, "device": 0,
-        "handle": b"h" * 64, "storage_size_bytes": 16 * 8 * 4096 * 2, "storage_offset_bytes": 0,
-        "ref_counter_handle": b"r" * 16, "ref_counter_offset": 0, "event_handle": b"e" * 64,
+        "size": size,
+        "stride": stride,
+        "tensor_offset": 0,
+        "dtype": dtype,
+        "device": 0,
+        "handle": b"h" * 64,
+        "storage_size_bytes": 16 * 8 * 4096 * 2,
+        "storage_offset_bytes": 0,
+        "ref_counter_handle": b"r" * 16,
+        "ref_counter_offset": 0,
+        "event_handle": b"e" * 64,
         "event_sync_required": True,
     }
     return CudaIpcFields(**{**fields, **over})
@@ -152,16 +164,28 @@ def test_handle_problem_names_what_is_wrong(kv):
     row = 8 * 4096 * 2
 
     def cuda(fields, row_bytes=row, blocks=16):
-        return handle_problem(KVHandle("g", "cuda_ipc", blocks, [TensorSpec(row_bytes=row_bytes, ipc=fields)]), row_bytes)
+        return handle_problem(
+            KVHandle("g", "cuda_ipc", blocks, [TensorSpec(row_bytes=row_bytes, ipc=fields)]),
+            row_bytes,
+        )
 
     assert cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1])) == ""
-    assert cuda(cuda_fields([16, 1, 4096], [4096, 1, 1]), row_bytes=8192) == "", "size-1 dims may have any stride"
+    assert cuda(cuda_fields([16, 1, 4096], [4096, 1, 1]), row_bytes=8192) == "", (
+        "size-1 dims may have any stride"
+    )
     assert "not contiguous" in cuda(cuda_fields([16, 8, 4096], [4096, 65536, 1]))
     assert "does not have 16 blocks first" in cuda(cuda_fields([8, 8, 4096], [32768, 4096, 1]))
-    assert "rows are 131072 bytes, the handle says 65536" in cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1], "torch.float32"))
+    assert "rows are 131072 bytes, the handle says 65536" in cuda(
+        cuda_fields([16, 8, 4096], [32768, 4096, 1], "torch.float32")
+    )
     assert "unknown dtype" in cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1], "torch.nope"))
     assert "past its" in cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1], tensor_offset=1))
     assert "must not be empty" in cuda(cuda_fields([16, 8, 4096], [32768, 4096, 1], handle=b""))
     assert "needs its ipc fields" in cuda(None)
-    assert handle_problem(KVHandle("h", "shm", 8, good.tensors, ""), 6000) == "an shm handle needs shm_name"
-    assert handle_problem(KVHandle("h", "rdma", 8, good.tensors, kv.name), 6000).startswith("unknown handle kind")
+    assert (
+        handle_problem(KVHandle("h", "shm", 8, good.tensors, ""), 6000)
+        == "an shm handle needs shm_name"
+    )
+    assert handle_problem(KVHandle("h", "rdma", 8, good.tensors, kv.name), 6000).startswith(
+        "unknown handle kind"
+    )

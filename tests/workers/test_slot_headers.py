@@ -14,7 +14,6 @@ from kvoffload.config import Config, DiskConfig, PoolConfig
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.protocol import Job, JobKind
 from kvoffload.slottable import SlotTable
-
 from workers.cpu import CpuBackend
 from workers.disk.worker import DiskBackend
 from workers.faults import FaultInjector
@@ -57,7 +56,14 @@ def cpu(make_pool, table):
 
 
 def store(backend: CpuBackend, job_id: int, keys: list[bytes], slots: list[int], blocks: list[int]):
-    job = Job(job_id=job_id, kind=JobKind.DEVICE_STORE, keys=keys, slots=slots, device_blocks=blocks, handle_id="h")
+    job = Job(
+        job_id=job_id,
+        kind=JobKind.DEVICE_STORE,
+        keys=keys,
+        slots=slots,
+        device_blocks=blocks,
+        handle_id="h",
+    )
     outcome = backend.run_job(job)
     outcome.release()
     return outcome
@@ -70,7 +76,9 @@ def verify(backend: CpuBackend, keys: list[bytes], slots: list[int]) -> list[byt
 def test_device_store_stamps_each_copied_slot_and_verify_accepts_it(cpu, table):
     backend, pool = cpu
     keys = keys_of(3)
-    assert store(backend, 41, keys, [5, 0, 2], [0, 1, 9]).ok_keys == keys[:2], "block 9 is out of range"
+    assert store(backend, 41, keys, [5, 0, 2], [0, 1, 9]).ok_keys == keys[:2], (
+        "block 9 is out of range"
+    )
     stamped = dict(table.read_all(FP))
     assert sorted(stamped) == [0, 5], "a failed copy must not be stamped"
     assert stamped[5].key == keys[0] and stamped[5].generation == 41
@@ -97,22 +105,34 @@ def test_verify_without_slot_headers_accepts_nothing(make_pool):
     backend.close()
 
 
-def test_disk_promotion_stamps_the_slot_with_the_verified_checksum(make_pool, table, tmp_path: Path):
+def test_disk_promotion_stamps_the_slot_with_the_verified_checksum(
+    make_pool, table, tmp_path: Path
+):
     pool = make_pool(SLOTS, BLOCK)
-    cfg = Config(pool=PoolConfig(num_slots=SLOTS, block_bytes=BLOCK, layout_id=LAYOUT),
-                 disk=DiskConfig(root=str(tmp_path / "disk"), capacity_bytes=16 * (BLOCK + 4096)))
+    cfg = Config(
+        pool=PoolConfig(num_slots=SLOTS, block_bytes=BLOCK, layout_id=LAYOUT),
+        disk=DiskConfig(root=str(tmp_path / "disk"), capacity_bytes=16 * (BLOCK + 4096)),
+    )
     backend = DiskBackend(cfg)
     backend.use_slot_headers(SlotHeaders(SlotTable.attach(table.name, SLOTS), pool, FP))
     backend.start(pool, FaultInjector())
     try:
         key, absent = keys_of(2, b"d")
         pool.slot_array(0)[:] = np.random.default_rng(5).integers(0, 256, BLOCK, dtype=np.uint8)
-        assert backend.run_job(Job(job_id=1, kind=JobKind.CASCADE, keys=[key], slots=[0])).ok_keys == [key]
+        assert backend.run_job(
+            Job(job_id=1, kind=JobKind.CASCADE, keys=[key], slots=[0])
+        ).ok_keys == [key]
         assert table.read_all(FP) == [], "a cascade only reads its slot"
-        outcome = backend.run_job(Job(job_id=77, kind=JobKind.PROMOTE, keys=[key, absent], slots=[3, 4]))
+        outcome = backend.run_job(
+            Job(job_id=77, kind=JobKind.PROMOTE, keys=[key, absent], slots=[3, 4])
+        )
         assert outcome.ok_keys == [key]
         [(slot, header)] = table.read_all(FP)
         assert (slot, header.key, header.generation) == (3, key, 77)
-        assert header.checksum == payload_checksum(pool.slot_array(3)) == payload_checksum(pool.slot_array(0))
+        assert (
+            header.checksum
+            == payload_checksum(pool.slot_array(3))
+            == payload_checksum(pool.slot_array(0))
+        )
     finally:
         backend.close()

@@ -4,4 +4,12 @@ from kvoffload.blockformat import CorruptBlock
 from workers.disk.errors import LayoutError, StoreFull, TransientIOError
 from workers.disk.slab import FAULT_OPS, DiskStore, FaultHook
 
-__all__ = ["FAULT_OPS", "CorruptBlock", "DiskStore", "FaultHook", "LayoutError", "StoreFull", "TransientIOError"]
+__all__ = [
+    "FAULT_OPS",
+    "CorruptBlock",
+    "DiskStore",
+    "FaultHook",
+    "LayoutError",
+    "StoreFull",
+    "TransientIOError",
+]

@@ -25,8 +25,14 @@ STORE_VERSION = 1
 LAYOUT_FILE = "layout.json"
 LOCK_FILE = "lock"
 
-_FIXED_FIELDS = ("store_version", "block_format_version", "block_bytes", "fingerprint", "header_page",
-                 "record_size")
+_FIXED_FIELDS = (
+    "store_version",
+    "block_format_version",
+    "block_bytes",
+    "fingerprint",
+    "header_page",
+    "record_size",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +84,9 @@ class SlabLayout:
         }
 
 
-def plan_layout(root: Path, block_bytes: int, fingerprint: bytes, capacity_bytes: int,
-                records_per_slab: int) -> SlabLayout:
+def plan_layout(
+    root: Path, block_bytes: int, fingerprint: bytes, capacity_bytes: int, records_per_slab: int
+) -> SlabLayout:
     """The layout a new store would use; ValueError if the numbers cannot hold one record."""
     if block_bytes < 1:
         raise ValueError(f"block_bytes must be positive, got {block_bytes}")
@@ -88,8 +95,12 @@ def plan_layout(root: Path, block_bytes: int, fingerprint: bytes, capacity_bytes
     record_size = PAGE_SIZE + round_up(block_bytes)
     n_records = capacity_bytes // record_size
     if n_records < 1:
-        raise ValueError(f"capacity_bytes {capacity_bytes} is below one record ({record_size} bytes)")
-    return SlabLayout(root / fingerprint.hex(), block_bytes, fingerprint, records_per_slab, n_records)
+        raise ValueError(
+            f"capacity_bytes {capacity_bytes} is below one record ({record_size} bytes)"
+        )
+    return SlabLayout(
+        root / fingerprint.hex(), block_bytes, fingerprint, records_per_slab, n_records
+    )
 
 
 def adopt_layout(layout: SlabLayout) -> SlabLayout:
@@ -117,8 +128,12 @@ def adopt_layout(layout: SlabLayout) -> SlabLayout:
     if not isinstance(stored_per_slab, int) or stored_per_slab < 1:
         raise LayoutError(f"{path} has no valid records_per_slab: {stored}")
     if stored_per_slab != layout.records_per_slab:
-        structlog.get_logger().info("disk_layout_records_per_slab_kept", directory=str(layout.directory),
-                                    stored=stored_per_slab, requested=layout.records_per_slab)
+        structlog.get_logger().info(
+            "disk_layout_records_per_slab_kept",
+            directory=str(layout.directory),
+            stored=stored_per_slab,
+            requested=layout.records_per_slab,
+        )
     return replace(layout, records_per_slab=stored_per_slab)
 
 

@@ -45,8 +45,9 @@ class RecordIndex:
         self._next_generation = 1
 
     @classmethod
-    def from_scan(cls, n_records: int, entries: Iterable[tuple[bytes, int, int]],
-                  stale: Iterable[int] = ()) -> RecordIndex:
+    def from_scan(
+        cls, n_records: int, entries: Iterable[tuple[bytes, int, int]], stale: Iterable[int] = ()
+    ) -> RecordIndex:
         """An index of the scanned ``(key, record, generation)`` entries (distinct keys and
         records), LRU order by generation. Every other record is free; those in ``stale`` may
         hold a valid header on disk."""
@@ -153,7 +154,9 @@ class RecordIndex:
     def note_read_ok(self, record: int) -> None:
         self._read_errors[record] = 0
 
-    def _take(self, record: int, generation: int, invalidate_first: bool, evicted: list[bytes]) -> Reservation:
+    def _take(
+        self, record: int, generation: int, invalidate_first: bool, evicted: list[bytes]
+    ) -> Reservation:
         self._state[record] = RESERVED
         self._key[record] = None
         self._generation[record] = generation

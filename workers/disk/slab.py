@@ -81,7 +81,16 @@ FaultHook = Callable[[str, bytes], None]
 """Called as ``hook(op, key)`` before each I/O; may raise OSError to inject a failure. ``op`` is
 one of ``FAULT_OPS``; ``key`` is the block's key, or ``b""`` for scan reads and scan clears."""
 
-FAULT_OPS = ("allocate", "invalidate", "write_payload", "write_header", "fsync", "read", "clear", "scan")
+FAULT_OPS = (
+    "allocate",
+    "invalidate",
+    "write_payload",
+    "write_header",
+    "fsync",
+    "read",
+    "clear",
+    "scan",
+)
 
 MAX_READ_ERRORS = 3
 SCAN_THREADS = 8
@@ -109,17 +118,26 @@ class DiskStore:
     ``fault_hook``: see ``FaultHook``. Call ``open()`` before anything else.
     """
 
-    def __init__(self, root: str | Path, block_bytes: int, fingerprint: bytes, capacity_bytes: int,
-                 durability: str = "none", records_per_slab: int = 256, direct_io: bool | None = None,
-                 fault_hook: FaultHook | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        block_bytes: int,
+        fingerprint: bytes,
+        capacity_bytes: int,
+        durability: str = "none",
+        records_per_slab: int = 256,
+        direct_io: bool | None = None,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
         if durability not in DURABILITY_MODES:
             raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         if len(fingerprint) != 16:
             raise ValueError(f"fingerprint must be 16 bytes, got {len(fingerprint)}")
         if direct_io and block_bytes % PAGE_SIZE:
             raise ValueError(f"direct_io=True needs block_bytes to be a multiple of {PAGE_SIZE}")
-        self._layout: SlabLayout = plan_layout(Path(root), block_bytes, fingerprint, capacity_bytes,
-                                               records_per_slab)
+        self._layout: SlabLayout = plan_layout(
+            Path(root), block_bytes, fingerprint, capacity_bytes, records_per_slab
+        )
         self._durable = durability == "fsync"
         self._direct_io_request = direct_io
         self._direct_io = False
@@ -135,7 +153,9 @@ class DiskStore:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def open(self, on_batch: Callable[[list[bytes]], None] | None = None, batch_size: int = 4096) -> None:
+    def open(
+        self, on_batch: Callable[[list[bytes]], None] | None = None, batch_size: int = 4096
+    ) -> None:
         """Create the layout directory (0700, see ``make_private_directory``) and lock it,
         check or write ``layout.json`` (0600), choose the I/O mode, and rebuild the index from
         the header pages of existing slab files. Records that are not a valid header of this
@@ -156,9 +176,14 @@ class DiskStore:
             self._release_files()
             raise
         self._is_open = True
-        self._log.info("disk_store_opened", blocks=found, direct_io=self._direct_io,
-                       records=self._layout.n_records, record_size=self._layout.record_size,
-                       durability="fsync" if self._durable else "none")
+        self._log.info(
+            "disk_store_opened",
+            blocks=found,
+            direct_io=self._direct_io,
+            records=self._layout.n_records,
+            record_size=self._layout.record_size,
+            durability="fsync" if self._durable else "none",
+        )
 
     def close(self) -> None:
         """Close files and unlock the directory. In-flight calls must have returned. Idempotent."""
@@ -237,7 +262,9 @@ class DiskStore:
         with self._lock:
             reservation = self._index.reserve(key)
         if reservation.evicted:
-            self._log.info("disk_keys_evicted", for_key=key.hex(), keys=[k.hex() for k in reservation.evicted])
+            self._log.info(
+                "disk_keys_evicted", for_key=key.hex(), keys=[k.hex() for k in reservation.evicted]
+            )
             if evicted is not None:
                 evicted.extend(reservation.evicted)
         record = reservation.record
@@ -256,8 +283,9 @@ class DiskStore:
             pwrite_all(payload_fd, view, offset + PAGE_SIZE)
             self._sync(slab_file, key)
             page = self._write_page()
-            page[:HEADER_SIZE] = BlockHeader(key, len(view), checksum, self._layout.fingerprint,
-                                             reservation.generation).encode()
+            page[:HEADER_SIZE] = BlockHeader(
+                key, len(view), checksum, self._layout.fingerprint, reservation.generation
+            ).encode()
             header_may_be_valid = True
             self._fault("write_header", key)
             pwrite_all(slab_file.header_fd, page, offset)
@@ -324,7 +352,9 @@ class DiskStore:
         """A lazy structlog logger bound to this store's directory (resolved at log time)."""
         return structlog.get_logger(directory=str(self._layout.directory))
 
-    def _read_record(self, key: bytes, record: int, generation: int, view: memoryview) -> BlockHeader:
+    def _read_record(
+        self, key: bytes, record: int, generation: int, view: memoryview
+    ) -> BlockHeader:
         slab, offset = self._layout.locate(record)
         slab_file = self._files[slab]
         page = self._read_page()
@@ -340,12 +370,16 @@ class DiskStore:
                 failures = self._index.note_read_error(record)
             if exc.errno == errno.EIO and failures >= MAX_READ_ERRORS:
                 raise CorruptBlock(f"{failures} consecutive read errors: {exc}") from exc
-            raise TransientIOError(exc.errno, f"reading block failed: {exc.strerror or exc}") from exc
+            raise TransientIOError(
+                exc.errno, f"reading block failed: {exc.strerror or exc}"
+            ) from exc
         if got != total:
             raise CorruptBlock(f"short read: {got} of {total} bytes")
         header = decode_header(page, self._layout.fingerprint)
         if header.generation != generation:
-            raise CorruptBlock(f"generation {header.generation} differs from the index ({generation})")
+            raise CorruptBlock(
+                f"generation {header.generation} differs from the index ({generation})"
+            )
         verify_payload(header, key, view)
         with self._lock:
             self._index.note_read_ok(record)
@@ -413,9 +447,13 @@ class DiskStore:
         pending: list[bytes] = []
         if existing:
             before_read = partial(self._fault, "scan", b"")
-            with ThreadPoolExecutor(min(SCAN_THREADS, len(existing)), thread_name_prefix="disk-scan") as pool:
-                futures = [pool.submit(scan_slab, self._files[s].header_fd, layout, s, before_read)
-                           for s in existing]
+            with ThreadPoolExecutor(
+                min(SCAN_THREADS, len(existing)), thread_name_prefix="disk-scan"
+            ) as pool:
+                futures = [
+                    pool.submit(scan_slab, self._files[s].header_fd, layout, s, before_read)
+                    for s in existing
+                ]
                 for future in as_completed(futures):
                     result = future.result()
                     for key, record, generation in result.found:
@@ -435,14 +473,20 @@ class DiskStore:
         self._announce(on_batch, pending, batch_size, flush=True)
         stale.extend(r for r in to_clear if not self._clear_header(r, b""))
         if to_clear or stale:
-            self._log.warning("disk_scan_dropped_records", cleared=len(to_clear), unreadable=len(stale))
+            self._log.warning(
+                "disk_scan_dropped_records", cleared=len(to_clear), unreadable=len(stale)
+            )
         entries = [(key, record, generation) for key, (record, generation) in best.items()]
         self._index = RecordIndex.from_scan(layout.n_records, entries, stale)
         return len(entries)
 
     @staticmethod
-    def _announce(on_batch: Callable[[list[bytes]], None] | None, pending: list[bytes], batch_size: int,
-                  flush: bool = False) -> list[bytes]:
+    def _announce(
+        on_batch: Callable[[list[bytes]], None] | None,
+        pending: list[bytes],
+        batch_size: int,
+        flush: bool = False,
+    ) -> list[bytes]:
         """Hand full batches (and with ``flush`` the remainder) to ``on_batch``; returns the rest."""
         while len(pending) >= batch_size or (flush and pending):
             batch, pending = pending[:batch_size], pending[batch_size:]
@@ -454,7 +498,9 @@ class DiskStore:
         if self._direct_io_request is False:
             return False
         if self._layout.block_bytes % PAGE_SIZE:
-            self._log.info("disk_direct_io_off_unaligned_block", block_bytes=self._layout.block_bytes)
+            self._log.info(
+                "disk_direct_io_off_unaligned_block", block_bytes=self._layout.block_bytes
+            )
             return False
         if probe_direct_io(self._layout.directory):
             return True
@@ -464,7 +510,9 @@ class DiskStore:
         return False
 
     def _lock_directory(self) -> None:
-        fd = os.open(self._layout.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(
+            self._layout.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+        )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -511,7 +559,9 @@ class DiskStore:
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
         if view.nbytes != self._layout.block_bytes:
-            raise ValueError(f"buffer holds {view.nbytes} bytes, blocks are {self._layout.block_bytes}")
+            raise ValueError(
+                f"buffer holds {view.nbytes} bytes, blocks are {self._layout.block_bytes}"
+            )
         if writable and view.readonly:
             raise ValueError("destination buffer is read-only")
         return view

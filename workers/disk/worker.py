@@ -50,7 +50,9 @@ from workers.slotheaders import SlotHeaders
 log = get_logger(tier="disk")
 
 INDEX_BATCH_KEYS = 4096
-FAILING_OPS = frozenset({"allocate", "invalidate", "write_payload", "write_header", "fsync", "read"})
+FAILING_OPS = frozenset(
+    {"allocate", "invalidate", "write_payload", "write_header", "fsync", "read"}
+)
 """Store operations that injected failures may hit (``clear`` and ``scan`` are left alone:
 failing them would only strand records until the next start)."""
 SPACE_OPS = frozenset({"allocate", "write_payload"})
@@ -60,9 +62,20 @@ GONE_REASONS = frozenset({"absent", "corrupt"})
 """Promotion failures that confirm the store no longer holds the key (reported absent)."""
 FULL_REASONS = frozenset({"store_full", "no_space"})
 """Cascade failures for lack of room (reported full: the manager does not retry them)."""
-_COUNTERS = ("bytes_read", "bytes_written", "keys_promoted", "keys_cascaded", "corrupt_blocks",
-             "absent_keys", "transient_errors", "enospc_errors", "store_full", "write_errors",
-             "injected_corruptions", "keys_evicted")
+_COUNTERS = (
+    "bytes_read",
+    "bytes_written",
+    "keys_promoted",
+    "keys_cascaded",
+    "corrupt_blocks",
+    "absent_keys",
+    "transient_errors",
+    "enospc_errors",
+    "store_full",
+    "write_errors",
+    "injected_corruptions",
+    "keys_evicted",
+)
 
 
 class DiskBackend:
@@ -105,12 +118,24 @@ class DiskBackend:
             raise ValueError(f"pool blocks are {pool.block_bytes} bytes, config says {block_bytes}")
         self._pool = pool
         self._faults = faults
-        store = DiskStore(disk.root, block_bytes, deployment_fingerprint(block_bytes, self._cfg.pool.layout_id),
-                          disk.capacity_bytes, durability=disk.durability, fault_hook=self._on_store_op)
+        store = DiskStore(
+            disk.root,
+            block_bytes,
+            deployment_fingerprint(block_bytes, self._cfg.pool.layout_id),
+            disk.capacity_bytes,
+            durability=disk.durability,
+            fault_hook=self._on_store_op,
+        )
         store.open()
         self._store = store
-        log.info("disk_backend_started", root=str(store.directory), capacity_bytes=store.capacity_bytes,
-                 used_bytes=store.used_bytes, direct_io=store.direct_io, durability=disk.durability)
+        log.info(
+            "disk_backend_started",
+            root=str(store.directory),
+            capacity_bytes=store.capacity_bytes,
+            used_bytes=store.used_bytes,
+            direct_io=store.direct_io,
+            durability=disk.durability,
+        )
 
     def close(self) -> None:
         if self._store is not None:
@@ -118,7 +143,7 @@ class DiskBackend:
 
     def initial_index(self) -> Iterable[list[bytes]]:
         keys = self._require_store().keys()
-        return (keys[i:i + INDEX_BATCH_KEYS] for i in range(0, len(keys), INDEX_BATCH_KEYS))
+        return (keys[i : i + INDEX_BATCH_KEYS] for i in range(0, len(keys), INDEX_BATCH_KEYS))
 
     # ---- jobs ------------------------------------------------------------------------------
 
@@ -161,10 +186,22 @@ class DiskBackend:
         error = ""
         if failures:
             error = f"{sum(failures.values())} of {len(job.keys)} keys failed ({dict(failures)}), first: {first_error}"
-            log.warning("disk_keys_failed", job_id=job.job_id, kind=job.kind, keys=len(job.keys),
-                        failures=dict(failures), error=first_error)
-        return BackendOutcome(ok_keys=ok, nbytes=nbytes, error=error, absent_keys=absent, full_keys=full,
-                          cleanup=lambda: self._note_changed(changed))
+            log.warning(
+                "disk_keys_failed",
+                job_id=job.job_id,
+                kind=job.kind,
+                keys=len(job.keys),
+                failures=dict(failures),
+                error=first_error,
+            )
+        return BackendOutcome(
+            ok_keys=ok,
+            nbytes=nbytes,
+            error=error,
+            absent_keys=absent,
+            full_keys=full,
+            cleanup=lambda: self._note_changed(changed),
+        )
 
     def _promote_one(self, key: bytes, slot: int, generation: int, changed: list[bytes]) -> str:
         """Read ``key`` into pool slot ``slot`` and stamp its header; "" on success, else
@@ -187,7 +224,9 @@ class DiskBackend:
             self._headers.stamp(slot, key, generation, header.checksum)
         return ""
 
-    def _cascade_one(self, key: bytes, src: memoryview, changed: list[bytes], evicted: list[bytes]) -> str:
+    def _cascade_one(
+        self, key: bytes, src: memoryview, changed: list[bytes], evicted: list[bytes]
+    ) -> str:
         """Write ``src`` under ``key``; "" on success, else "<reason>: <detail>". The key is
         noted as changed either way: a failed put may have dropped its previous copy. Keys the
         put evicted to make room are added to ``evicted`` (and noted as changed)."""
@@ -271,8 +310,13 @@ class DiskBackend:
         store = self._require_store()
         with self._lock:
             counters = dict(self._counters)
-        return {"used_bytes": store.used_bytes, "capacity_bytes": store.capacity_bytes,
-                "direct_io": store.direct_io, "degraded": store.degraded, **counters}
+        return {
+            "used_bytes": store.used_bytes,
+            "capacity_bytes": store.capacity_bytes,
+            "direct_io": store.direct_io,
+            "degraded": store.degraded,
+            **counters,
+        }
 
     def attach_kv(self, handle: KVHandle) -> None:
         """The disk worker never touches an engine's KV cache."""

@@ -1,7 +1,12 @@
 """Object tier: KV blocks in an S3-compatible bucket (engine, circuit breaker, errors)."""
 
 from workers.object.breaker import BreakerOpen, CircuitBreaker
-from workers.object.errors import ObjectStoreConfigError, ObjectStoreError, ReleaseFailed, TransientObjectError
+from workers.object.errors import (
+    ObjectStoreConfigError,
+    ObjectStoreError,
+    ReleaseFailed,
+    TransientObjectError,
+)
 from workers.object.release import SlotTransfer
 from workers.object.s3store import S3BlockStore
 

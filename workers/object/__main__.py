@@ -25,8 +25,12 @@ log = get_logger()
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kvoffload object tier worker")
-    parser.add_argument("--spec", required=True, help="run spec JSON file written by the supervisor")
-    parser.add_argument("--hello-timeout", type=float, default=30.0, help="seconds to wait for the manager's ack")
+    parser.add_argument(
+        "--spec", required=True, help="run spec JSON file written by the supervisor"
+    )
+    parser.add_argument(
+        "--hello-timeout", type=float, default=30.0, help="seconds to wait for the manager's ack"
+    )
     args = parser.parse_args(argv)
     try:
         spec = load_runspec(args.spec)

@@ -32,10 +32,22 @@ import structlog
 from obstore.exceptions import BaseError as ObstoreError
 from obstore.store import S3Store
 
-from kvoffload.blockformat import HEADER_SIZE, BlockHeader, CorruptBlock, decode_header, make_header, verify_payload
+from kvoffload.blockformat import (
+    HEADER_SIZE,
+    BlockHeader,
+    CorruptBlock,
+    decode_header,
+    make_header,
+    verify_payload,
+)
 from workers.object.breaker import CircuitBreaker
 from workers.object.classify import UNREACHABLE, ErrorKind, Failure, classify
-from workers.object.errors import ObjectStoreConfigError, ObjectStoreError, ReleaseFailed, TransientObjectError
+from workers.object.errors import (
+    ObjectStoreConfigError,
+    ObjectStoreError,
+    ReleaseFailed,
+    TransientObjectError,
+)
 from workers.object.naming import namespace, normalize_prefix, object_name
 from workers.object.release import ReleaseHook, SlotTransfer
 from workers.object.retry import RetryPolicy
@@ -86,7 +98,9 @@ def _release_or_raise(transfer: SlotTransfer, outcome: BaseException | None) -> 
     try:
         transfer.release()
     except Exception as release_exc:
-        log.error("object_slot_release_failed", error=repr(release_exc), transfer_error=repr(outcome))
+        log.error(
+            "object_slot_release_failed", error=repr(release_exc), transfer_error=repr(outcome)
+        )
         raise ReleaseFailed(transfer, outcome) from release_exc
 
 
@@ -169,15 +183,21 @@ class S3BlockStore:
 
     def _config_error(self, failure: Failure) -> ObjectStoreConfigError:
         if failure.kind == ErrorKind.NO_BUCKET:
-            return ObjectStoreConfigError(f"bucket {self.bucket!r} does not exist at {self.endpoint}")
+            return ObjectStoreConfigError(
+                f"bucket {self.bucket!r} does not exist at {self.endpoint}"
+            )
         if failure.kind == ErrorKind.AUTH:
             return ObjectStoreConfigError(
                 f"{self.endpoint} rejected the credentials (access key id {self._access_key_id!r}) "
                 f"for bucket {self.bucket!r}: {failure.code or failure.status}"
             )
         if failure.kind in (ErrorKind.CONNECTION, ErrorKind.SERVER, ErrorKind.THROTTLED):
-            return ObjectStoreConfigError(f"cannot reach the S3 endpoint {self.endpoint}: {failure.detail}")
-        return ObjectStoreConfigError(f"S3 endpoint {self.endpoint} refused bucket {self.bucket!r}: {failure.detail}")
+            return ObjectStoreConfigError(
+                f"cannot reach the S3 endpoint {self.endpoint}: {failure.detail}"
+            )
+        return ObjectStoreConfigError(
+            f"S3 endpoint {self.endpoint} refused bucket {self.bucket!r}: {failure.detail}"
+        )
 
     def put(self, key: bytes, src: memoryview, corrupt: bool = False) -> None:
         """Store src (block_bytes long) under key; visible to readers only once complete.
@@ -196,7 +216,9 @@ class S3BlockStore:
                 flipped = bytearray(body)
                 flipped[HEADER_SIZE + self.block_bytes // 2] ^= 0xFF
                 body = bytes(flipped)
-            self._request("put", path, lambda: obstore.put(self._store, path, body, use_multipart=False))
+            self._request(
+                "put", path, lambda: obstore.put(self._store, path, body, use_multipart=False)
+            )
 
     def get(self, key: bytes, dst: memoryview) -> BlockHeader:
         """Read the block stored under key into dst (block_bytes long, writable); returns its
@@ -226,7 +248,9 @@ class S3BlockStore:
     def _read_into(self, key: bytes, path: str, view: memoryview) -> BlockHeader:
         data = self._fetch(path)
         if len(data) != HEADER_SIZE + self.block_bytes:
-            raise CorruptBlock(f"object is {len(data)} bytes, expected {HEADER_SIZE + self.block_bytes}")
+            raise CorruptBlock(
+                f"object is {len(data)} bytes, expected {HEADER_SIZE + self.block_bytes}"
+            )
         header = decode_header(data[:HEADER_SIZE], self._fingerprint)
         payload = data[HEADER_SIZE:]
         verify_payload(header, key, payload)
@@ -276,7 +300,11 @@ class S3BlockStore:
 
     def status(self) -> dict[str, Any]:
         """Breaker state and counters, for status pages and logs."""
-        return {"bucket": self.bucket, "namespace": self._namespace, "breaker": self.breaker.snapshot()}
+        return {
+            "bucket": self.bucket,
+            "namespace": self._namespace,
+            "breaker": self.breaker.snapshot(),
+        }
 
     def close(self) -> None:
         """Stop the HEAD pool; later calls raise RuntimeError. Idempotent."""

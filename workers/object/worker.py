@@ -48,14 +48,27 @@ from workers.slotheaders import SlotHeaders
 log = get_logger()
 
 _COUNTERS = (
-    "probes", "probe_failures", "keys_probed", "keys_found",
-    "gets", "get_failures", "puts", "put_failures",
-    "bytes_read", "bytes_written", "slot_release_failures", "injected_corruptions",
+    "probes",
+    "probe_failures",
+    "keys_probed",
+    "keys_found",
+    "gets",
+    "get_failures",
+    "puts",
+    "put_failures",
+    "bytes_read",
+    "bytes_written",
+    "slot_release_failures",
+    "injected_corruptions",
 )
 
 
-def store_from_config(cfg: Config, *, breaker: CircuitBreaker | None = None,
-                      release_hook: Callable[[], None] | None = None) -> S3BlockStore:
+def store_from_config(
+    cfg: Config,
+    *,
+    breaker: CircuitBreaker | None = None,
+    release_hook: Callable[[], None] | None = None,
+) -> S3BlockStore:
     """An ``S3BlockStore`` for ``[object]`` and the pool's block geometry (no network yet), with
     ``breaker`` or else one set by ``[object] breaker_*``. ValueError for an unusable prefix."""
     obj = cfg.object
@@ -108,7 +121,9 @@ class ObjectBackend(NoIndexBackend):
         self.capabilities = [JobKind.PROBE, JobKind.PROMOTE, JobKind.CASCADE]
         self._faults = FaultInjector()
         self._store = store_from_config(cfg, breaker=breaker, release_hook=self._release_hook)
-        self._io = ThreadPoolExecutor(max_workers=cfg.object.io_threads, thread_name_prefix="object-io")
+        self._io = ThreadPoolExecutor(
+            max_workers=cfg.object.io_threads, thread_name_prefix="object-io"
+        )
         self._pool: HostPool | None = None
         self._headers: SlotHeaders | None = None
         self._lock = threading.Lock()
@@ -151,7 +166,9 @@ class ObjectBackend(NoIndexBackend):
 
     def start(self, pool: HostPool, faults: FaultInjector) -> None:
         if pool.block_bytes != self._store.block_bytes:
-            raise ValueError(f"pool blocks are {pool.block_bytes} bytes, the store's {self._store.block_bytes}")
+            raise ValueError(
+                f"pool blocks are {pool.block_bytes} bytes, the store's {self._store.block_bytes}"
+            )
         self._pool = pool
         self._faults = faults
 
@@ -180,11 +197,15 @@ class ObjectBackend(NoIndexBackend):
             found = self._store.exists_many(job.keys)
         except (ObjectStoreError, OSError) as exc:
             self._count(probe_failures=1)
-            log.warning("object_probe_failed", job_id=job.job_id, keys=len(job.keys), error=str(exc))
+            log.warning(
+                "object_probe_failed", job_id=job.job_id, keys=len(job.keys), error=str(exc)
+            )
             return BackendOutcome(ok_keys=[], error=f"probe_failed: {exc}")
         ok = [key for key, present in zip(job.keys, found) if present]
         self._count(keys_found=len(ok))
-        return BackendOutcome(ok_keys=ok, absent_keys=[key for key, present in zip(job.keys, found) if not present])
+        return BackendOutcome(
+            ok_keys=ok, absent_keys=[key for key, present in zip(job.keys, found) if not present]
+        )
 
     def _transfer(self, job: Job) -> BackendOutcome:
         promote = job.kind == JobKind.PROMOTE
@@ -193,7 +214,8 @@ class ObjectBackend(NoIndexBackend):
         ok = [key for (key, _), (moved, _, _) in zip(pairs, results) if moved]
         errors = [error for _, _, error in results if error]
         absent = [
-            key for (key, _), (_, _, error) in zip(pairs, results)
+            key
+            for (key, _), (_, _, error) in zip(pairs, results)
             if promote and error.split(":", 1)[0] in _GONE_REASONS
         ]
         pending = [transfer for _, transfer, _ in results if transfer is not None]
@@ -201,9 +223,13 @@ class ObjectBackend(NoIndexBackend):
         self._count(**{"bytes_read" if promote else "bytes_written": nbytes})
         error = f"{len(errors)} of {len(pairs)} keys failed, first: {errors[0]}" if errors else ""
         release = self._release_pending(job, pending) if pending else None
-        return BackendOutcome(ok_keys=ok, nbytes=nbytes, error=error, release=release, absent_keys=absent)
+        return BackendOutcome(
+            ok_keys=ok, nbytes=nbytes, error=error, release=release, absent_keys=absent
+        )
 
-    def _one(self, job: Job, promote: bool, key: bytes, slot: int) -> tuple[bool, SlotTransfer | None, str]:
+    def _one(
+        self, job: Job, promote: bool, key: bytes, slot: int
+    ) -> tuple[bool, SlotTransfer | None, str]:
         """(data moved, transfer still holding the slot or None, failure summary or "")."""
         op = "get" if promote else "put"
         self._count(**{f"{op}s": 1})
@@ -259,7 +285,9 @@ class ObjectBackend(NoIndexBackend):
                 self._pending_releases -= len(pending) - len(failed)
             pending[:] = failed
             if failed:
-                raise RuntimeError(f"{len(failed)} slot transfers of job {job.job_id} still held") from first
+                raise RuntimeError(
+                    f"{len(failed)} slot transfers of job {job.job_id} still held"
+                ) from first
             log.info("object_slots_released", job_id=job.job_id)
 
         return release
