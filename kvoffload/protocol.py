@@ -12,11 +12,15 @@ Decoding is strict (``decode_client`` etc. accept only their channel's union) an
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from .vocab import ErrorCode, LookupResult, MissReason, must_wait  # noqa: F401  (part of the protocol)
+# re-exported: part of the protocol
+from .vocab import ErrorCode as ErrorCode
+from .vocab import LookupResult as LookupResult
+from .vocab import MissReason as MissReason
+from .vocab import must_wait as must_wait
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -226,25 +230,25 @@ class Disconnect(_Msg, tag="disconnect"):
     rid: int
 
 
-ClientRequest = Union[
-    Connect,
-    RegisterKV,
-    NewRequest,
-    Lookup,
-    Load,
-    Store,
-    PrepareStore,
-    CompleteStore,
-    PrepareLoad,
-    CompleteLoad,
-    Touch,
-    FinishRequest,
-    EndStep,
-    ResetCache,
-    Poll,
-    Status,
-    Disconnect,
-]
+ClientRequest = (
+    Connect
+    | RegisterKV
+    | NewRequest
+    | Lookup
+    | Load
+    | Store
+    | PrepareStore
+    | CompleteStore
+    | PrepareLoad
+    | CompleteLoad
+    | Touch
+    | FinishRequest
+    | EndStep
+    | ResetCache
+    | Poll
+    | Status
+    | Disconnect
+)
 
 
 # ---- client channel: replies -------------------------------------------------------------------
@@ -441,9 +445,17 @@ class StatusReply(_Msg, tag="status_reply"):
     status: ManagerStatus
 
 
-ClientReply = Union[
-    Error, Ok, Connected, NewRequestReply, LookupReply, JobAccepted, Slots, Events, StatusReply
-]
+ClientReply = (
+    Error
+    | Ok
+    | Connected
+    | NewRequestReply
+    | LookupReply
+    | JobAccepted
+    | Slots
+    | Events
+    | StatusReply
+)
 
 
 # ---- job channel: worker -> manager ------------------------------------------------------------
@@ -489,7 +501,7 @@ class Heartbeat(_Msg, tag="heartbeat"):
     stats: dict[str, Any] = {}
 
 
-WorkerMessage = Union[WorkerHello, IndexUpdate, JobDone, Heartbeat]
+WorkerMessage = WorkerHello | IndexUpdate | JobDone | Heartbeat
 
 
 # ---- job channel: manager -> worker ------------------------------------------------------------
@@ -547,23 +559,26 @@ class Control(_Msg, tag="control"):
     faults: FaultSpec | None = None
 
 
-ManagerMessage = Union[HelloAck, Job, TouchKeys, AttachKV, DetachKV, Control]
+ManagerMessage = HelloAck | Job | TouchKeys | AttachKV | DetachKV | Control
 
 
 # ---- encoding ----------------------------------------------------------------------------------
 
 _encoder = msgspec.msgpack.Encoder()
-_client_request_decoder = msgspec.msgpack.Decoder(ClientRequest)
-_client_reply_decoder = msgspec.msgpack.Decoder(ClientReply)
-_worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
-_manager_decoder = msgspec.msgpack.Decoder(ManagerMessage)
+_client_request_decoder: msgspec.msgpack.Decoder[ClientRequest] = msgspec.msgpack.Decoder(
+    ClientRequest
+)
+_client_reply_decoder: msgspec.msgpack.Decoder[ClientReply] = msgspec.msgpack.Decoder(ClientReply)
+_worker_decoder: msgspec.msgpack.Decoder[WorkerMessage] = msgspec.msgpack.Decoder(WorkerMessage)
+_manager_decoder: msgspec.msgpack.Decoder[ManagerMessage] = msgspec.msgpack.Decoder(ManagerMessage)
+_M = TypeVar("_M")
 
 
 def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes):
+def _decode(decoder: msgspec.msgpack.Decoder[_M], frame: bytes) -> _M:
     """Any failure to decode, whatever its kind (nesting too deep for the decoder included),
     is a ProtocolError, so every bad frame can be answered."""
     if len(frame) > MAX_MESSAGE_BYTES:

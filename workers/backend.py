@@ -18,7 +18,7 @@ config section; so does the use of slot headers (``use_slot_headers``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -76,8 +76,12 @@ class Backend(Protocol):
 
     name: str
     medium: str
-    capabilities: list[str]
-    degraded: bool
+
+    @property
+    def capabilities(self) -> Sequence[str]: ...
+
+    @property
+    def degraded(self) -> bool: ...
 
     def job_threads(self, cfg: Config) -> int:
         """How many jobs the framework runs at once for this backend (from its config section)."""

@@ -94,7 +94,7 @@ class _ShmKV(_AttachedKV):
         slots = pool.as_numpy()
         self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
         offset = 0
-        for rows, size in zip(self._cache.tensors, self.row_bytes):
+        for rows, size in zip(self._cache.tensors, self.row_bytes, strict=True):
             self._pairs.append((rows, slots[:, offset : offset + size]))
             offset += size
 
@@ -194,7 +194,7 @@ class _CudaKV(_AttachedKV):
         dst = self._pool[slot]
         offset = 0
         with self._torch.cuda.stream(self._stream()):
-            for rows, size in zip(self._rows, self.row_bytes):
+            for rows, size in zip(self._rows, self.row_bytes, strict=True):
                 dst[offset : offset + size].copy_(rows[block], non_blocking=True)
                 offset += size
 
@@ -202,7 +202,7 @@ class _CudaKV(_AttachedKV):
         src = self._pool[slot]
         offset = 0
         with self._torch.cuda.stream(self._stream()):
-            for rows, size in zip(self._rows, self.row_bytes):
+            for rows, size in zip(self._rows, self.row_bytes, strict=True):
                 rows[block].copy_(src[offset : offset + size], non_blocking=True)
                 offset += size
 
@@ -364,7 +364,7 @@ class CpuBackend(NoIndexBackend):
         if headers is None:
             return BackendOutcome(ok_keys=[], error="slot headers are off")
         ok: list[bytes] = []
-        for key, slot in zip(job.keys, job.slots):
+        for key, slot in zip(job.keys, job.slots, strict=True):
             reason = headers.check(slot, key)
             if reason:
                 log.warning(
@@ -385,7 +385,7 @@ class CpuBackend(NoIndexBackend):
         headers = self._headers
         if headers is None:
             return
-        for key, slot in zip(keys, slots):
+        for key, slot in zip(keys, slots, strict=True):
             try:
                 headers.stamp(slot, key, job.job_id)
             except Exception as exc:
@@ -403,17 +403,14 @@ class CpuBackend(NoIndexBackend):
         pool = self._require_pool()
         count = len(job.keys)
         ranges = [range(count)]
-        if (
-            self._copy_pool is not None
-            and count >= 2
-            and pool.block_bytes >= PARALLEL_MIN_BLOCK_BYTES
-        ):
+        copy_pool = self._copy_pool
+        if copy_pool is not None and count >= 2 and pool.block_bytes >= PARALLEL_MIN_BLOCK_BYTES:
             parts = min(self._parallelism, count)
             bounds = [count * i // parts for i in range(parts + 1)]
             ranges = [range(bounds[i], bounds[i + 1]) for i in range(parts)]
         futures = (
-            [self._copy_pool.submit(self._copy_range, job, kv, r) for r in ranges[1:]]
-            if len(ranges) > 1
+            [copy_pool.submit(self._copy_range, job, kv, r) for r in ranges[1:]]
+            if copy_pool is not None
             else []
         )
         outcomes = [self._copy_range(job, kv, ranges[0])] + [f.result() for f in futures]

@@ -296,7 +296,7 @@ class _Worker:
                 except zmq.Again:  # not connected yet
                     next_send = now + CONNECT_RETRY_S
             wait_s = max(0.0, min(next_send, deadline) - now)
-            events = dict(self._poller.poll(wait_s * 1000))
+            events = dict(self._poller.poll(int(wait_s * 1000)))
             self._drain_wake(events)
             if events.get(self._sock):
                 frame = self._recv_one()
@@ -392,7 +392,7 @@ class _Worker:
                 wait_s = min(wait_s, RELEASE_RETRY_S)
             if self._shutdown_deadline is not None:
                 wait_s = min(wait_s, max(0.0, self._shutdown_deadline - now))
-            events = dict(self._poller.poll(wait_s * 1000))
+            events = dict(self._poller.poll(int(wait_s * 1000)))
             self._drain_wake(events)
             if events.get(self._sock):
                 self._receive()

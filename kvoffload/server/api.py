@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -17,6 +19,9 @@ from .handles import KVHandles
 from .jobs import WorkerChannel
 from .sessions import ClientSession, PendingPoll
 from .state import CPU_WORKER, ManagerState, RequestError
+
+# (identity, session or None before Connect, request) -> the reply, or None to answer later
+_Handler = Callable[[bytes, Any, Any], "p.ClientReply | None"]
 
 log = structlog.get_logger()
 
@@ -30,7 +35,7 @@ class ClientApi:
         self.handles = handles
         self.workers = workers
         self._next_client = 1
-        self._handlers = {
+        self._handlers: dict[type, _Handler] = {
             p.Connect: self._on_connect,
             p.RegisterKV: self._on_register_kv,
             p.NewRequest: self._on_new_request,
@@ -171,14 +176,17 @@ class ClientApi:
         slots: list[int] = []
         checksums: list[int] = []
         if msg.pin:
-            hit_keys = [k for k, r in zip(msg.keys, reply.results) if r is LookupResult.HIT]
+            # results, and so slots, stop after the first MISS: msg.keys may be longer
+            hit_keys = [
+                k for k, r in zip(msg.keys, reply.results, strict=False) if r is LookupResult.HIT
+            ]
             pinned = iter(self.tiering.prepare_load(scoped, hit_keys) if hit_keys else [])
             session.add_pins(hit_keys)
             slots = [next(pinned) if r is LookupResult.HIT else -1 for r in reply.results]
             warm = self.state.warm
             checksums = [
                 warm.checksum_of(slot, key) if warm is not None and slot >= 0 else 0
-                for key, slot in zip(msg.keys, slots)
+                for key, slot in zip(msg.keys, slots, strict=False)
             ]
         return p.LookupReply(
             msg.rid,
@@ -207,7 +215,7 @@ class ClientApi:
             raise RequestError(ErrorCode.NO_SPACE, "no primary slots can be freed for this store")
         if not out.keys_to_store:
             return p.JobAccepted(msg.rid, None, [], out.evicted)
-        block_of = dict(zip(reversed(msg.keys), reversed(msg.device_blocks)))
+        block_of = dict(zip(reversed(msg.keys), reversed(msg.device_blocks), strict=True))
         blocks = [block_of[k] for k in out.keys_to_store]
         job = p.Job(0, p.JobKind.DEVICE_STORE, out.keys_to_store, out.slots, blocks, msg.handle_id)
         job_id = self.workers.submit_device_job(
@@ -252,7 +260,7 @@ class ClientApi:
         if msg.checksums is not None and warm is not None:
             # stamp the slot headers of the keys that are now ready
             generation = self.tiering.next_job_id()
-            for key, checksum in zip(msg.keys, msg.checksums):
+            for key, checksum in zip(msg.keys, msg.checksums, strict=True):
                 if self.tiering.primary.lookup(key) is LookupResult.HIT:
                     warm.stamp(self.tiering.primary.slot_of(key), key, checksum, generation)
         self.state.dispatch_tier_jobs()

@@ -71,8 +71,9 @@ class WorkerChannel:
             session.identity, scoped, req_id, kind, list(job.keys)
         )
         session.device_jobs.add(job.job_id)
-        if state.send_worker(CPU_WORKER, job):
-            state.registry.live(CPU_WORKER).jobs.add(job.job_id)
+        worker = state.registry.live(CPU_WORKER)
+        if worker is not None and state.send_worker(CPU_WORKER, job):
+            worker.jobs.add(job.job_id)
         else:
             self._finish_device_job(job.job_id, False, None, "worker_unreachable")
         return job.job_id

@@ -282,7 +282,7 @@ def _worker_families(
     stat_counters: dict[str, CounterMetricFamily] = {}
     for name, counters in totals.items():
         for stat, value in counters.items():
-            family = stat_counters.setdefault(
+            counter = stat_counters.setdefault(
                 stat,
                 CounterMetricFamily(
                     f"{PREFIX}worker_{_metric_name(stat)}",
@@ -290,7 +290,7 @@ def _worker_families(
                     labels=["worker"],
                 ),
             )
-            family.add_metric([name], value)
+            counter.add_metric([name], value)
     yield from stat_counters.values()
 
 

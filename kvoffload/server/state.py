@@ -152,10 +152,10 @@ class ManagerState:
                 worker.jobs.add(job.job_id)
             else:
                 self.tiering.apply_result(tier, TransferResult(job.job_id, False))
-        for tier in self.tiering.tiers:
-            touched = self.tiering.take_touched(tier.name)
-            if touched and self.registry.live(tier.name) is not None:
-                self.send_worker(tier.name, p.TouchKeys(touched))
+        for secondary in self.tiering.tiers:
+            touched = self.tiering.take_touched(secondary.name)
+            if touched and self.registry.live(secondary.name) is not None:
+                self.send_worker(secondary.name, p.TouchKeys(touched))
 
     def run_tier_step(self) -> None:
         """One step of the tiering library (promotions, cascade retries, probes) and the sends

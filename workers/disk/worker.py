@@ -160,7 +160,7 @@ class DiskBackend:
         failures: Counter[str] = Counter()
         first_error = ""
         try:
-            for key, slot in zip(job.keys, job.slots):
+            for key, slot in zip(job.keys, job.slots, strict=True):
                 if promote:
                     failure = self._promote_one(key, slot, job.job_id, changed)
                 else:
@@ -232,12 +232,13 @@ class DiskBackend:
         put evicted to make room are added to ``evicted`` (and noted as changed)."""
         store = self._require_store()
         changed.append(key)
+        payload: memoryview | mmap.mmap = src
         if self._faults.should_corrupt():
             self._count("injected_corruptions")
-            src = self._corrupting_copy(src)
+            payload = self._corrupting_copy(src)
         dropped: list[bytes] = []
         try:
-            store.put(key, src, dropped)
+            store.put(key, payload, dropped)
         except StoreFull as exc:
             self._count("store_full")
             return f"store_full: {exc}"

@@ -251,8 +251,9 @@ class S3BlockStore:
             raise CorruptBlock(
                 f"object is {len(data)} bytes, expected {HEADER_SIZE + self.block_bytes}"
             )
-        header = decode_header(data[:HEADER_SIZE], self._fingerprint)
-        payload = data[HEADER_SIZE:]
+        # obstore's stub types Bytes slices as slice[int, int, int] only
+        header = decode_header(data[:HEADER_SIZE], self._fingerprint)  # type: ignore[index]
+        payload = data[HEADER_SIZE:]  # type: ignore[index]
         verify_payload(header, key, payload)
         view[:] = payload
         return header
@@ -280,8 +281,9 @@ class S3BlockStore:
         for future in pending:
             future.cancel()
         for future in futures:
-            if future in done and future.exception() is not None:
-                raise future.exception()
+            exc = future.exception() if future in done else None
+            if exc is not None:
+                raise exc
         return [future.result() for future in futures]
 
     def _exists(self, path: str) -> bool:

@@ -201,21 +201,22 @@ class ObjectBackend(NoIndexBackend):
                 "object_probe_failed", job_id=job.job_id, keys=len(job.keys), error=str(exc)
             )
             return BackendOutcome(ok_keys=[], error=f"probe_failed: {exc}")
-        ok = [key for key, present in zip(job.keys, found) if present]
+        ok = [key for key, present in zip(job.keys, found, strict=True) if present]
         self._count(keys_found=len(ok))
         return BackendOutcome(
-            ok_keys=ok, absent_keys=[key for key, present in zip(job.keys, found) if not present]
+            ok_keys=ok,
+            absent_keys=[key for key, present in zip(job.keys, found, strict=True) if not present],
         )
 
     def _transfer(self, job: Job) -> BackendOutcome:
         promote = job.kind == JobKind.PROMOTE
-        pairs = list(zip(job.keys, job.slots))
+        pairs = list(zip(job.keys, job.slots, strict=True))
         results = list(self._io.map(lambda pair: self._one(job, promote, *pair), pairs))
-        ok = [key for (key, _), (moved, _, _) in zip(pairs, results) if moved]
+        ok = [key for (key, _), (moved, _, _) in zip(pairs, results, strict=True) if moved]
         errors = [error for _, _, error in results if error]
         absent = [
             key
-            for (key, _), (_, _, error) in zip(pairs, results)
+            for (key, _), (_, _, error) in zip(pairs, results, strict=True)
             if promote and error.split(":", 1)[0] in _GONE_REASONS
         ]
         pending = [transfer for _, transfer, _ in results if transfer is not None]
