@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import re
+import tomllib
 import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
-import tomllib
 from msgspec import Meta
 
 from kvoffload.blockformat import MAX_KEY_BYTES

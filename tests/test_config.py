@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 
 import msgspec
 import pytest
-import tomllib
 
 from kvoffload.config import (
     Config,

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -27,7 +28,6 @@ from typing import Any
 
 import psutil
 import pytest
-import tomllib
 
 pytest.importorskip("vllm")
 
