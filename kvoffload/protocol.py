@@ -20,6 +20,7 @@ import msgspec
 from .vocab import ErrorCode as ErrorCode
 from .vocab import LookupResult as LookupResult
 from .vocab import MissReason as MissReason
+from .vocab import TierCounters as TierCounters
 from .vocab import must_wait as must_wait
 
 PROTOCOL_VERSION = 1
@@ -340,31 +341,6 @@ class Events(_Msg, tag="events"):
 
 class _Status(msgspec.Struct, forbid_unknown_fields=True):
     pass
-
-
-class TierCounters(_Status):
-    """Counters of one tier since the manager started (the primary tier included)."""
-
-    lookups_hit: int = 0
-    lookups_hit_pending: int = 0
-    lookups_retry: int = 0
-    lookups_miss: int = 0
-    promotion_jobs: int = 0
-    promotion_jobs_failed: int = 0
-    promoted_keys_ok: int = 0
-    cascade_jobs: int = 0
-    cascade_jobs_failed: int = 0
-    cascaded_keys_ok: int = 0
-    cascade_keys_deferred: int = 0
-    cascade_keys_resubmitted: int = 0
-    cascade_dropped_evicted: int = 0
-    cascade_dropped_tier_full: int = 0
-    cascade_dropped_retry_bound: int = 0
-    probe_jobs: int = 0
-    probe_jobs_failed: int = 0
-    active_jobs: int = 0
-    evictions: int = 0
-    transfer_time_s: float = 0.0
 
 
 class TierState(_Status):

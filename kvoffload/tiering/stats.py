@@ -3,35 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
 from typing import Any
 
+import msgspec
+
+from .. import vocab
 from ..vocab import LookupResult
 from .types import CascadeDrop, JobKind
 
 
-@dataclass(slots=True)
-class TierCounters:
-    lookups_hit: int = 0
-    lookups_hit_pending: int = 0
-    lookups_retry: int = 0
-    lookups_miss: int = 0
-    promotion_jobs: int = 0
-    promotion_jobs_failed: int = 0
-    promoted_keys_ok: int = 0
-    cascade_jobs: int = 0
-    cascade_jobs_failed: int = 0
-    cascaded_keys_ok: int = 0
-    cascade_keys_deferred: int = 0
-    cascade_keys_resubmitted: int = 0
-    cascade_dropped_evicted: int = 0
-    cascade_dropped_tier_full: int = 0
-    cascade_dropped_retry_bound: int = 0
-    probe_jobs: int = 0
-    probe_jobs_failed: int = 0
-    active_jobs: int = 0
-    evictions: int = 0
-    transfer_time_s: float = 0.0
+class TierCounters(vocab.TierCounters):
+    """The status counters of one tier, with the ways the tiering library counts."""
 
     def count(self, result: LookupResult) -> None:
         if result is LookupResult.HIT:
@@ -115,5 +97,8 @@ class TieringStats:
             "promoted_keys": self.promoted_keys,
             "promoted_keys_consumed": self.promoted_keys_consumed,
             "promotion_amplification": self.promotion_amplification,
-            "per_tier": {name: asdict(c) for name, c in zip(self.names, self._tiers, strict=True)},
+            "per_tier": {
+                name: msgspec.structs.asdict(c)
+                for name, c in zip(self.names, self._tiers, strict=True)
+            },
         }
