@@ -41,9 +41,11 @@ from kvoffload.protocol import (
     PROTOCOL_VERSION,
     AttachKV,
     Control,
+    ControlAction,
     HelloAck,
     Job,
     JobDone,
+    JobKind,
     WorkerHello,
     decode_worker_message,
     encode,
@@ -89,7 +91,7 @@ def bench_memcpy(pool: HostPool, src: np.ndarray, reps: int) -> list[float]:
     return samples
 
 
-def jobs_for(kind: str, n: int, rep: int) -> list[Job]:
+def jobs_for(kind: JobKind, n: int, rep: int) -> list[Job]:
     slots, blocks = order(n, rep), order(n, rep * 31 + 5)
     jobs = []
     for first in range(0, n, KEYS_PER_JOB):
@@ -108,13 +110,14 @@ def jobs_for(kind: str, n: int, rep: int) -> list[Job]:
 
 
 def bench_backend(
-    backend: CpuBackend, kind: str, n: int, block_bytes: int, threads: int, reps: int
+    backend: CpuBackend, kind: JobKind, n: int, block_bytes: int, threads: int, reps: int
 ) -> list[float]:
     def run(job: Job) -> None:
         outcome = backend.run_job(job)
         if len(outcome.ok_keys) != len(job.keys):
             raise RuntimeError(f"job {job.job_id} failed: {outcome.error}")
-        outcome.release()
+        if outcome.release is not None:
+            outcome.release()
 
     samples = []
     with ThreadPoolExecutor(threads) as executor:
@@ -181,7 +184,7 @@ class WorkerProcess:
                 done += 1
 
     def close(self) -> None:
-        self.send(Control(action="shutdown"))
+        self.send(Control(action=ControlAction.SHUTDOWN))
         try:
             self.proc.wait(timeout=30)
         finally:
@@ -192,7 +195,7 @@ class WorkerProcess:
 
 
 def bench_process(
-    worker: WorkerProcess, kind: str, n: int, block_bytes: int, window: int, reps: int
+    worker: WorkerProcess, kind: JobKind, n: int, block_bytes: int, window: int, reps: int
 ) -> list[float]:
     samples = []
     for rep in range(reps):
@@ -221,31 +224,28 @@ def bench_size(
         backend = CpuBackend()
         backend.start(pool, FaultInjector())
         backend.attach_kv(kv.handle("bench"))
-        bench_backend(backend, "device_store", n, block_bytes, 1, 1)  # warm-up
-        result = {
-            "block_bytes": block_bytes,
-            "blocks": n,
-            "memcpy_1thread_gbps": summarize(bench_memcpy(pool, src, reps)),
-        }
-        for kind in ("device_store", "device_load"):
+        bench_backend(backend, JobKind.DEVICE_STORE, n, block_bytes, 1, 1)  # warm-up
+        memcpy = summarize(bench_memcpy(pool, src, reps))
+        rates: dict[str, dict[str, float]] = {"memcpy_1thread_gbps": memcpy}
+        for kind in (JobKind.DEVICE_STORE, JobKind.DEVICE_LOAD):
             for t in sorted({1, threads}):
                 name = f"{kind}_{t}thread_gbps"
-                result[name] = summarize(bench_backend(backend, kind, n, block_bytes, t, reps))
+                rates[name] = summarize(bench_backend(backend, kind, n, block_bytes, t, reps))
         backend.close()
         if process_window:
             with tempfile.TemporaryDirectory(prefix="kvb-") as directory:
                 worker = WorkerProcess(pool, kv, threads, Path(directory))
                 try:
-                    for kind in ("device_store", "device_load"):
-                        result[f"{kind}_process_gbps"] = summarize(
+                    for kind in (JobKind.DEVICE_STORE, JobKind.DEVICE_LOAD):
+                        rates[f"{kind}_process_gbps"] = summarize(
                             bench_process(worker, kind, n, block_bytes, process_window, reps)
                         )
                 finally:
                     worker.close()
-        memcpy = result["memcpy_1thread_gbps"]["median"]
+        result: dict[str, object] = {"block_bytes": block_bytes, "blocks": n, **rates}
         result["ratio_to_memcpy"] = {
-            key.removesuffix("_gbps"): round(value["median"] / memcpy, 3)
-            for key, value in result.items()
+            key.removesuffix("_gbps"): round(value["median"] / memcpy["median"], 3)
+            for key, value in rates.items()
             if key.startswith("device_")
         }
         del src

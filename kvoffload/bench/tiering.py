@@ -52,6 +52,7 @@ def bench_all_hit(keys: list[bytes], repeat: int) -> float:
     m = TieringManager(len(keys) * 2)
     m.on_new_request(ReqContext("r"))
     out = m.prepare_store("r", keys)
+    assert out is not None, "the pool has room for every key"
     m.complete_store("r", out.keys_to_store)
     reply = m.lookup("r", keys)
     assert reply.hit_prefix == len(keys)
@@ -67,6 +68,7 @@ def bench_fresh_keys(keys: list[bytes], repeat: int) -> dict:
     m = TieringManager(len(keys) * 2)
     m.on_new_request(ReqContext("r"))
     out = m.prepare_store("r", keys)
+    assert out is not None, "the pool has room for every key"
     m.complete_store("r", out.keys_to_store)
 
     def floor():
@@ -92,6 +94,7 @@ def bench_half_secondary(keys: list[bytes], repeat: int) -> dict:
         m = TieringManager(len(keys) * 2, [TierSpec("disk", Medium.STORAGE, Locality.LOCAL)])
         m.on_new_request(ReqContext("w"))
         out = m.prepare_store("w", keys[:half])
+        assert out is not None, "the pool has room for every key"
         m.complete_store("w", out.keys_to_store)
         for job in m.take_submissions():
             m.apply_result("disk", TransferResult(job.job_id, True))
@@ -117,6 +120,7 @@ def bench_store(n_keys: int, batch: int) -> dict:
     t0 = time.perf_counter()
     for i in range(0, n_keys, batch):
         out = m.prepare_store("r", stream[i : i + batch])
+        assert out is not None, "the pool has room for every key"
         m.complete_store("r", out.keys_to_store)
         for job in m.take_submissions():
             m.apply_result("disk", TransferResult(job.job_id, True))

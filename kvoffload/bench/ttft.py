@@ -131,6 +131,7 @@ def bench_length(
         "the cold run must compute everything"
     )
     pool = [engine.generate(prompt, 1) for _ in range(repeats)]
+    assert engine.client is not None, "the engine is connected to the service"
     wait_cascades(engine.client, cascaded_before + len(miss.stored))
     disk = []
     for _ in range(repeats):

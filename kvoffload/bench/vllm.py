@@ -105,7 +105,7 @@ def make_model(directory: Path, max_positions: int) -> Path:
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
     model = LlamaForCausalLM(config)
     model.save_pretrained(directory)
@@ -502,7 +502,7 @@ def run_native(engine: Engine, prompts, runs: dict, problems: list[str]) -> None
 
 
 def read_probe(directory: Path) -> list[dict[str, Any]]:
-    events = []
+    events: list[dict[str, Any]] = []
     for path in directory.glob("probe-*.jsonl"):
         events.extend(json.loads(line) for line in path.read_text().splitlines() if line)
     return sorted(events, key=lambda e: e["t"])

@@ -14,6 +14,10 @@ import os
 import time
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+)
+
 from kvoffload.integrations.vllm.connector import KVOffloadConnector
 from kvoffload.integrations.vllm.manager import KVOffloadManager
 
@@ -37,7 +41,7 @@ def _time_schedule_end(manager: KVOffloadManager) -> None:
         inner(context)
         _emit("schedule_end", start)
 
-    manager.on_schedule_end = on_schedule_end
+    manager.on_schedule_end = on_schedule_end  # type: ignore[method-assign]  # the probe wraps it
 
 
 class ProbeConnector(KVOffloadConnector):
@@ -64,6 +68,7 @@ class ProbeConnector(KVOffloadConnector):
     def build_connector_meta(self, scheduler_output):
         start = time.monotonic()
         meta = super().build_connector_meta(scheduler_output)
+        assert isinstance(meta, OffloadingConnectorMetadata)
         _emit(
             "step",
             start,
@@ -89,7 +94,9 @@ class ProbeConnector(KVOffloadConnector):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         start = time.monotonic()
         super().start_load_kv(forward_context, **kwargs)
-        _emit("transfers", start, loads=len(self._connector_metadata.load_jobs))
+        meta = self._connector_metadata
+        assert isinstance(meta, OffloadingConnectorMetadata)
+        _emit("transfers", start, loads=len(meta.load_jobs))
 
     def get_finished(self, finished_req_ids):
         start = time.monotonic()
