@@ -12,7 +12,7 @@ Decoding is strict (``decode_client`` etc. accept only their channel's union) an
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -378,6 +378,100 @@ class PoolStatus(_Status):
     block_bytes: int
 
 
+class WorkerLoopStats(_Status):
+    """The worker framework's own counters and levels, the same for every worker kind."""
+
+    jobs_done: int = 0
+    jobs_failed: int = 0
+    jobs_refused: int = 0
+    release_failures: int = 0
+    cleanup_failures: int = 0
+    bad_messages: int = 0
+    queued: int = 0
+    releasing: int = 0
+
+
+class _MediumStats(_Status, tag_field="backend"):
+    pass
+
+
+class CpuWorkerStats(_MediumStats, tag="cpu"):
+    """The cpu worker's copy counters; ``kv_handles`` is the number of engine caches attached."""
+
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    keys_failed: int = 0
+    slots_verified: int = 0
+    slots_verify_failed: int = 0
+    kv_handles: int = 0
+
+
+class DiskWorkerStats(_MediumStats, tag="disk"):
+    """The disk worker's counters, with its store's fill level and I/O mode."""
+
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+    direct_io: bool = False
+    degraded: bool = False
+    bytes_read: int = 0
+    bytes_written: int = 0
+    keys_promoted: int = 0
+    keys_cascaded: int = 0
+    corrupt_blocks: int = 0
+    absent_keys: int = 0
+    transient_errors: int = 0
+    enospc_errors: int = 0
+    store_full: int = 0
+    write_errors: int = 0
+    injected_corruptions: int = 0
+    keys_evicted: int = 0
+
+
+BreakerState = Literal["closed", "open", "half_open"]
+
+
+class BreakerStats(_Status):
+    """A circuit breaker's state; ``retry_in_s`` is 0 unless the breaker is open."""
+
+    state: BreakerState = "closed"
+    consecutive_failures: int = 0
+    failures_total: int = 0
+    rejected_total: int = 0
+    opened_total: int = 0
+    cooldown_s: float = 0.0
+    retry_in_s: float = 0.0
+
+
+class ObjectWorkerStats(_MediumStats, tag="object"):
+    """The object worker's request counters and its store's circuit breaker."""
+
+    probes: int = 0
+    probe_failures: int = 0
+    keys_probed: int = 0
+    keys_found: int = 0
+    gets: int = 0
+    get_failures: int = 0
+    puts: int = 0
+    put_failures: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    slot_release_failures: int = 0
+    injected_corruptions: int = 0
+    pending_releases: int = 0
+    breaker: BreakerStats = msgspec.field(default_factory=BreakerStats)
+
+
+MediumStats = CpuWorkerStats | DiskWorkerStats | ObjectWorkerStats
+
+
+class WorkerStats(_Status):
+    """What a heartbeat reports: the framework's counters and the backend's own.
+    ``medium`` is None when the backend could not report this time (logged by the worker)."""
+
+    loop: WorkerLoopStats = msgspec.field(default_factory=WorkerLoopStats)
+    medium: MediumStats | None = None
+
+
 class WorkerStatus(_Status):
     """A connected worker; ``stats`` are its own counters, as its last heartbeat said."""
 
@@ -389,7 +483,7 @@ class WorkerStatus(_Status):
     index_complete: bool
     inflight: int
     incarnation: int
-    stats: dict[str, Any]
+    stats: WorkerStats
 
 
 class WarmRestartStatus(_Status):

@@ -60,6 +60,8 @@ from kvoffload.protocol import (
     ProtocolError,
     TouchKeys,
     WorkerHello,
+    WorkerLoopStats,
+    WorkerStats,
     decode_manager_message,
     encode,
 )
@@ -201,14 +203,7 @@ class _Worker:
         self._stop_requested = False
         self._draining = False
         self._shutdown_deadline: float | None = None
-        self._counters = {
-            "jobs_done": 0,
-            "jobs_failed": 0,
-            "jobs_refused": 0,
-            "release_failures": 0,
-            "cleanup_failures": 0,
-            "bad_messages": 0,
-        }
+        self._loop_stats = WorkerLoopStats()
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -433,7 +428,7 @@ class _Worker:
                 pass
 
     def _bad_message(self, nbytes: int, error: str) -> None:
-        self._counters["bad_messages"] += 1
+        self._loop_stats.bad_messages += 1
         log.warning("bad_manager_message", bytes=nbytes, error=error)
 
     def _dispatch(self, frame: bytes) -> None:
@@ -500,7 +495,7 @@ class _Worker:
             "draining" if self._draining else validate_job(job, self._pool.num_slots, self._kinds)
         )
         if error:
-            self._counters["jobs_refused"] += 1
+            self._loop_stats.jobs_refused += 1
             log.warning("job_refused", job_id=job.job_id, kind=job.kind, error=error)
             self._send(JobDone(job_id=job.job_id, success=False, error=error))
             return
@@ -544,7 +539,7 @@ class _Worker:
             if item.outcome.release is not None:
                 item.outcome.release()
         except Exception as exc:
-            self._counters["release_failures"] += 1
+            self._loop_stats.release_failures += 1
             attempt = item.release_attempts
             if attempt & (attempt - 1) == 0:  # attempts 1, 2, 4, 8, ...: bounded log volume
                 log.warning(
@@ -561,14 +556,17 @@ class _Worker:
         try:
             item.outcome.cleanup()
         except Exception as exc:
-            self._counters["cleanup_failures"] += 1
+            self._loop_stats.cleanup_failures += 1
             log.warning("job_cleanup_failed", job_id=item.job.job_id, error=repr(exc))
 
     def _publish(self, item: _PendingRelease) -> None:
         job = item.job
         done = job_done_of(job, item.outcome, item.transfer_s)
         self._inflight.discard(job.job_id)
-        self._counters["jobs_done" if done.success else "jobs_failed"] += 1
+        if done.success:
+            self._loop_stats.jobs_done += 1
+        else:
+            self._loop_stats.jobs_failed += 1
         fields = dict(
             job_id=job.job_id,
             kind=job.kind,
@@ -600,14 +598,15 @@ class _Worker:
         heartbeat is useless)."""
         if self._outbox:
             return
+        medium: MediumStats | None
         try:
-            stats = dict(self._backend.stats())
+            medium = self._backend.stats()
         except Exception as exc:
             log.warning("backend_stats_failed", error=repr(exc))
-            stats = {}
-        stats.update(self._counters)
-        stats["queued"] = self._queue.qsize()
-        stats["releasing"] = len(self._releasing)
+            medium = None
+        self._loop_stats.queued = self._queue.qsize()
+        self._loop_stats.releasing = len(self._releasing)
+        stats = WorkerStats(loop=msgspec.structs.replace(self._loop_stats), medium=medium)
         self._send(
             Heartbeat(
                 inflight=len(self._inflight), degraded=bool(self._backend.degraded), stats=stats

@@ -202,7 +202,7 @@ def test_enospc_fails_keys_and_degrades_until_a_put_succeeds(start_backend, pool
     keys = keys_of("s", 2)
     originals = fill(pool, [0, 1], seed=6)
     for key in keys:
-        faults.once[("write_payload", key)] = errno.ENOSPC
+        faults.once[("write_record", key)] = errno.ENOSPC
     done = run(backend, JobKind.CASCADE, keys, [0, 1])
     assert done.ok_keys == [] and "no_space" in done.error
     assert done.full_keys == keys, "keys refused for lack of room are reported as such"
@@ -250,7 +250,7 @@ def test_a_failed_put_still_reports_the_key_it_evicted(start_backend, pool: Host
     assert run(backend, JobKind.CASCADE, first, [0, 1]).ok_keys == first
     backend.take_index_changes()
     late = keys_of("w", 1)
-    faults.once[("write_payload", late[0])] = errno.EIO
+    faults.once[("write_record", late[0])] = errno.EIO
     done = run(backend, JobKind.CASCADE, late, [2])
     assert done.ok_keys == [] and done.full_keys == [] and "write_error" in done.error
     added, removed = backend.take_index_changes()

@@ -260,9 +260,9 @@ def crash_writer_main(root: str, direct_io: str, kill_op: str, kill_at: int, par
     [
         ("probe", "none", 0),
         ("off", "none", 0),
-        ("probe", "invalidate", 70),
-        ("probe", "write_payload", 95),
-        ("off", "write_header", 130),
+        ("probe", "write_record", 70),
+        ("probe", "write_record", 95),
+        ("off", "write_record", 130),
         ("probe", "fsync", 41),
         ("off", "allocate", 2),
     ],
@@ -415,7 +415,7 @@ def test_newest_generation_wins_when_old_copy_was_not_cleared(open_store) -> Non
     assert reopened.used_bytes == RECORD
 
 
-@pytest.mark.parametrize("failing_op", ["write_payload", "write_header", "allocate"])
+@pytest.mark.parametrize("failing_op", ["write_record", "allocate"])
 def test_enospc_fails_put_marks_degraded_until_a_put_succeeds(open_store, failing_op: str) -> None:
     def hook(op: str, key: bytes) -> None:
         if op == failing_op and key == b"full":

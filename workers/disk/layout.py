@@ -1,7 +1,8 @@
 """Where records live: slab geometry and the ``layout.json`` that pins it to a directory.
 
 Each deployment fingerprint gets its own directory, ``<root>/<fingerprint hex>/``, holding
-``layout.json``, a ``lock`` file and slab files ``slab-NNNNNN.kvs``. A record is one header page
+``layout.json``, a ``lock`` file, slab files ``slab-NNNNNN.kvs`` and, while no store has it
+open after a clean close, an empty ``clean`` file. A record is one header page
 (``PAGE_SIZE`` bytes: the 128-byte block header, zero padded) followed by the payload rounded up
 to whole pages. Record ``r`` lives in slab ``r // records_per_slab`` at byte offset
 ``(r % records_per_slab) * record_size``. Paths and offsets derive only from these numbers and
@@ -24,6 +25,7 @@ from workers.disk.rawio import PAGE_SIZE, round_up
 STORE_VERSION = 1
 LAYOUT_FILE = "layout.json"
 LOCK_FILE = "lock"
+CLEAN_FILE = "clean"
 
 _FIXED_FIELDS = (
     "store_version",
@@ -150,6 +152,22 @@ def make_private_directory(directory: Path) -> None:
     except FileExistsError:
         pass
     os.chmod(directory, 0o700)
+
+
+def take_clean_mark(directory: Path) -> bool:
+    """Whether the last store to use ``directory`` closed cleanly (``mark_clean``). The mark is
+    removed durably before this returns, so a crash from now on reads as unclean."""
+    try:
+        (directory / CLEAN_FILE).unlink()
+    except FileNotFoundError:
+        return False
+    fsync_directory(directory)
+    return True
+
+
+def mark_clean(directory: Path) -> None:
+    """Record durably that every record in ``directory`` is whole (see ``take_clean_mark``)."""
+    _write_atomically(directory / CLEAN_FILE, "")
 
 
 def fsync_directory(directory: Path) -> None:

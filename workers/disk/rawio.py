@@ -47,6 +47,26 @@ def pwrite_all(fd: int, buf, offset: int) -> None:
         done += n
 
 
+def pwritev_all(fd: int, bufs: Sequence, offset: int, total: int) -> None:
+    """Write ``bufs`` (``total`` bytes together) contiguously at ``offset`` with one ``pwritev``;
+    a short write is continued, a zero-length one is EIO."""
+    done = os.pwritev(fd, bufs, offset)
+    if done == total:
+        return
+    views = [memoryview(b).cast("B") for b in bufs]
+    skip = done
+    while done < total:
+        while skip >= len(views[0]):
+            skip -= len(views.pop(0))
+        if skip:
+            views[0] = views[0][skip:]
+        n = os.pwritev(fd, views, offset + done)
+        if n == 0:
+            raise OSError(errno.EIO, "write made no progress")
+        done += n
+        skip = n
+
+
 def preadv_all(fd: int, bufs: Sequence, offset: int, total: int) -> int:
     """Fill ``bufs`` (``total`` bytes together) from ``offset``; return bytes read (< total at EOF)."""
     done = os.preadv(fd, bufs, offset)

@@ -23,12 +23,12 @@ FREE, RESERVED, LIVE, RETIRED = range(4)
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """A record handed to a put. ``invalidate_first``: its header page may hold a valid header
-    (an evicted or overwritten block) that must be cleared before the payload is written."""
+    """A record handed to a put. ``stale_header``: its header page may hold a valid header (an
+    evicted or overwritten block), which a put that fails before writing the record must clear."""
 
     record: int
     generation: int
-    invalidate_first: bool
+    stale_header: bool
     evicted: list[bytes]
 
 
@@ -155,13 +155,13 @@ class RecordIndex:
         self._read_errors[record] = 0
 
     def _take(
-        self, record: int, generation: int, invalidate_first: bool, evicted: list[bytes]
+        self, record: int, generation: int, stale_header: bool, evicted: list[bytes]
     ) -> Reservation:
         self._state[record] = RESERVED
         self._key[record] = None
         self._generation[record] = generation
         self._read_errors[record] = 0
-        return Reservation(record, generation, invalidate_first, evicted)
+        return Reservation(record, generation, stale_header, evicted)
 
     def _settle(self, record: int) -> bool:
         if self._state[record] == RETIRED and self._pins[record] == 0:

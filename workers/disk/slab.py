@@ -4,10 +4,16 @@ files and the caller's host-pool slots.
 
 Contracts:
 
-* Visibility: a key is indexed only once its payload and then its header page are written
-  (and fdatasync'ed with ``durability="fsync"``). A record about to be reused has its old
-  header page cleared before the new payload is written, so after a crash (kill -9) at any
-  point a valid header on disk always describes a completely written payload.
+* Writes: a put writes its record (header page, then payload) with one ``pwritev`` and, with
+  ``durability="fsync"``, one fdatasync; the key is indexed only after both returned.
+* Torn records are never served. A crash (kill -9, power loss) during a put may leave a record
+  torn: a valid header over a payload that is partly old bytes. The header's xxh3 of the
+  payload is what guarantees this: ``get`` verifies it before returning (see Reads), and
+  ``open`` verifies it for every record unless the directory carries the clean mark, which
+  ``close`` writes (after an fdatasync of every slab file) only when no record can be torn:
+  no put was in flight, and no header clear after a failed write or a bad read failed. ``open``
+  removes the mark durably before any write, so a crash from then on reads as unclean. A
+  failed record is dropped and its header page cleared, like any invalid header.
 * Reads verify the header (crc, magic, version, fingerprint, key, length, generation) and the
   payload's xxh3_64 checksum. A bad copy raises ``CorruptBlock``, leaves the index and has its
   header page cleared. Other read errors raise ``TransientIOError`` and keep the block, except
@@ -16,7 +22,7 @@ Contracts:
   touch; after ``open()`` it follows write order. Records pinned by an in-progress get are
   never evicted or overwritten; a put that finds nothing to reuse raises ``StoreFull``.
 * Overwriting a key reuses its record in place when no get is reading it (the key leaves the
-  index and the old header is cleared first). While a get reads it, the new copy goes to
+  index and the new record is written over the old one). While a get reads it, the new copy goes to
   another record and the old one is cleared after the read; the header generation makes the
   newest copy win at the next scan if a crash comes in between.
 * ENOSPC/EDQUOT fails the put with that OSError and sets ``degraded`` until a put succeeds.
@@ -26,8 +32,9 @@ Contracts:
 * I/O mode: O_DIRECT when the probe in ``open()`` succeeds and ``block_bytes`` is a multiple of
   ``PAGE_SIZE``, else buffered I/O. With O_DIRECT a slot that is not page aligned is moved
   through the buffered descriptor of the same file, which the kernel keeps coherent.
-* Only ``open`` scans, reading header pages only; a torn payload is caught by the checksum at
-  get. Slab files beyond the capacity (after shrinking it) are left untouched and ignored.
+* Only ``open`` scans: header pages after a clean close, whole records otherwise (one read of
+  the stored bytes). Slab files beyond the capacity (after shrinking it) are left untouched
+  and ignored.
 """
 
 from __future__ import annotations
@@ -62,7 +69,9 @@ from workers.disk.layout import (
     adopt_layout,
     fsync_directory,
     make_private_directory,
+    mark_clean,
     plan_layout,
+    take_clean_mark,
 )
 from workers.disk.rawio import (
     O_DIRECT,
@@ -73,6 +82,7 @@ from workers.disk.rawio import (
     preadv_all,
     probe_direct_io,
     pwrite_all,
+    pwritev_all,
 )
 from workers.disk.record_index import RecordIndex
 from workers.disk.scan import scan_slab
@@ -83,9 +93,7 @@ one of ``FAULT_OPS``; ``key`` is the block's key, or ``b""`` for scan reads and 
 
 FAULT_OPS = (
     "allocate",
-    "invalidate",
-    "write_payload",
-    "write_header",
+    "write_record",
     "fsync",
     "read",
     "clear",
@@ -113,7 +121,7 @@ class DiskStore:
     """Blocks of ``block_bytes`` under opaque keys (1..64 bytes) in ``<root>/<fingerprint hex>/``.
 
     ``capacity_bytes`` bounds the record bytes (header page + page-rounded payload per block).
-    ``durability="fsync"`` fdatasyncs each payload and each header before the key is indexed.
+    ``durability="fsync"`` fdatasyncs each record before its key is indexed.
     ``direct_io``: None probes O_DIRECT, True requires it, False never uses it.
     ``fault_hook``: see ``FaultHook``. Call ``open()`` before anything else.
     """
@@ -150,6 +158,7 @@ class DiskStore:
         self._lock_fd: int | None = None
         self._is_open = False
         self._degraded = False
+        self._torn_possible = False
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -171,7 +180,9 @@ class DiskStore:
         try:
             self._layout = adopt_layout(self._layout)
             self._direct_io = self._choose_direct_io()
-            found = self._scan(on_batch, batch_size)
+            clean = take_clean_mark(self._layout.directory)
+            self._torn_possible = False
+            found = self._scan(on_batch, batch_size, verify=not clean)
         except BaseException:
             self._release_files()
             raise
@@ -179,6 +190,7 @@ class DiskStore:
         self._log.info(
             "disk_store_opened",
             blocks=found,
+            clean=clean,
             direct_io=self._direct_io,
             records=self._layout.n_records,
             record_size=self._layout.record_size,
@@ -186,12 +198,22 @@ class DiskStore:
         )
 
     def close(self) -> None:
-        """Close files and unlock the directory. In-flight calls must have returned. Idempotent."""
+        """Flush the slab files, mark the directory clean unless a failed put may have left a
+        torn record behind (see the module docstring), close files and unlock the directory.
+        In-flight calls must have returned. Idempotent."""
         with self._lock:
             if not self._is_open:
                 return
             self._is_open = False
-        self._release_files()
+        try:
+            if not self._torn_possible:
+                for slab_file in self._files.values():
+                    os.fdatasync(slab_file.buffered)
+                mark_clean(self._layout.directory)
+        except OSError as exc:
+            self._log.warning("disk_clean_mark_failed", error=str(exc))
+        finally:
+            self._release_files()
 
     # ---- properties ------------------------------------------------------------------------
 
@@ -269,26 +291,19 @@ class DiskStore:
                 evicted.extend(reservation.evicted)
         record = reservation.record
         slab, offset = self._layout.locate(record)
-        header_may_be_valid = reservation.invalidate_first
+        header_may_be_valid = reservation.stale_header
         try:
             slab_file = self._writable_file(slab, key)
-            if reservation.invalidate_first:
-                self._fault("invalidate", key)
-                pwrite_all(slab_file.header_fd, ZERO_PAGE, offset)
-                header_may_be_valid = False
-            payload_fd = slab_file.buffered
+            fd = slab_file.buffered
             if slab_file.direct is not None and is_page_aligned(view):
-                payload_fd = slab_file.direct
-            self._fault("write_payload", key)
-            pwrite_all(payload_fd, view, offset + PAGE_SIZE)
-            self._sync(slab_file, key)
+                fd = slab_file.direct
             page = self._write_page()
             page[:HEADER_SIZE] = BlockHeader(
                 key, len(view), checksum, self._layout.fingerprint, reservation.generation
             ).encode()
             header_may_be_valid = True
-            self._fault("write_header", key)
-            pwrite_all(slab_file.header_fd, page, offset)
+            self._fault("write_record", key)
+            pwritev_all(fd, [page, view], offset, PAGE_SIZE + len(view))
             self._sync(slab_file, key)
         except BaseException as exc:
             cleared = not header_may_be_valid or self._clear_header(record, key)
@@ -395,6 +410,7 @@ class DiskStore:
             self._fault("clear", key)
             pwrite_all(slab_file.header_fd, ZERO_PAGE, offset)
         except OSError as exc:
+            self._torn_possible = True
             self._log.warning("disk_header_clear_failed", record=record, error=str(exc))
             return False
         return True
@@ -436,7 +452,9 @@ class DiskStore:
                 raise
         return _SlabFile(buffered, direct, sized=False)
 
-    def _scan(self, on_batch: Callable[[list[bytes]], None] | None, batch_size: int) -> int:
+    def _scan(
+        self, on_batch: Callable[[list[bytes]], None] | None, batch_size: int, verify: bool
+    ) -> int:
         layout = self._layout
         existing = [s for s in range(layout.n_slabs) if layout.slab_path(s).exists()]
         for slab in existing:
@@ -451,7 +469,7 @@ class DiskStore:
                 min(SCAN_THREADS, len(existing)), thread_name_prefix="disk-scan"
             ) as pool:
                 futures = [
-                    pool.submit(scan_slab, self._files[s].header_fd, layout, s, before_read)
+                    pool.submit(scan_slab, self._files[s].header_fd, layout, s, before_read, verify)
                     for s in existing
                 ]
                 for future in as_completed(futures):
@@ -472,6 +490,7 @@ class DiskStore:
                         pending = self._announce(on_batch, pending, batch_size)
         self._announce(on_batch, pending, batch_size, flush=True)
         stale.extend(r for r in to_clear if not self._clear_header(r, b""))
+        self._torn_possible = self._torn_possible or bool(stale)
         if to_clear or stale:
             self._log.warning(
                 "disk_scan_dropped_records", cleared=len(to_clear), unreadable=len(stale)

@@ -6,7 +6,8 @@ Jobs (``slots[i]`` co-indexed with ``keys[i]``):
   the manager, not readable until the result arrives); a failed key may leave garbage there,
   which the manager never serves since it frees that slot. A key that landed has its slot
   header stamped (when slot headers are on) with the checksum the store just verified.
-- ``cascade``: ``store.put(key, slot)``; the slot is only read.
+- ``cascade``: ``store.put(key, slot)``; the slot is only read. A job's keys are written in
+  parallel on the backend's ``disk.write_threads`` writer threads; its result waits for all.
 
 Per-key outcomes: a corrupt or absent copy fails the key, reports it removed and, for a
 promotion, lists it in the outcome's ``absent_keys``; a transient
@@ -34,13 +35,13 @@ import mmap
 import threading
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from kvoffload.blockformat import CorruptBlock, deployment_fingerprint
 from kvoffload.config import Config
 from kvoffload.logs import get_logger
 from kvoffload.pool import HostPool
-from kvoffload.protocol import Job, JobKind, KVHandle
+from kvoffload.protocol import DiskWorkerStats, Job, JobKind, KVHandle
 from workers.backend import BackendOutcome
 from workers.disk.errors import StoreFull, TransientIOError
 from workers.disk.slab import DiskStore
@@ -50,12 +51,10 @@ from workers.slotheaders import SlotHeaders
 log = get_logger(tier="disk")
 
 INDEX_BATCH_KEYS = 4096
-FAILING_OPS = frozenset(
-    {"allocate", "invalidate", "write_payload", "write_header", "fsync", "read"}
-)
+FAILING_OPS = frozenset({"allocate", "write_record", "fsync", "read"})
 """Store operations that injected failures may hit (``clear`` and ``scan`` are left alone:
 failing them would only strand records until the next start)."""
-SPACE_OPS = frozenset({"allocate", "write_payload"})
+SPACE_OPS = frozenset({"allocate", "write_record"})
 """Store operations where an injected full disk (``enospc_fraction``) fires, as ENOSPC would."""
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 GONE_REASONS = frozenset({"absent", "corrupt"})
@@ -91,6 +90,7 @@ class DiskBackend:
         self._pool: HostPool | None = None
         self._headers: SlotHeaders | None = None
         self._store: DiskStore | None = None
+        self._writers: ThreadPoolExecutor | None = None
         self._faults = FaultInjector()
         self._lock = threading.Lock()
         self._changed: dict[bytes, None] = {}
@@ -100,7 +100,7 @@ class DiskBackend:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def job_threads(self, cfg: Config) -> int:
-        """Read and write threads together."""
+        """Read and write threads together (a cascade's writes run on the writer threads)."""
         return cfg.disk.read_threads + cfg.disk.write_threads
 
     def cpu_affinity(self, cfg: Config) -> tuple[int, ...]:
@@ -128,6 +128,7 @@ class DiskBackend:
         )
         store.open()
         self._store = store
+        self._writers = ThreadPoolExecutor(disk.write_threads, thread_name_prefix="disk-write")
         log.info(
             "disk_backend_started",
             root=str(store.directory),
@@ -138,6 +139,8 @@ class DiskBackend:
         )
 
     def close(self) -> None:
+        if self._writers is not None:
+            self._writers.shutdown()
         if self._store is not None:
             self._store.close()
 
@@ -160,11 +163,12 @@ class DiskBackend:
         failures: Counter[str] = Counter()
         first_error = ""
         try:
-            for key, slot in zip(job.keys, job.slots, strict=True):
+            written = [] if promote else self._cascade_all(job, changed, evicted)
+            for index, (key, slot) in enumerate(zip(job.keys, job.slots, strict=True)):
                 if promote:
                     failure = self._promote_one(key, slot, job.job_id, changed)
                 else:
-                    failure = self._cascade_one(key, pool.slot(slot), changed, evicted)
+                    failure = written[index]
                 if failure:
                     reason = failure.split(":", 1)[0]
                     failures[reason] += 1
@@ -224,6 +228,44 @@ class DiskBackend:
             self._headers.stamp(slot, key, generation, header.checksum)
         return ""
 
+    def _cascade_all(self, job: Job, changed: list[bytes], evicted: list[bytes]) -> list[str]:
+        """Write the job's keys in parallel on the writer threads (``disk.write_threads``,
+        shared by every job; a one-key job writes on its own thread) and wait for all of them.
+        Returns each key's ``_cascade_one`` outcome in job order; ``changed`` and ``evicted``
+        receive the keys in job order, and the stored keys are touched in job order (recency
+        as if written one after another). An exception of one write is raised after every write
+        of the job returned (their keys noted first)."""
+        pool = self._require_pool()
+        if len(job.keys) == 1:
+            return [self._cascade_one(job.keys[0], pool.slot(job.slots[0]), changed, evicted)]
+        writers = self._require_writers()
+        futures = [
+            writers.submit(self._cascade_key, key, pool.slot(slot))
+            for key, slot in zip(job.keys, job.slots, strict=True)
+        ]
+        wait(futures)
+        outcomes: list[str] = []
+        error: BaseException | None = None
+        for future in futures:
+            exc = future.exception()
+            if exc is not None:
+                error = error or exc
+                continue
+            failure, key_changed, key_evicted = future.result()
+            outcomes.append(failure)
+            changed.extend(key_changed)
+            evicted.extend(key_evicted)
+        if error is not None:
+            raise error
+        self._require_store().touch(k for k, f in zip(job.keys, outcomes, strict=True) if not f)
+        return outcomes
+
+    def _cascade_key(self, key: bytes, src: memoryview) -> tuple[str, list[bytes], list[bytes]]:
+        """``_cascade_one`` on a writer thread, with its own changed and evicted lists."""
+        changed: list[bytes] = []
+        evicted: list[bytes] = []
+        return self._cascade_one(key, src, changed, evicted), changed, evicted
+
     def _cascade_one(
         self, key: bytes, src: memoryview, changed: list[bytes], evicted: list[bytes]
     ) -> str:
@@ -255,7 +297,7 @@ class DiskBackend:
         return ""
 
     def _corrupting_copy(self, src: memoryview) -> mmap.mmap:
-        """A page-aligned private copy of ``src``; the next ``write_payload`` op of this thread
+        """A page-aligned private copy of ``src``; the next ``write_record`` op of this thread
         flips one of its bytes (after the store computed the checksum)."""
         buf = getattr(self._local, "buffer", None)
         if buf is None:
@@ -274,7 +316,7 @@ class DiskBackend:
         if op in SPACE_OPS:
             faults.maybe_full(op, key)
         buf = getattr(self._local, "corrupt", None)
-        if op == "write_payload" and buf is not None:
+        if op == "write_record" and buf is not None:
             self._local.corrupt = None
             buf[len(buf) // 2] ^= 0xFF
             log.warning("disk_payload_corrupted_on_purpose", key=key.hex())
@@ -307,17 +349,17 @@ class DiskBackend:
         """True while the store's last put failed for lack of space."""
         return self._store is not None and self._store.degraded
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> DiskWorkerStats:
         store = self._require_store()
         with self._lock:
             counters = dict(self._counters)
-        return {
-            "used_bytes": store.used_bytes,
-            "capacity_bytes": store.capacity_bytes,
-            "direct_io": store.direct_io,
-            "degraded": store.degraded,
+        return DiskWorkerStats(
+            used_bytes=store.used_bytes,
+            capacity_bytes=store.capacity_bytes,
+            direct_io=store.direct_io,
+            degraded=store.degraded,
             **counters,
-        }
+        )
 
     def attach_kv(self, handle: KVHandle) -> None:
         """The disk worker never touches an engine's KV cache."""
@@ -335,6 +377,11 @@ class DiskBackend:
         if self._store is None:
             raise RuntimeError("DiskBackend.start was not called")
         return self._store
+
+    def _require_writers(self) -> ThreadPoolExecutor:
+        if self._writers is None:
+            raise RuntimeError("DiskBackend.start was not called")
+        return self._writers
 
     def _require_pool(self) -> HostPool:
         if self._pool is None:
