@@ -22,7 +22,14 @@ WORKER_MESSAGES = [
     p.WorkerHello(version=1, worker="disk", medium="storage", pid=9),
     p.IndexUpdate(added=[b"a" * 16], removed=[], complete=True),
     p.JobDone(job_id=3, success=False, successful_keys=[b"a" * 16], transfer_s=0.1, nbytes=5),
-    p.Heartbeat(inflight=2, degraded=True, stats={"x": 1}),
+    p.Heartbeat(
+        inflight=2,
+        degraded=True,
+        stats=p.WorkerStats(
+            loop=p.WorkerLoopStats(jobs_done=4, queued=1),
+            medium=p.ObjectWorkerStats(puts=2, breaker=p.BreakerStats(state="open")),
+        ),
+    ),
 ]
 MANAGER_MESSAGES = [
     p.HelloAck(version=1, accepted=False, reason="no"),

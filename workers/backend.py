@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvoffload.pool import HostPool
-from kvoffload.protocol import Job, JobKind, KVHandle
+from kvoffload.protocol import Job, JobKind, KVHandle, MediumStats
 from workers.faults import FaultInjector
 
 if TYPE_CHECKING:
@@ -120,8 +120,8 @@ class Backend(Protocol):
     def detach_kv(self, handle_id: str) -> None:
         """Forget a KV cache; jobs still using it keep it mapped until their release."""
 
-    def stats(self) -> dict[str, Any]:
-        """Plain msgpack-able counters for the heartbeat."""
+    def stats(self) -> MediumStats:
+        """This backend's counters for the heartbeat (a snapshot the caller may keep)."""
 
     def close(self) -> None:
         """Release the medium; called once after the last job was released."""

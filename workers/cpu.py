@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvoffload.config import Config
@@ -41,7 +42,7 @@ from kvoffload.cuda_host import cuda_device_count
 from kvoffload.kvcache import SharedKVCache, rebuild_cuda_ipc_tensor
 from kvoffload.logs import get_logger
 from kvoffload.pool import HostPool
-from kvoffload.protocol import HandleKind, Job, JobKind, KVHandle
+from kvoffload.protocol import CpuWorkerStats, HandleKind, Job, JobKind, KVHandle
 from workers.backend import AttachRefused, BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector
 from workers.framework import worker_main
@@ -238,13 +239,7 @@ class CpuBackend(NoIndexBackend):
         self._lock = threading.Lock()
         self._handles: dict[str, _AttachedKV] = {}
         self._streams = threading.local()
-        self._counters = {
-            "bytes_stored": 0,
-            "bytes_loaded": 0,
-            "keys_failed": 0,
-            "slots_verified": 0,
-            "slots_verify_failed": 0,
-        }
+        self._stats = CpuWorkerStats()
         self._parallelism = max(1, (cfg.cpu.threads if cfg is not None else 1))
         self._copy_pool = (
             ThreadPoolExecutor(self._parallelism - 1, thread_name_prefix="copy")
@@ -374,8 +369,8 @@ class CpuBackend(NoIndexBackend):
                 ok.append(key)
         failed = len(job.keys) - len(ok)
         with self._lock:
-            self._counters["slots_verified"] += len(ok)
-            self._counters["slots_verify_failed"] += failed
+            self._stats.slots_verified += len(ok)
+            self._stats.slots_verify_failed += failed
         error = f"{failed} of {len(job.keys)} slots failed verification" if failed else ""
         return BackendOutcome(ok_keys=ok, error=error)
 
@@ -418,10 +413,11 @@ class CpuBackend(NoIndexBackend):
         failures = [failure for _, part_failures in outcomes for failure in part_failures]
         nbytes = len(ok) * pool.block_bytes
         with self._lock:
-            self._counters[
-                "bytes_stored" if job.kind == JobKind.DEVICE_STORE else "bytes_loaded"
-            ] += nbytes
-            self._counters["keys_failed"] += len(failures)
+            if job.kind == JobKind.DEVICE_STORE:
+                self._stats.bytes_stored += nbytes
+            else:
+                self._stats.bytes_loaded += nbytes
+            self._stats.keys_failed += len(failures)
         error = f"{len(failures)} of {count} keys failed, first: {failures[0]}" if failures else ""
         return ok, nbytes, error
 
@@ -471,9 +467,9 @@ class CpuBackend(NoIndexBackend):
             self._stamp(job, ok, ok_slots)
         return ok, failures
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> CpuWorkerStats:
         with self._lock:
-            return {**self._counters, "kv_handles": len(self._handles)}
+            return msgspec.structs.replace(self._stats, kv_handles=len(self._handles))
 
     def close(self) -> None:
         if self._copy_pool is not None:

@@ -129,8 +129,12 @@ class _WorkerCounters:
 
 
 def _flat_stats(stats: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-    """Heartbeat stats with nested maps flattened (``breaker.state`` -> ``breaker_state``)."""
-    for name, value in stats.items():
+    """A heartbeat's ``WorkerStats`` (as builtins) as one flat list: the framework's and the
+    backend's counters side by side, nested structs flattened (``breaker.state`` ->
+    ``breaker_state``), the backend tag left out."""
+    medium = dict(stats.get("medium") or {})
+    medium.pop("backend", None)
+    for name, value in {**stats.get("loop", {}), **medium}.items():
         if isinstance(value, Mapping):
             for inner, inner_value in value.items():
                 yield f"{name}_{inner}", inner_value

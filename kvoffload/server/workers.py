@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from ..protocol import WorkerStats
+
 log = structlog.get_logger()
 
 
@@ -21,7 +23,7 @@ class WorkerState:
     index_complete: bool = False
     degraded: bool = False
     inflight: int = 0
-    stats: dict = field(default_factory=dict)
+    stats: WorkerStats = field(default_factory=WorkerStats)
     jobs: set[int] = field(default_factory=set)
     incarnations: int = 1
 

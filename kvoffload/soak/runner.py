@@ -251,8 +251,11 @@ class SoakRun:
             for tier, counters in status["tiering"]["per_tier"].items():
                 self.tier_totals.update(manager, tier, counters)
             for name, worker in status["workers"].items():
-                self.worker_totals.update(worker["pid"], name, worker["stats"])
-            disk = status["workers"].get("disk", {}).get("stats", {})
+                stats = worker["stats"]
+                self.worker_totals.update(
+                    worker["pid"], name, {**stats["loop"], **(stats["medium"] or {})}
+                )
+            disk = status["workers"].get("disk", {}).get("stats", {}).get("medium") or {}
             if disk.get("capacity_bytes"):
                 self.disk_fill_peak = max(
                     self.disk_fill_peak, disk["used_bytes"] / disk["capacity_bytes"]

@@ -19,7 +19,7 @@ from kvoffload.blockformat import HEADER_SIZE, CorruptBlock, decode_header, depl
 from kvoffload.config import Config, DiskConfig, PoolConfig
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.pool import HostPool
-from kvoffload.protocol import FaultSpec, Job, JobKind
+from kvoffload.protocol import DiskWorkerStats, FaultSpec, Job, JobKind, WorkerStatus
 from kvoffload.tiering import LookupResult
 from workers.backend import Backend, BackendOutcome
 from workers.disk.worker import DiskBackend
@@ -142,8 +142,8 @@ def test_backend_protocol_cascade_promote_and_restart(
     assert slot_bytes(pool, range(8, 16)) == originals
     assert slot_bytes(pool, range(16, SLOTS)) == untouched  # only the job's slots are written
     stats = backend.stats()
-    assert stats["used_bytes"] == 8 * RECORD and stats["capacity_bytes"] == 64 * RECORD
-    assert stats["bytes_written"] == stats["bytes_read"] == 8 * BLOCK and stats["degraded"] is False
+    assert stats.used_bytes == 8 * RECORD and stats.capacity_bytes == 64 * RECORD
+    assert stats.bytes_written == stats.bytes_read == 8 * BLOCK and stats.degraded is False
     backend.close()
 
     restarted = start_backend()
@@ -181,7 +181,7 @@ def test_corrupt_and_torn_copies_fail_and_are_removed_transient_keeps(
     assert done.absent_keys == [keys[1], keys[2]]
     assert pool.slot(8).tobytes() == originals[0]
     assert backend.take_index_changes() == ([], [keys[1], keys[2]])
-    assert backend.stats()["corrupt_blocks"] == 2
+    assert backend.stats().corrupt_blocks == 2
     done = run(backend, JobKind.PROMOTE, [keys[1]], [9])
     assert done.ok_keys == [] and "absent" in done.error and done.absent_keys == [keys[1]]
     assert backend.take_index_changes() == ([], [keys[1]])
@@ -191,7 +191,7 @@ def test_corrupt_and_torn_copies_fail_and_are_removed_transient_keeps(
     done = run(backend, JobKind.PROMOTE, [keys[0]], [11])
     assert done.ok_keys == [] and "transient" in done.error and done.absent_keys == []
     assert backend.take_index_changes() == ([], [])
-    assert backend.stats()["transient_errors"] == 1
+    assert backend.stats().transient_errors == 1
     done = run(backend, JobKind.PROMOTE, [keys[0]], [11])
     assert done.ok_keys == [keys[0]] and pool.slot(11).tobytes() == originals[0]
 
@@ -208,14 +208,12 @@ def test_enospc_fails_keys_and_degrades_until_a_put_succeeds(start_backend, pool
     assert done.full_keys == keys, "keys refused for lack of room are reported as such"
     assert backend.degraded is True
     stats = backend.stats()
-    assert stats["degraded"] is True and stats["enospc_errors"] == 2 and stats["used_bytes"] == 0
+    assert stats.degraded is True and stats.enospc_errors == 2 and stats.used_bytes == 0
     added, removed = backend.take_index_changes()
     assert added == [] and sorted(removed) == sorted(keys)
 
     done = run(backend, JobKind.CASCADE, keys, [0, 1])
-    assert (
-        done.ok_keys == keys and backend.degraded is False and backend.stats()["degraded"] is False
-    )
+    assert done.ok_keys == keys and backend.degraded is False and backend.stats().degraded is False
     assert backend.take_index_changes() == (keys, [])
     assert run(backend, JobKind.PROMOTE, keys, [2, 3]).ok_keys == keys
     assert slot_bytes(pool, [2, 3]) == originals
@@ -233,9 +231,9 @@ def test_capacity_eviction_reports_removed_keys(start_backend, pool: HostPool) -
     assert run(backend, JobKind.CASCADE, more, [8, 9, 10]).ok_keys == more
     added, removed = backend.take_index_changes()
     assert sorted(added) == sorted(more) and sorted(removed) == sorted(first[1:4])
-    assert backend.stats()["keys_evicted"] == 3
+    assert backend.stats().keys_evicted == 3
     stats = backend.stats()
-    assert stats["used_bytes"] <= stats["capacity_bytes"] == 8 * RECORD
+    assert stats.used_bytes <= stats.capacity_bytes == 8 * RECORD
     done = run(backend, JobKind.PROMOTE, [first[1], first[0], more[2]], [12, 13, 14])
     assert done.ok_keys == [first[0], more[2]]
     assert pool.slot(14).tobytes() == originals[2]
@@ -255,7 +253,7 @@ def test_a_failed_put_still_reports_the_key_it_evicted(start_backend, pool: Host
     assert done.ok_keys == [] and done.full_keys == [] and "write_error" in done.error
     added, removed = backend.take_index_changes()
     assert added == [] and sorted(removed) == sorted([first[0], late[0]]), "the victim is gone too"
-    assert backend.stats()["keys_evicted"] == 1
+    assert backend.stats().keys_evicted == 1
 
 
 def test_configured_corruption_and_failures(start_backend, pool: HostPool) -> None:
@@ -276,7 +274,7 @@ def test_configured_corruption_and_failures(start_backend, pool: HostPool) -> No
     faults.replace(FaultSpec(enospc_fraction=1.0))
     done = run(backend, JobKind.CASCADE, [key], [0])
     assert done.ok_keys == [] and "no_space" in done.error and backend.degraded
-    assert backend.stats()["enospc_errors"] == 1
+    assert backend.stats().enospc_errors == 1
     faults.replace(FaultSpec())
     assert run(backend, JobKind.CASCADE, [key], [0]).ok_keys == [key] and not backend.degraded
     assert (
@@ -305,10 +303,13 @@ def disk_indexed(service) -> int:
     return service.status().tiering.tiers["disk"].indexed_keys
 
 
-def disk_worker_after(service, promoted: int) -> dict | None:
+def disk_worker_after(service, promoted: int) -> WorkerStatus | None:
     """The disk worker's status once its heartbeat counts ``promoted`` promoted keys."""
     disk = service.status().workers["disk"]
-    return disk if disk.stats.get("keys_promoted", 0) >= promoted else None
+    medium = disk.stats.medium
+    return (
+        disk if isinstance(medium, DiskWorkerStats) and medium.keys_promoted >= promoted else None
+    )
 
 
 def randomize(kv: SharedKVCache, seed: int) -> None:
@@ -363,7 +364,7 @@ def test_end_to_end_through_the_service_with_worker_kill(start_service) -> None:
             promote_and_load(c, kv, "reader-1", keys, list(range(16, 24)))
             assert [kv.block(b) for b in range(16, 24)] == originals
             disk = wait_until(lambda: disk_worker_after(service, 8), what="disk stats")
-            assert disk.stats["used_bytes"] >= 8 * SERVICE_BLOCK and not disk.degraded
+            assert disk.stats.medium.used_bytes >= 8 * SERVICE_BLOCK and not disk.degraded
 
             old_pid = disk.pid
             os.kill(old_pid, signal.SIGKILL)

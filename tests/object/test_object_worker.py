@@ -21,7 +21,7 @@ from kvoffload.blockformat import HEADER_SIZE
 from kvoffload.config import Config, ObjectConfig, PoolConfig
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.pool import HostPool
-from kvoffload.protocol import FaultSpec, Job, JobKind
+from kvoffload.protocol import FaultSpec, Job, JobKind, ObjectWorkerStats, WorkerStats
 from kvoffload.runspec import EXIT_REFUSED, RunSpec
 from kvoffload.soak.s3server import S3Server
 from kvoffload.soak.service import shm_names_containing
@@ -151,8 +151,8 @@ def test_cascade_probe_promote_and_cross_node_sharing(make_backend) -> None:
         assert slot_bytes(pool_b, slot) == written[k]
 
     stats = node_a.stats()
-    assert (stats["puts"], stats["gets"], stats["probes"]) == (6, 6, 2)
-    assert stats["keys_found"] == 3 and stats["breaker"]["state"] == "closed"
+    assert (stats.puts, stats.gets, stats.probes) == (6, 6, 2)
+    assert stats.keys_found == 3 and stats.breaker.state == "closed"
     assert not node_a.degraded
     msgspec.msgpack.encode(stats)
 
@@ -185,7 +185,7 @@ def test_promote_partial_failure_absent_and_corrupt(
     assert slot_bytes(pool, 7) != data[corrupt]
     with pytest.raises(ClientError):
         raw.head_object(Bucket=bucket, Key=name)  # the corrupt copy was removed
-    assert backend.stats()["get_failures"] == 2
+    assert backend.stats().get_failures == 2
 
 
 def test_release_failure_keeps_the_job_until_released(make_backend) -> None:
@@ -197,13 +197,13 @@ def test_release_failure_keeps_the_job_until_released(make_backend) -> None:
     outcome = backend.run_job(job(1, JobKind.CASCADE, [k], [0]))
     assert outcome.ok_keys == [k]
     assert outcome.release is not None
-    assert backend.stats()["pending_releases"] == 1
+    assert backend.stats().pending_releases == 1
     with pytest.raises(RuntimeError, match="still held"):
         outcome.release()
-    assert backend.stats()["pending_releases"] == 1
+    assert backend.stats().pending_releases == 1
     outcome.release()
     outcome.release()
-    assert backend.stats()["pending_releases"] == 0
+    assert backend.stats().pending_releases == 0
 
     loaded = backend.run_job(job(2, JobKind.PROMOTE, [k], [3]))
     assert loaded.ok_keys == [k] and loaded.release is None
@@ -216,7 +216,7 @@ def test_failed_transfer_with_failed_release_fails_the_key(make_backend) -> None
     assert outcome.ok_keys == [] and "absent" in outcome.error
     assert outcome.release is not None
     outcome.release()
-    assert backend.stats()["pending_releases"] == 0
+    assert backend.stats().pending_releases == 0
 
 
 def test_fault_fail_fraction_fails_each_operation(make_backend) -> None:
@@ -226,7 +226,7 @@ def test_fault_fail_fraction_fails_each_operation(make_backend) -> None:
     assert probed.absent_keys == [], "a failed probe confirms nothing"
     outcome = backend.run_job(job(2, JobKind.CASCADE, [key(1), key(2)], [0, 1]))
     assert outcome.ok_keys == [] and "InjectedFault" in outcome.error
-    assert backend.stats()["puts"] == 2 and backend.stats()["put_failures"] == 2
+    assert backend.stats().puts == 2 and backend.stats().put_failures == 2
     loaded = backend.run_job(job(3, JobKind.PROMOTE, [key(1)], [0]))
     assert loaded.ok_keys == [] and loaded.absent_keys == [], (
         "a transient GET failure confirms nothing"
@@ -241,7 +241,7 @@ def test_fault_corrupt_fraction_corrupts_what_puts_store_not_the_slot(make_backe
     stored = backend.run_job(job(1, JobKind.CASCADE, keys, [0, 1]))
     assert stored.ok_keys == keys, "the PUTs themselves succeed"
     assert [slot_bytes(pool, slot) for slot in range(2)] == data, "the pool slots are never altered"
-    assert backend.stats()["injected_corruptions"] == 2
+    assert backend.stats().injected_corruptions == 2
     loaded = backend.run_job(job(2, JobKind.PROMOTE, keys, [4, 5]))
     assert loaded.ok_keys == [] and loaded.absent_keys == keys, (
         "each stored copy fails its checksum"
@@ -256,7 +256,7 @@ def test_breaker_thresholds_come_from_the_object_config(make_backend) -> None:
         breaker_failure_threshold=2, breaker_cooldown_s=0.25, breaker_max_cooldown_s=0.5
     )
     breaker = backend.store.breaker
-    assert breaker.snapshot()["cooldown_s"] == 0.25
+    assert breaker.snapshot().cooldown_s == 0.25
     breaker.record_failure()
     assert breaker.state == "closed"
     breaker.record_failure()
@@ -264,11 +264,11 @@ def test_breaker_thresholds_come_from_the_object_config(make_backend) -> None:
     time.sleep(0.3)
     breaker.before_call()
     breaker.record_failure()
-    assert breaker.snapshot()["cooldown_s"] == 0.5
+    assert breaker.snapshot().cooldown_s == 0.5
     time.sleep(0.55)
     breaker.before_call()
     breaker.record_failure()
-    assert breaker.snapshot()["cooldown_s"] == 0.5, "the cooldown stops doubling at the maximum"
+    assert breaker.snapshot().cooldown_s == 0.5, "the cooldown stops doubling at the maximum"
 
 
 def test_outage_opens_breaker_and_recovers(make_backend, s3_server: S3Server) -> None:
@@ -288,7 +288,7 @@ def test_outage_opens_breaker_and_recovers(make_backend, s3_server: S3Server) ->
             assert time.monotonic() - started < 2 * 2.0 + 1.0
             if backend.degraded:
                 break
-        assert backend.degraded and backend.stats()["breaker"]["state"] == "open"
+        assert backend.degraded and backend.stats().breaker.state == "open"
 
         started = time.monotonic()
         dropped = backend.run_job(job(20, JobKind.CASCADE, [key(3, "outage")], [1]))
@@ -313,7 +313,7 @@ def test_outage_opens_breaker_and_recovers(make_backend, s3_server: S3Server) ->
         key(3, "outage"),
     ]
     assert (slot_bytes(pool, 4), slot_bytes(pool, 5)) == (before, after)
-    assert backend.stats()["breaker"]["opened_total"] >= 1
+    assert backend.stats().breaker.opened_total >= 1
 
 
 # --- the worker process ----------------------------------------------------------------------
@@ -513,15 +513,25 @@ def test_blocks_come_back_from_s3_after_reset(
             assert device_block(kv, 16 + i) == device_block(kv, i)
         c.finish_request("reader")
 
-    def reported(stats: dict) -> bool:  # heartbeat stats lag by up to one interval
-        return stats.get("gets") == len(keys) and stats.get("jobs_done", 0) >= 3
+    def reported(stats: WorkerStats) -> bool:  # heartbeat stats lag by up to one interval
+        medium = stats.medium
+        return (
+            isinstance(medium, ObjectWorkerStats)
+            and medium.gets == len(keys)
+            and stats.loop.jobs_done >= 3
+        )
 
     wait_until(lambda: reported(service.status().workers["object"].stats), 5.0, "object heartbeat")
     worker = service.status().workers["object"]
     assert worker.degraded is False
-    stats = worker.stats
-    assert (stats["puts"], stats["keys_found"], stats["jobs_failed"]) == (len(keys), len(keys), 0)
-    assert stats["slot_release_failures"] == release_failures and stats["pending_releases"] == 0
+    stats = worker.stats.medium
+    assert isinstance(stats, ObjectWorkerStats)
+    assert (stats.puts, stats.keys_found, worker.stats.loop.jobs_failed) == (
+        len(keys),
+        len(keys),
+        0,
+    )
+    assert stats.slot_release_failures == release_failures and stats.pending_releases == 0
     events = service.log_events()
     names = [e["event"] for e in events if e.get("proc") == "object"]
     assert "object_store_ready" in names

@@ -430,7 +430,7 @@ def test_outage_opens_breaker_and_probe_recovers(
     store.put(key(2), pool.slot(0))
     store.get(key(2), pool.slot(1))
     assert bytes(pool.slot(1)) == after
-    assert breaker.snapshot()["opened_total"] >= 1
+    assert breaker.snapshot().opened_total >= 1
 
 
 def test_hung_server_fails_within_request_timeout(
@@ -501,7 +501,7 @@ def test_breaker_open_fails_fast_until_cooldown_then_admits_one_probe() -> None:
     assert breaker.state == "half_open"
     with pytest.raises(BreakerOpen):
         breaker.before_call()
-    assert breaker.snapshot()["rejected_total"] == 2
+    assert breaker.snapshot().rejected_total == 2
 
 
 def test_breaker_probe_success_closes_and_resets_cooldown() -> None:
@@ -511,7 +511,7 @@ def test_breaker_probe_success_closes_and_resets_cooldown() -> None:
     clock.now += 1.0
     breaker.before_call()
     breaker.record_failure()
-    assert breaker.snapshot()["cooldown_s"] == 2.0
+    assert breaker.snapshot().cooldown_s == 2.0
     clock.now += 2.0
     breaker.before_call()
     with capture_logs() as logs:
@@ -519,11 +519,7 @@ def test_breaker_probe_success_closes_and_resets_cooldown() -> None:
     assert breaker.state == "closed"
     assert logs[0]["event"] == "object_breaker_closed"
     snap = breaker.snapshot()
-    assert (
-        snap["cooldown_s"] == 1.0
-        and snap["consecutive_failures"] == 0
-        and snap["opened_total"] == 2
-    )
+    assert snap.cooldown_s == 1.0 and snap.consecutive_failures == 0 and snap.opened_total == 2
     breaker.before_call()
     breaker.before_call()
 
@@ -544,7 +540,7 @@ def test_breaker_probe_failure_reopens_with_growing_capped_cooldown() -> None:
             breaker.record_failure()
         assert logs[0]["event"] == "object_breaker_reopened"
         assert breaker.state == "open"
-        assert breaker.snapshot()["cooldown_s"] == cooldown
+        assert breaker.snapshot().cooldown_s == cooldown
         waited = cooldown
 
 

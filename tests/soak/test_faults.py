@@ -237,7 +237,7 @@ def test_disk_io_faults_fail_keys_partially_and_never_serve_wrong_bytes(start_se
     assert loaded > 0
     assert any(not r.success and r.successful_keys for r in results), "expected a partial result"
     status = harness.status()
-    disk = status["workers"]["disk"]["stats"]
+    disk = status["workers"]["disk"]["stats"]["medium"]
     assert disk["injected_corruptions"] > 0 and disk["corrupt_blocks"] > 0
     assert status["tiering"]["per_tier"]["disk"]["promotion_jobs_failed"] > 0
     assert harness.status()["tiering"]["pinned_slots"] == 0

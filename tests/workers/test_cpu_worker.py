@@ -18,6 +18,7 @@ from kvoffload.cuda_host import cuda_device_count
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.protocol import (
     AttachKV,
+    CpuWorkerStats,
     CudaIpcFields,
     DetachKV,
     FaultSpec,
@@ -163,7 +164,7 @@ def test_detach_unmaps_only_after_the_holding_job_is_released(backend):
     outcome.release()
     outcome.release()  # a retried release is a no-op
     assert attached._cache.closed
-    assert cpu.stats()["kv_handles"] == 0
+    assert cpu.stats().kv_handles == 0
 
 
 def test_injected_faults_fail_keys(make_pool, kv_cache):
@@ -175,7 +176,7 @@ def test_injected_faults_fail_keys(make_pool, kv_cache):
         outcome = cpu.run_job(device_job(1, "device_store", [0, 1, 2, 3] * 4, list(range(16))))
         outcome.release()
         assert 0 < len(outcome.ok_keys) < 16
-        assert cpu.stats()["keys_failed"] == 16 - len(outcome.ok_keys)
+        assert cpu.stats().keys_failed == 16 - len(outcome.ok_keys)
     finally:
         cpu.close()
 
@@ -228,11 +229,13 @@ def test_cpu_worker_process_store_load_and_partial(manager, make_pool, spawn, sh
         e["handle_id"] for e in worker.log_events() if e.get("event") == "kv_attach_refused"
     ] == ["w"]
 
-    heartbeat = manager.wait_for(Heartbeat, lambda m: m.stats.get("bytes_loaded"))
-    assert (
-        heartbeat.stats["bytes_stored"] == 4 * BLOCK
-        and heartbeat.stats["bytes_loaded"] == 3 * BLOCK
+    heartbeat = manager.wait_for(
+        Heartbeat,
+        lambda m: isinstance(m.stats.medium, CpuWorkerStats) and m.stats.medium.bytes_loaded > 0,
     )
+    assert isinstance(heartbeat.stats.medium, CpuWorkerStats)
+    assert heartbeat.stats.medium.bytes_stored == 4 * BLOCK
+    assert heartbeat.stats.medium.bytes_loaded == 3 * BLOCK
     maps = Path(f"/proc/{worker.pid}/maps").read_text()
     assert "libtorch" not in maps, "the cpu worker loaded torch without a cuda_ipc handle"
 

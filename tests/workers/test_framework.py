@@ -21,6 +21,7 @@ from kvoffload.pool import HostPool
 from kvoffload.protocol import (
     PROTOCOL_VERSION,
     Control,
+    DiskWorkerStats,
     FaultSpec,
     Heartbeat,
     IndexUpdate,
@@ -120,8 +121,8 @@ class EchoBackend(NoIndexBackend):
             ok_keys=ok, nbytes=len(ok), error="some keys failed", release=release, cleanup=cleanup
         )
 
-    def stats(self) -> dict[str, Any]:
-        return {"echo": True}
+    def stats(self) -> DiskWorkerStats:
+        return DiskWorkerStats(keys_promoted=7)
 
     def close(self) -> None:
         return None
@@ -181,7 +182,8 @@ def test_hello_ack_index_batches_and_heartbeats(manager, make_pool, spawn, short
     first = manager.wait_for(Heartbeat)
     second = manager.wait_for(Heartbeat)
     assert first.inflight == 0 and not first.degraded
-    assert second.stats["echo"] is True and second.stats["jobs_done"] == 0
+    assert second.stats.medium == DiskWorkerStats(keys_promoted=7)
+    assert second.stats.loop.jobs_done == 0
 
 
 def test_refused_hello_exits_with_code_2(manager, make_pool, spawn, short_dir):
@@ -406,7 +408,7 @@ def test_loads_and_promotions_run_before_queued_stores(manager, make_pool, spawn
     )
     manager.send(IDENTITY, store(1, [b"slow" + b"s" * 12], [0], kind="cascade"))
     # wait until job 1 occupies the only thread, so the rest queue behind it
-    manager.wait_for(Heartbeat, lambda m: m.inflight == 1 and m.stats["queued"] == 0)
+    manager.wait_for(Heartbeat, lambda m: m.inflight == 1 and m.stats.loop.queued == 0)
     manager.send(IDENTITY, store(2, [b"a" * 16], [1], kind="cascade"))
     manager.send(IDENTITY, store(3, [b"b" * 16], [2], kind="promote"))
     manager.send(IDENTITY, store(4, [b"c" * 16], [3], kind="cascade"))

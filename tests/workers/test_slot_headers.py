@@ -94,7 +94,7 @@ def test_verify_rejects_a_changed_byte_another_key_and_an_unstamped_slot(cpu):
     wrong_key = b"x" * 16
     assert verify(backend, [keys[0], keys[1], wrong_key, keys[2]], [1, 2, 3, 4]) == [keys[0]]
     stats = backend.stats()
-    assert (stats["slots_verified"], stats["slots_verify_failed"]) == (1, 3)
+    assert (stats.slots_verified, stats.slots_verify_failed) == (1, 3)
 
 
 def test_verify_without_slot_headers_accepts_nothing(make_pool):

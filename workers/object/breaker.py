@@ -16,17 +16,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import structlog
 
+from kvoffload.protocol import BreakerState, BreakerStats
 from workers.object.errors import TransientObjectError
 
 log = structlog.get_logger()
 
-CLOSED = "closed"
-OPEN = "open"
-HALF_OPEN = "half_open"
+CLOSED: BreakerState = "closed"
+OPEN: BreakerState = "open"
+HALF_OPEN: BreakerState = "half_open"
 
 
 class BreakerOpen(TransientObjectError):
@@ -129,16 +129,16 @@ class CircuitBreaker:
         self._probe_started = None
         self._opened_total += 1
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> BreakerStats:
         """State and counters for status pages and logs."""
         with self._lock:
             retry_in = max(0.0, self._open_until - self._clock()) if self._state == OPEN else 0.0
-            return {
-                "state": self._state,
-                "consecutive_failures": self._consecutive_failures,
-                "failures_total": self._failures_total,
-                "rejected_total": self._rejected_total,
-                "opened_total": self._opened_total,
-                "cooldown_s": self._cooldown,
-                "retry_in_s": retry_in,
-            }
+            return BreakerStats(
+                state=self._state,
+                consecutive_failures=self._consecutive_failures,
+                failures_total=self._failures_total,
+                rejected_total=self._rejected_total,
+                opened_total=self._opened_total,
+                cooldown_s=self._cooldown,
+                retry_in_s=retry_in,
+            )

@@ -300,14 +300,6 @@ class S3BlockStore:
         with contextlib.suppress(KeyError):
             self._request("delete", path, lambda: obstore.delete(self._store, path))
 
-    def status(self) -> dict[str, Any]:
-        """Breaker state and counters, for status pages and logs."""
-        return {
-            "bucket": self.bucket,
-            "namespace": self._namespace,
-            "breaker": self.breaker.snapshot(),
-        }
-
     def close(self) -> None:
         """Stop the HEAD pool; later calls raise RuntimeError. Idempotent."""
         self._closed = True

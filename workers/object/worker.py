@@ -30,13 +30,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from kvoffload.blockformat import CorruptBlock, deployment_fingerprint
 from kvoffload.config import Config
 from kvoffload.logs import get_logger
 from kvoffload.pool import HostPool
-from kvoffload.protocol import Job, JobKind
+from kvoffload.protocol import Job, JobKind, ObjectWorkerStats
 from workers.backend import BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault
 from workers.object.breaker import CLOSED, BreakerOpen, CircuitBreaker
@@ -179,10 +178,10 @@ class ObjectBackend(NoIndexBackend):
             return self._transfer(job)
         return BackendOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ObjectWorkerStats:
         with self._lock:
             counters = dict(self._counters, pending_releases=self._pending_releases)
-        return {**counters, "breaker": self._store.breaker.snapshot()}
+        return ObjectWorkerStats(**counters, breaker=self._store.breaker.snapshot())
 
     def close(self) -> None:
         self._io.shutdown(wait=True, cancel_futures=True)
