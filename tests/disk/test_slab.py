@@ -21,6 +21,7 @@ import pytest
 
 from kvoffload.blockformat import HEADER_SIZE, CorruptBlock, decode_header, deployment_fingerprint
 from workers.disk import FAULT_OPS, DiskStore, LayoutError, StoreFull, TransientIOError
+from workers.disk.layout import CLEAN_FILE
 from workers.disk.rawio import probe_direct_io
 
 BLOCK = 16384
@@ -199,6 +200,79 @@ def test_torn_record_is_never_served(open_store) -> None:
     assert not reopened.contains(keys[0])
     for key in keys[1:]:
         assert read(reopened, key) == payload_for(key)
+
+
+def crash_after_puts_main(root: str, count: int) -> None:
+    """Child process: put keys k0..k<count-1> into a store of 64 records, then SIGKILL itself
+    without closing it."""
+    store = DiskStore(root, BLOCK, FP, 64 * RECORD)
+    store.open()
+    for i in range(count):
+        key = b"k%d" % i
+        store.put(key, slot(payload_for(key)))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def tear_payload_tail(store: DiskStore, key: bytes) -> tuple[Path, int]:
+    """Zero the second half of ``key``'s payload on disk, as a write torn after its header
+    page and the first half of its payload would leave a fresh record; (slab, header offset)."""
+    path, offset = find_record(store, key)
+    with open(path, "r+b") as f:
+        f.seek(offset + 4096 + BLOCK // 2)
+        f.write(bytes(BLOCK // 2))
+    return path, offset
+
+
+def test_torn_single_write_is_dropped_by_the_scan_after_a_crash(open_store, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(Path(__file__).parent)]))
+    code = f"from test_slab import crash_after_puts_main; crash_after_puts_main({str(root)!r}, 3)"
+    child = subprocess.run([sys.executable, "-c", code], env=env, timeout=60, check=False)
+    assert child.returncode == -signal.SIGKILL
+    unopened = DiskStore(root, BLOCK, FP, 64 * RECORD)
+    assert not (unopened.directory / CLEAN_FILE).exists()
+    path, offset = tear_payload_tail(unopened, b"k1")
+
+    store = open_store()
+    assert sorted(store.keys()) == [b"k0", b"k2"], "a torn record must not be indexed"
+    with open(path, "rb") as f:
+        f.seek(offset)
+        assert f.read(HEADER_SIZE) == bytes(HEADER_SIZE), "its header page is cleared"
+    for key in (b"k0", b"k2"):
+        assert read(store, key) == payload_for(key)
+    store.close()
+    assert (store.directory / CLEAN_FILE).exists()
+
+    tear_payload_tail(store, b"k2")
+    reopened = open_store()
+    assert not (store.directory / CLEAN_FILE).exists()
+    assert reopened.contains(b"k2"), "after a clean close the scan trusts the header pages"
+    with pytest.raises(CorruptBlock):
+        read(reopened, b"k2")
+    assert reopened.keys() == [b"k0"]
+
+
+def test_close_marks_clean_only_when_no_record_can_be_torn(open_store) -> None:
+    failing = {"on": False}
+
+    def hook(op: str, key: bytes) -> None:
+        if failing["on"] and op in ("write_record", "clear") and key == b"bad":
+            raise OSError(errno.EIO, "injected")
+
+    store = open_store(fault_hook=hook)
+    store.put(b"bad", slot(payload_for(b"bad", 1)))
+    store.close()
+    assert (store.directory / CLEAN_FILE).exists()
+
+    store = open_store(fault_hook=hook)
+    failing["on"] = True
+    with pytest.raises(OSError):
+        store.put(b"bad", slot(payload_for(b"bad", 2)))
+    store.close()
+    assert not (store.directory / CLEAN_FILE).exists(), "a stale header may be over a torn payload"
+    reopened = open_store()
+    assert reopened.keys() == [b"bad"]
+    assert read(reopened, b"bad") == payload_for(b"bad", 1)
 
 
 def test_unreadable_garbage_header_is_cleared_at_open(open_store) -> None:
