@@ -23,6 +23,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 MAGIC = b"KVOB"
@@ -71,6 +72,33 @@ def deployment_fingerprint(block_bytes: int, layout_id: str) -> bytes:
 def payload_checksum(payload) -> int:
     """xxh3_64 of a bytes-like payload (buffer protocol, no copy)."""
     return xxhash.xxh3_64_intdigest(payload)
+
+
+CHECKSUM_CHUNK_BYTES = 256 << 10
+"""Chunk of ``copy_and_hash``: small enough that a chunk just copied is still in cache when it
+is hashed."""
+
+
+def copy_and_hash(dst: np.ndarray, src: np.ndarray, digest: xxhash.xxh3_64) -> None:
+    """Copy ``src`` into ``dst`` (same size, uint8, ``dst`` contiguous) and feed the copied
+    bytes to ``digest``, a chunk at a time right after copying it (while it is in cache)
+    instead of reading the whole block again afterwards. The GIL is released while a chunk is
+    copied and held while it is hashed."""
+    if not dst.flags.c_contiguous:
+        raise ValueError("copy_and_hash needs a contiguous destination")
+    flat_dst, flat_src = dst.reshape(-1), src.reshape(-1)
+    for start in range(0, flat_dst.size, CHECKSUM_CHUNK_BYTES):
+        part = flat_dst[start : start + CHECKSUM_CHUNK_BYTES]
+        np.copyto(part, flat_src[start : start + CHECKSUM_CHUNK_BYTES])
+        digest.update(part.data)
+
+
+def copy_with_checksum(dst: np.ndarray, src: np.ndarray) -> int:
+    """``copy_and_hash`` into a fresh digest: copies ``src`` into ``dst`` and returns
+    ``payload_checksum(dst)``."""
+    digest = xxhash.xxh3_64()
+    copy_and_hash(dst, src, digest)
+    return digest.intdigest()
 
 
 def make_header(key: bytes, payload, fingerprint: bytes, generation: int = 0) -> BlockHeader:

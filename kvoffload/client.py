@@ -43,6 +43,7 @@ class ServiceUnavailable(KVOffloadError, TimeoutError):
 
 
 LOST_JOB_ERROR = "lost: the manager restarted or dropped this client's session"
+DEFERRED_ERRORS_KEPT = 64
 
 
 class LookupOutcome:
@@ -99,6 +100,9 @@ class KVOffloadClient:
         self._jobs: dict[
             int, tuple[str, p.DeviceJobKind]
         ] = {}  # accepted device jobs: id -> (req_id, kind)
+        self._unawaited: dict[int, str] = {}  # rid -> call name, sent with wait=False
+        self.deferred_errors: deque[KVOffloadError] = deque(maxlen=DEFERRED_ERRORS_KEPT)
+        """Errors answered to calls sent with ``wait=False``, newest last (the last 64)."""
         self._sock = self._open_socket()
         try:
             self.info = self._exchange(p.Connect, None, self._connect_fields())
@@ -132,9 +136,8 @@ class KVOffloadClient:
         self.reconnect()
         return self._exchange(kind, timeout_s, fields)
 
-    def _exchange(self, kind: type, timeout_s: float | None, fields: dict[str, Any]):
-        """Send one request and return its reply; KVOffloadError for an Error reply,
-        ServiceUnavailable when none comes in time."""
+    def _send_request(self, kind: type, fields: dict[str, Any]) -> int:
+        """Encode and send one request; returns its call id."""
         rid = next(self._rids)
         frame = p.encode(kind(rid=rid, **fields))
         if len(frame) > p.MAX_MESSAGE_BYTES:
@@ -144,6 +147,25 @@ class KVOffloadClient:
                 f"{p.MAX_MESSAGE_BYTES}-byte message limit; it was not sent",
             )
         self._sock.send(frame)
+        return rid
+
+    def _send_unawaited(self, kind: type, fields: dict[str, Any]) -> None:
+        """Send a call without waiting for its reply; the reply is read by a later call (an
+        Error goes to ``deferred_errors``). The manager handles this client's calls in order,
+        so every later call sees its effect."""
+        self._unawaited[self._send_request(kind, fields)] = kind.__name__
+
+    def _settle_unawaited(self, reply: Any) -> None:
+        name = self._unawaited.pop(reply.rid, None)
+        if name is not None and isinstance(reply, p.Error):
+            self.deferred_errors.append(
+                KVOffloadError(reply.code, f"{name} (sent without waiting): {reply.message}")
+            )
+
+    def _exchange(self, kind: type, timeout_s: float | None, fields: dict[str, Any]):
+        """Send one request and return its reply; KVOffloadError for an Error reply,
+        ServiceUnavailable when none comes in time."""
+        rid = self._send_request(kind, fields)
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
@@ -153,7 +175,8 @@ class KVOffloadClient:
                 )
             reply = p.decode_client_reply(self._sock.recv())
             if reply.rid != rid:
-                continue  # a late reply to a call that already timed out
+                self._settle_unawaited(reply)  # or a late reply to a call that timed out
+                continue
             if isinstance(reply, p.Error):
                 raise KVOffloadError(reply.code, reply.message)
             return reply
@@ -169,6 +192,7 @@ class KVOffloadClient:
         told to end. Raises ServiceUnavailable when the manager does not answer within
         ``timeout_s`` (default: the client's ``timeout_s``)."""
         old, self._sock = self._sock, self._open_socket()
+        self._unawaited.clear()
         try:
             old.send(p.encode(p.Disconnect(rid=next(self._rids))), zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -227,11 +251,24 @@ class KVOffloadClient:
         self._requests[req_id] = params or {}
         return reply.request_level
 
-    def lookup(self, req_id: str, keys: list[bytes], pin: bool = False) -> LookupOutcome:
+    def lookup(
+        self, req_id: str, keys: list[bytes], pin: bool = False, wait_ms: int = 0
+    ) -> LookupOutcome:
         """Evaluate the prefix ``keys``. With ``pin``, every HIT key is pinned for this client
         in the same round trip and ``slots`` holds its slot (-1 for the other results); release
-        each pin with ``complete_load``."""
-        return LookupOutcome(self._call(p.Lookup, req_id=req_id, keys=keys, pin=pin))
+        each pin with ``complete_load``. With ``wait_ms`` > 0 the manager holds the reply while
+        no key is HIT and some are still pending, up to ``wait_ms`` (``protocol.Lookup``): a
+        cold load then takes one call per batch of landed keys instead of polling."""
+        return LookupOutcome(
+            self._call(
+                p.Lookup,
+                timeout_s=wait_ms / 1000 + self.timeout_s,
+                req_id=req_id,
+                keys=keys,
+                pin=pin,
+                wait_ms=wait_ms,
+            )
+        )
 
     def store(
         self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str
@@ -268,23 +305,33 @@ class KVOffloadClient:
         success: bool = True,
         successful_keys: list[bytes] | None = None,
         checksums: list[int] | None = None,
+        wait: bool = True,
     ) -> None:
         """``checksums``: the xxh3 of each written slot (see ``protocol.CompleteStore``), so the
-        blocks survive a manager restart."""
-        self._call(
-            p.CompleteStore,
-            req_id=req_id,
-            keys=keys,
-            success=success,
-            successful_keys=successful_keys,
-            checksums=checksums,
-        )
+        blocks survive a manager restart. ``wait=False`` sends the call without waiting for
+        its reply (one round trip less; an error lands in ``deferred_errors``)."""
+        fields: dict[str, Any] = {
+            "req_id": req_id,
+            "keys": keys,
+            "success": success,
+            "successful_keys": successful_keys,
+            "checksums": checksums,
+        }
+        if wait:
+            self._call(p.CompleteStore, **fields)
+        else:
+            self._send_unawaited(p.CompleteStore, fields)
 
     def prepare_load(self, req_id: str, keys: list[bytes]) -> p.Slots:
         return self._call(p.PrepareLoad, req_id=req_id, keys=keys)
 
-    def complete_load(self, req_id: str, keys: list[bytes]) -> None:
-        self._call(p.CompleteLoad, req_id=req_id, keys=keys)
+    def complete_load(self, req_id: str, keys: list[bytes], wait: bool = True) -> None:
+        """Release pins taken by ``prepare_load`` or a pinned ``lookup``. ``wait=False`` sends
+        the call without waiting for its reply (an error lands in ``deferred_errors``)."""
+        if wait:
+            self._call(p.CompleteLoad, req_id=req_id, keys=keys)
+        else:
+            self._send_unawaited(p.CompleteLoad, {"req_id": req_id, "keys": keys})
 
     def touch(self, keys: list[bytes]) -> None:
         self._call(p.Touch, keys=keys)

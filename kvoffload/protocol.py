@@ -137,12 +137,18 @@ class NewRequest(_Msg, tag="new_request"):
 class Lookup(_Msg, tag="lookup"):
     """Evaluate a request's prefix. With ``pin``, every key answered HIT is pinned for this
     client in the same call (as ``PrepareLoad`` would) and its slot returned, so a later load
-    of it cannot fail; the client releases each such pin with ``CompleteLoad``."""
+    of it cannot fail; the client releases each such pin with ``CompleteLoad``.
+
+    ``wait_ms`` > 0: while no key of the answer is HIT and some key is HIT_PENDING or RETRY,
+    the manager holds the reply (up to ``wait_ms``) and evaluates the prefix again each time a
+    tier job lands keys; it answers as soon as some key is HIT or none is pending any more, and
+    at the deadline with what it then finds. 0 answers at once."""
 
     rid: int
     req_id: str
     keys: list[bytes]
     pin: bool = False
+    wait_ms: int = 0
 
 
 class Load(_Msg, tag="load"):
@@ -571,7 +577,16 @@ class Heartbeat(_Msg, tag="heartbeat"):
     stats: dict[str, Any] = {}
 
 
-WorkerMessage = WorkerHello | IndexUpdate | JobDone | Heartbeat
+class JobProgress(_Msg, tag="job_progress"):
+    """Keys of a promotion still running whose slots are complete (bytes verified, slot header
+    stamped) and that the job will not touch again: the manager makes them HIT at once. Sent
+    before the job's ``JobDone``, which still lists them among its successful keys."""
+
+    job_id: int
+    keys: list[bytes]
+
+
+WorkerMessage = WorkerHello | IndexUpdate | JobDone | JobProgress | Heartbeat
 
 
 # ---- job channel: manager -> worker ------------------------------------------------------------

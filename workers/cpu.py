@@ -18,9 +18,11 @@ Each job holds a reference on its KV cache; the job's release drops it. ``Detach
 cache once no job holds it.
 
 Slot headers (when on): a ``device_store`` stamps each slot it copied (xxh3 of the slot,
-generation = job id) after the copies are complete and before the result. A ``verify`` job
-(keys + slots, from a restarted manager) recomputes each slot's xxh3 and compares it with the
-slot's header; its ok keys are the slots that match.
+generation = job id) after the copies are complete and before the result. From a ``shm``
+cache the xxh3 is taken during the copy, a chunk at a time while it is in cache (no second
+pass over the slot); from CUDA it is computed from the slot once the stream is synchronized.
+A ``verify`` job (keys + slots, from a restarted manager) recomputes each slot's xxh3 and
+compares it with the slot's header; its ok keys are the slots that match.
 
 Run: ``python -m workers.cpu --spec RUNSPEC_JSON``.
 """
@@ -36,7 +38,9 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import xxhash
 
+from kvoffload.blockformat import copy_and_hash
 from kvoffload.config import Config
 from kvoffload.cuda_host import cuda_device_count
 from kvoffload.kvcache import SharedKVCache, rebuild_cuda_ipc_tensor
@@ -73,6 +77,12 @@ class _AttachedKV:
         """Copy device block -> pool slot (may complete only at ``finish``)."""
         raise NotImplementedError
 
+    def store_checksummed(self, block: int, slot: int) -> int | None:
+        """``store``, returning the xxh3 of the slot when the copy computed it on the way
+        (complete at once); None when it is to be computed from the slot after ``finish``."""
+        self.store(block, slot)
+        return None
+
     def load(self, slot: int, block: int) -> None:
         """Copy pool slot -> device block (may complete only at ``finish``)."""
         raise NotImplementedError
@@ -102,6 +112,13 @@ class _ShmKV(_AttachedKV):
     def store(self, block: int, slot: int) -> None:
         for rows, parts in self._pairs:
             np.copyto(parts[slot], rows[block])
+
+    def store_checksummed(self, block: int, slot: int) -> int:
+        """Copy and hash in one pass, tensor by tensor in slot order (``copy_and_hash``)."""
+        digest = xxhash.xxh3_64()
+        for rows, parts in self._pairs:
+            copy_and_hash(parts[slot], rows[block], digest)
+        return digest.intdigest()
 
     def load(self, slot: int, block: int) -> None:
         for rows, parts in self._pairs:
@@ -374,15 +391,18 @@ class CpuBackend(NoIndexBackend):
         error = f"{failed} of {len(job.keys)} slots failed verification" if failed else ""
         return BackendOutcome(ok_keys=ok, error=error)
 
-    def _stamp(self, job: Job, keys: list[bytes], slots: list[int]) -> None:
-        """Stamp the slots a device store completely wrote; a failed stamp only costs the
-        block its warm restart (logged)."""
+    def _stamp(
+        self, job: Job, keys: list[bytes], slots: list[int], checksums: list[int | None]
+    ) -> None:
+        """Stamp the slots a device store completely wrote, with the checksum its copy took
+        (None: read from the slot now); a failed stamp only costs the block its warm restart
+        (logged)."""
         headers = self._headers
         if headers is None:
             return
-        for key, slot in zip(keys, slots, strict=True):
+        for key, slot, checksum in zip(keys, slots, checksums, strict=True):
             try:
-                headers.stamp(slot, key, job.job_id)
+                headers.stamp(slot, key, job.job_id, checksum)
             except Exception as exc:
                 log.error(
                     "slot_header_write_failed",
@@ -428,8 +448,10 @@ class CpuBackend(NoIndexBackend):
         store = job.kind == JobKind.DEVICE_STORE
         num_slots = self._require_pool().num_slots
         faults = self._faults
+        hashed = store and self._headers is not None
         ok: list[bytes] = []
         ok_slots: list[int] = []
+        ok_checksums: list[int | None] = []
         failures: list[str] = []
         for i in indices:
             key, slot, block = job.keys[i], job.slots[i], job.device_blocks[i]
@@ -440,7 +462,10 @@ class CpuBackend(NoIndexBackend):
                     raise IndexError(f"slot {slot} not in [0, {num_slots})")
                 if faults.active:
                     faults.on_op(job.kind, key)
-                if store:
+                checksum = None
+                if hashed:
+                    checksum = kv.store_checksummed(block, slot)
+                elif store:
                     kv.store(block, slot)
                 else:
                     kv.load(slot, block)
@@ -458,13 +483,14 @@ class CpuBackend(NoIndexBackend):
                 continue
             ok.append(key)
             ok_slots.append(slot)
+            ok_checksums.append(checksum)
         try:
             kv.finish()
         except Exception as exc:
             log.error("device_copy_sync_failed", job_id=job.job_id, kind=job.kind, error=repr(exc))
             return [], [f"copy_failed: {exc!r}"] * len(indices)
         if store:
-            self._stamp(job, ok, ok_slots)
+            self._stamp(job, ok, ok_slots, ok_checksums)
         return ok, failures
 
     def stats(self) -> CpuWorkerStats:

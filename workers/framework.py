@@ -57,6 +57,7 @@ from kvoffload.protocol import (
     IndexUpdate,
     Job,
     JobDone,
+    JobProgress,
     ProtocolError,
     TouchKeys,
     WorkerHello,
@@ -86,6 +87,18 @@ INDEX_BATCH_KEYS = 4096
 MAX_FRAMES_PER_TURN = 1024
 CLOSE_LINGER_MS = 1000
 _STOP_PRIORITY = 2  # after every queued job (priorities 0 and 1)
+_job_context = threading.local()
+
+
+def report_landed(keys: list[bytes]) -> None:
+    """Called by a backend from the job thread running a promotion: the slots of ``keys`` are
+    complete (bytes verified, header stamped) and the job will not touch them again. The
+    worker sends them in a ``JobProgress`` before the job's result, so the manager serves them
+    while the rest of the job is still running. The job's outcome still lists them as ok.
+    Does nothing outside a job thread."""
+    report = getattr(_job_context, "report", None)
+    if report is not None and keys:
+        report(keys)
 
 
 def pin_cpus(cores: Sequence[int]) -> None:
@@ -193,6 +206,7 @@ class _Worker:
         self._seq = itertools.count()
         self._threads: list[threading.Thread] = []
         self._finished: deque[_PendingRelease] = deque()
+        self._progress: deque[tuple[int, list[bytes]]] = deque()
         self._inflight: set[int] = set()
         self._releasing: dict[int, _PendingRelease] = {}
         self._outbox: deque[bytes] = deque()
@@ -392,6 +406,7 @@ class _Worker:
             if events.get(self._sock):
                 self._receive()
             self._collect_finished()
+            self._send_progress()
             self._release_finished()
             self._send_index_changes()
             now = time.monotonic()
@@ -509,13 +524,30 @@ class _Worker:
             if job is None:
                 return
             start = time.perf_counter()
+            _job_context.report = lambda keys, job_id=job.job_id: self._note_progress(job_id, keys)
             try:
                 outcome = self._backend.run_job(job)
             except Exception as exc:
                 log.exception("job_crashed", job_id=job.job_id, kind=job.kind)
                 outcome = BackendOutcome(ok_keys=[], error=f"internal_error: {exc!r}")
+            finally:
+                _job_context.report = None
             self._finished.append(_PendingRelease(job, outcome, time.perf_counter() - start))
             os.eventfd_write(self._wake_fd, 1)
+
+    def _note_progress(self, job_id: int, keys: list[bytes]) -> None:
+        self._progress.append((job_id, list(keys)))
+        os.eventfd_write(self._wake_fd, 1)
+
+    def _send_progress(self) -> None:
+        """One ``JobProgress`` per job with the keys reported since the last turn. Runs after
+        ``_collect_finished``, so a job's progress always leaves before its result."""
+        landed: dict[int, list[bytes]] = {}
+        while self._progress:
+            job_id, keys = self._progress.popleft()
+            landed.setdefault(job_id, []).extend(keys)
+        for job_id, keys in landed.items():
+            self._send(JobProgress(job_id=job_id, keys=keys))
 
     def _collect_finished(self) -> None:
         while self._finished:

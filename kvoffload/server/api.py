@@ -14,11 +14,11 @@ import structlog
 from .. import protocol as p
 from ..protocol import ErrorCode
 from ..tiering import LookupResult, ReqContext
-from ..tiering.types import TieringError
+from ..tiering.types import PrefixResult, TieringError
 from .handles import KVHandles
 from .jobs import WorkerChannel
 from .sessions import ClientSession, PendingPoll
-from .state import CPU_WORKER, ManagerState, RequestError
+from .state import CPU_WORKER, ManagerState, RequestError, WaitingLookup
 
 # (identity, session or None before Connect, request) -> the reply, or None to answer later
 _Handler = Callable[[bytes, Any, Any], "p.ClientReply | None"]
@@ -75,6 +75,9 @@ class ClientApi:
                 identity, p.Error(p.request_id_of(frame), ErrorCode.BAD_MESSAGE, str(exc)[:500])
             )
             return
+        if identity in state.waiting_lookups:
+            # a client sends nothing while it waits: it gave up on its held lookup
+            self._serve_waiting(identity, time.monotonic(), force=True)
         session = state.sessions.get(identity)
         if session is None and not isinstance(msg, p.Connect):
             state.reply(identity, p.Error(msg.rid, ErrorCode.NOT_CONNECTED, "send Connect first"))
@@ -103,6 +106,7 @@ class ClientApi:
         for session in self.state.sessions.values():
             if session.pending_poll is not None and now >= session.pending_poll.deadline:
                 self.state.answer_poll(session, force=True)
+        self.serve_waiting_lookups(now, force=self.state.draining)
         self.state.settle_resets(now)
 
     # ---- checks ---------------------------------------------------------------------------
@@ -173,6 +177,42 @@ class ClientApi:
         self._check_keys(msg.keys)
         scoped = self._scoped(session, msg.req_id)
         reply = self.tiering.lookup(scoped, msg.keys)
+        if msg.wait_ms > 0 and _worth_waiting(reply.results):
+            deadline = time.monotonic() + msg.wait_ms / 1000
+            self.state.waiting_lookups[identity] = WaitingLookup(msg, deadline)
+            return None
+        return self._lookup_reply(session, scoped, msg, reply)
+
+    def serve_waiting_lookups(self, now: float, force: bool = False) -> None:
+        """Evaluate the held lookups again; answer those with a HIT, with nothing pending any
+        more, past their deadline, or all of them when ``force``."""
+        for identity in list(self.state.waiting_lookups):
+            self._serve_waiting(identity, now, force)
+
+    def _serve_waiting(self, identity: bytes, now: float, force: bool) -> None:
+        state = self.state
+        waiting = state.waiting_lookups[identity]
+        session = state.sessions.get(identity)
+        msg = waiting.msg
+        if session is None:
+            del state.waiting_lookups[identity]
+            return
+        try:
+            scoped = self._scoped(session, msg.req_id)
+            reply = self.tiering.lookup(scoped, msg.keys)
+        except (RequestError, TieringError) as exc:
+            del state.waiting_lookups[identity]
+            state.reply(identity, p.Error(msg.rid, exc.code, str(exc)))
+            return
+        if not force and now < waiting.deadline and _worth_waiting(reply.results):
+            return
+        del state.waiting_lookups[identity]
+        state.reply(identity, self._lookup_reply(session, scoped, msg, reply))
+
+    def _lookup_reply(
+        self, session: ClientSession, scoped: str, msg: p.Lookup, reply: PrefixResult
+    ) -> p.LookupReply:
+        """The reply to ``msg`` from its evaluation ``reply``, pinning its HITs if asked."""
         slots: list[int] = []
         checksums: list[int] = []
         if msg.pin:
@@ -326,6 +366,7 @@ class ClientApi:
         """Finish everything a vanished client left: its prepared stores fail, its pins are
         released, its requests finish; its device jobs still complete but deliver no event."""
         del self.state.sessions[session.identity]
+        self.state.waiting_lookups.pop(session.identity, None)
         for scoped, stores in session.open_stores.items():
             for keys in stores:
                 self.tiering.complete_store(scoped, keys, success=False)
@@ -344,3 +385,8 @@ class ClientApi:
             requests=len(session.requests),
             pins=sum(session.pinned.values()),
         )
+
+
+def _worth_waiting(results: list[LookupResult]) -> bool:
+    """A held lookup waits while nothing is ready and something may still become ready."""
+    return LookupResult.HIT not in results and p.must_wait(results)

@@ -47,6 +47,8 @@ class WorkerChannel:
             return
         if isinstance(msg, p.JobDone):
             self._on_job_done(worker, msg)
+        elif isinstance(msg, p.JobProgress):
+            self._on_job_progress(worker, msg)
         elif isinstance(msg, p.IndexUpdate):
             if name != CPU_WORKER:
                 self.state.tiering.apply_index_update(name, msg.added, msg.removed)
@@ -173,6 +175,15 @@ class WorkerChannel:
         if not done.success:
             log.warning("tier_job_failed", tier=worker.name, job_id=done.job_id, error=done.error)
         state.dispatch_tier_jobs()
+
+    def _on_job_progress(self, worker, progress: p.JobProgress) -> None:
+        """Keys of a running promotion that landed: HIT before the job's result."""
+        try:
+            self.state.tiering.apply_progress(worker.name, progress.job_id, progress.keys)
+        except TieringError as exc:
+            log.warning(
+                "job_progress_rejected", worker=worker.name, job_id=progress.job_id, error=str(exc)
+            )
 
     def _finish_device_job(self, job_id: int, success: bool, successful_keys, error: str) -> None:
         state = self.state

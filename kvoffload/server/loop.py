@@ -50,15 +50,22 @@ class ManagerServer:
         drain_deadline = None
         last_housekeeping = 0.0
         while True:
-            busy = state.tiering.has_pending_work() or state.device_jobs or state.pending_resets
+            busy = (
+                state.tiering.has_pending_work()
+                or state.device_jobs
+                or state.pending_resets
+                or state.waiting_lookups
+            )
             events = dict(poller.poll(5 if busy else 50))
             if state.job_sock in events:
                 self._drain_socket(state.job_sock, self.workers.on_frames, "jobs")
             if state.client_sock in events:
                 self._drain_socket(state.client_sock, self.api.on_frames, "clients")
+            now = time.monotonic()
+            if state.waiting_lookups and state.job_sock in events:
+                self.api.serve_waiting_lookups(now)
             state.run_tier_step()
             state.clear_invalidated_slots()
-            now = time.monotonic()
             if now - last_housekeeping >= HOUSEKEEPING_PERIOD_S:
                 last_housekeeping = now
                 self._housekeeping(now)

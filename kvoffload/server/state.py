@@ -65,6 +65,14 @@ class DeviceJob:
     keys: list[bytes]
 
 
+@dataclass(slots=True)
+class WaitingLookup:
+    """A ``Lookup`` with ``wait_ms`` whose reply is held until ``deadline`` (monotonic)."""
+
+    msg: p.Lookup
+    deadline: float
+
+
 def tier_specs(cfg: Config) -> list[TierSpec]:
     specs = []
     if cfg.disk.enabled:
@@ -103,6 +111,7 @@ class ManagerState:
         self.sessions: dict[bytes, ClientSession] = {}
         self.device_jobs: dict[int, DeviceJob] = {}
         self.pending_resets: list[tuple[bytes, int, float]] = []
+        self.waiting_lookups: dict[bytes, WaitingLookup] = {}
         self.draining = False
         self.started_at = time.monotonic()
         self.metrics = MetricsEndpoint(svc.metrics_port) if svc.metrics_port else None

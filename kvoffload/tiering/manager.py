@@ -646,6 +646,26 @@ class TieringManager:
         self._apply(job, result)
         return job
 
+    def apply_progress(self, tier_name: str, job_id: int, keys: Iterable[Key]) -> list[Key]:
+        """Keys of an unfinished promotion whose slots are complete: they become ready (HIT) at
+        once, before the job's result, which then leaves them as they are whatever it says.
+        Keys not in the job, or already landed, are ignored; progress for a job already
+        finished (its result came first) or for a job that is not a promotion changes nothing.
+        Returns the keys made ready."""
+        job = self._jobs.get(job_id)
+        if job is None or job.kind is not JobKind.PROMOTION:
+            return []
+        if self.tiers[job.tier].name != tier_name:
+            raise WrongTier(
+                f"job {job_id} belongs to tier {self.tiers[job.tier].name!r}, not {tier_name!r}"
+            )
+        wanted = set(job.keys) - job.landed
+        fresh = [k for k in dict.fromkeys(keys) if k in wanted]
+        if not fresh:
+            return []
+        job.landed.update(fresh)
+        return self._promotion_landed(job, fresh)
+
     def fail_worker_jobs(self, tier_name: str) -> list[int]:
         """The tier's worker died: every job in flight on it fails (promotions free their slots,
         cascades unpin, probes resolve to MISS). Returns the failed job ids."""
@@ -711,16 +731,25 @@ class TieringManager:
         failed: list[Key],
         absent: set[Key],
     ) -> None:
+        """Keys that landed early (``apply_progress``) stay ready, whatever the result says."""
+        if job.landed:
+            ok = [k for k in ok if k not in job.landed]
+            failed = [k for k in failed if k not in job.landed]
         self.primary.complete_write(failed, False)
-        landed = self.primary.complete_write(ok, True)
-        self._writes_landed(landed)
         req_id = job.req_id if job.req_id is not None and self._is_active(job.req_id) else None
         if failed:
             tier.load_failed(failed, absent, req_id)
+        self._promotion_landed(job, ok)
+
+    def _promotion_landed(self, job: TransferJob, keys: list[Key]) -> list[Key]:
+        """Make promoted keys ready and protect them for their request until it reads them."""
+        landed = self.primary.complete_write(keys, True)
+        self._writes_landed(landed)
         self._landed.update(landed)
         self.stats.promoted_keys += len(landed)
+        req_id = job.req_id if job.req_id is not None and self._is_active(job.req_id) else None
         if req_id is None:
-            return
+            return landed
         state = self._requests[req_id]
         room = self.unread_promotion_cap - self._unread_total
         protect = [k for k in landed if k not in state.unread][: max(room, 0)]
@@ -728,6 +757,7 @@ class TieringManager:
             self.primary.pin(protect)
             state.unread.update(protect)
             self._unread_total += len(protect)
+        return landed
 
     def _release_unread(self, state: RequestState) -> None:
         if state.unread:

@@ -128,6 +128,8 @@ class TransferJob:
     slots: list[int]
     req_id: str | None
     submitted_at: float = 0.0
+    landed: set[Key] = field(default_factory=set)
+    """Keys of a promotion already made ready by ``TieringManager.apply_progress``."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1110,3 +1110,63 @@ def test_unknown_request_is_rejected(h):
         h.m.lookup("nope", [k(1)])
     with pytest.raises(UnknownRequest):
         h.m.prepare_store("nope", [k(1)])
+
+
+# -- promotions that land key by key (progress before the result) -------------------------------
+
+
+def promoting(h, keys, req_id="r1"):
+    put_in_tier(h, "disk", keys)
+    r = h.new(req_id)
+    assert h.m.lookup(r, keys).results == [HIT_PENDING] * len(keys)
+    h.m.end_step()
+    (job,) = h.jobs()
+    return r, job
+
+
+def test_progress_makes_the_landed_keys_hit_before_the_result(h):
+    r, job = promoting(h, [k(1), k(2), k(3)])
+    assert h.m.apply_progress("disk", job.job_id, [k(1)]) == [k(1)]
+    reply = h.m.lookup(r, [k(1), k(2), k(3)])
+    assert reply.results == [HIT, HIT_PENDING, HIT_PENDING]
+    assert reply.ready_prefix == 1
+    assert h.m.primary.ref_count(k(1)) == 1  # protected for its request until read
+    assert h.m.jobs_in_flight() == 1  # the job still gets its one result
+    h.m.apply_result("disk", TransferResult(job.job_id, True))
+    assert h.m.lookup(r, [k(1), k(2), k(3)]).results == [HIT, HIT, HIT]
+    assert h.m.stats.promoted_keys == 3
+    assert h.m.primary.ref_count(k(1)) == 1  # protected once, not twice
+
+
+def test_a_failed_result_frees_only_the_keys_that_had_not_landed(h):
+    r, job = promoting(h, [k(1), k(2), k(3)])
+    h.m.apply_progress("disk", job.job_id, [k(1)])
+    h.m.apply_result("disk", TransferResult(job.job_id, False))
+    assert [h.m.primary.lookup(k(i)) for i in (1, 2, 3)] == [HIT, MISS, MISS]
+    assert h.m.primary.free_slots == 5 - 1
+    assert h.m.jobs_in_flight() == 0
+
+
+def test_a_worker_crash_keeps_the_landed_keys(h):
+    r, job = promoting(h, [k(1), k(2)])
+    h.m.apply_progress("disk", job.job_id, [k(1)])
+    assert h.m.fail_worker_jobs("disk") == [job.job_id]
+    assert [h.m.primary.lookup(k(i)) for i in (1, 2)] == [HIT, MISS]
+
+
+def test_progress_ignores_foreign_repeated_and_late_keys_and_other_jobs(h):
+    r, job = promoting(h, [k(1), k(2)])
+    assert h.m.apply_progress("disk", job.job_id, [k(9)]) == []
+    assert h.m.primary.lookup(k(9)) is MISS
+    assert h.m.apply_progress("disk", job.job_id, [k(1), k(1)]) == [k(1)]
+    assert h.m.apply_progress("disk", job.job_id, [k(1)]) == []
+    with pytest.raises(WrongTier):
+        h.m.apply_progress("mem2", job.job_id, [k(2)])
+    assert h.m.primary.lookup(k(2)) is HIT_PENDING
+    h.m.apply_result("disk", TransferResult(job.job_id, True))
+    assert h.m.apply_progress("disk", job.job_id, [k(2)]) == []  # after the result: nothing
+    h.store(r, [k(5)])
+    (cascade, *_) = h.jobs()
+    assert cascade.kind is JobKind.CASCADE
+    assert h.m.apply_progress("disk", cascade.job_id, [k(5)]) == []
+    assert h.m.primary.ref_count(k(5)) == 2  # pinned by its two cascades, nothing changed

@@ -28,6 +28,7 @@ from kvoffload.protocol import (
     Job,
     JobDone,
     JobKind,
+    JobProgress,
     WorkerHello,
     encode,
 )
@@ -35,7 +36,7 @@ from kvoffload.runspec import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, RunSpec, load_
 from tests.workers.conftest import FakeManager, write_spec
 from workers.backend import Backend, BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault
-from workers.framework import job_done_of, validate_job, worker_main
+from workers.framework import job_done_of, report_landed, validate_job, worker_main
 
 MODULE = "tests.workers.test_framework"
 IDENTITY = b"test"
@@ -104,6 +105,9 @@ class EchoBackend(NoIndexBackend):
                 slot[: len(key)] = list(key)
                 slot[-1] = 0
             ok.append(key)
+            if key.startswith(b"land"):
+                report_landed([key])
+                time.sleep(0.2)
         failures = {"count": 2 if any(k.startswith(b"relfail") for k in job.keys) else 0}
 
         def release() -> None:
@@ -339,6 +343,23 @@ def test_release_failure_delays_the_result_until_release_succeeds(
 
     manager.pump(0.5)
     assert {k: len(v) for k, v in manager.job_dones().items()} == {1: 1, 2: 1}
+
+
+def test_landed_keys_are_reported_while_the_job_runs_and_before_its_result(
+    manager, make_pool, spawn, short_dir
+):
+    pool, worker = start_worker(manager, make_pool, spawn, short_dir)
+    keys = [b"land" + bytes([i]) * 12 for i in range(3)]
+    manager.send(IDENTITY, store(1, keys, [3, 4, 5], kind="promote"))
+    first = manager.wait_for(JobProgress, lambda m: m.job_id == 1)
+    assert first.keys == [keys[0]]
+    assert bytes(pool.slot_array(3)[:16]) == keys[0]
+    assert not manager.messages(JobDone)  # the job is still running
+    done = manager.wait_for(JobDone, lambda m: m.job_id == 1)
+    assert done.success
+    order = [m for _, m in manager.received if isinstance(m, JobProgress | JobDone)]
+    assert isinstance(order[-1], JobDone)
+    assert [k for m in order[:-1] for k in m.keys] == keys
 
 
 def test_backend_exception_fails_the_job_and_the_worker_goes_on(

@@ -46,6 +46,7 @@ from workers.backend import BackendOutcome
 from workers.disk.errors import StoreFull, TransientIOError
 from workers.disk.slab import DiskStore
 from workers.faults import FaultInjector
+from workers.framework import report_landed
 from workers.slotheaders import SlotHeaders
 
 log = get_logger(tier="disk")
@@ -167,6 +168,8 @@ class DiskBackend:
             for index, (key, slot) in enumerate(zip(job.keys, job.slots, strict=True)):
                 if promote:
                     failure = self._promote_one(key, slot, job.job_id, changed)
+                    if not failure and index < len(job.keys) - 1:
+                        report_landed([key])  # the last one goes with the result
                 else:
                     failure = written[index]
                 if failure:
