@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -326,6 +327,26 @@ def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_put_sends_header_and_slot_without_copying_the_block(
+    store: S3BlockStore, s3_server: S3Server, bucket: str, pool: SlotPool
+) -> None:
+    data = fill(pool.slot(0))
+    store.put(key(1), pool.slot(0))  # warm up: connection, lazily built client state
+    tracemalloc.start()
+    try:
+        store.put(key(2), pool.slot(0))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < BLOCK // 4, (
+        f"put allocated {peak} bytes of Python memory for a {BLOCK}-byte block"
+    )
+    body = s3_server.client().get_object(Bucket=bucket, Key=store.object_key(key(2)))["Body"].read()
+    assert len(body) == HEADER_SIZE + BLOCK
+    assert body[HEADER_SIZE:] == data
+    pool.close()  # BufferError here means the client still holds the slot after put returned
 
 
 def test_put_get_and_failures_release_the_slot(store: S3BlockStore, pool: SlotPool) -> None:

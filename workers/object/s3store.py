@@ -202,20 +202,22 @@ class S3BlockStore:
     def put(self, key: bytes, src: memoryview, corrupt: bool = False) -> None:
         """Store src (block_bytes long) under key; visible to readers only once complete.
 
-        One copy (header + block into the request body); overwrites any previous block. With
-        ``corrupt`` (fault injection) one payload byte of the body is flipped after the header's
-        checksum was computed: the stored copy fails verification when read.
+        The request body is the header followed by the slot itself: no copy of the block is
+        made on the Python side, and the client is done with the slot when put returns.
+        Overwrites any previous block. With ``corrupt`` (fault injection) the body is a copy with
+        one payload byte flipped after the header's checksum was computed: the stored copy fails
+        verification when read.
         """
         self._ensure_open()
         path = self.object_key(key)
         with _releasing(SlotTransfer(self._release_hook)) as transfer:
             view = transfer.hold(_slot_view(src, self.block_bytes, writable=False))
-            header = make_header(key, view, self._fingerprint, self._generations.next())
-            body = b"".join((header.encode(), view))
+            header = make_header(key, view, self._fingerprint, self._generations.next()).encode()
+            body: tuple[bytes | bytearray | memoryview, ...] = (header, view)
             if corrupt:
-                flipped = bytearray(body)
+                flipped = bytearray(header + view)
                 flipped[HEADER_SIZE + self.block_bytes // 2] ^= 0xFF
-                body = bytes(flipped)
+                body = (flipped,)
             self._request(
                 "put", path, lambda: obstore.put(self._store, path, body, use_multipart=False)
             )
