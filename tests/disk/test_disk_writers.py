@@ -1,6 +1,7 @@
-"""The disk worker's parallel writers: a cascade's keys are written at once on the writer
-threads, results and recency stay in job order, and concurrent cascades, promotions and
-evictions keep every stored record correct (real files and a real shared-memory pool)."""
+"""The disk worker's parallel writers and readers: a cascade's keys are written at once on the
+writer threads and a promotion's keys read at once on the reader threads, results and recency
+stay in job order, and concurrent cascades, promotions and evictions keep every stored record
+correct (real files and a real shared-memory pool)."""
 
 from __future__ import annotations
 
@@ -29,11 +30,13 @@ SLOTS = 32
 _job_ids = itertools.count(1)
 
 
-class SlowWrites(FaultInjector):
-    """Holds every record write for ``hold_s`` and records how many were held at once."""
+class SlowOps(FaultInjector):
+    """Holds every store operation ``op`` for ``hold_s`` and records how many were held at
+    once."""
 
-    def __init__(self, hold_s: float) -> None:
+    def __init__(self, op: str, hold_s: float) -> None:
         super().__init__()
+        self.op = op
         self.hold_s = hold_s
         self.held = 0
         self.most = 0
@@ -41,7 +44,7 @@ class SlowWrites(FaultInjector):
         self._count_lock = threading.Lock()
 
     def maybe_fail(self, op: str, key: bytes = b"") -> None:
-        if op != "write_record":
+        if op != self.op:
             return
         with self._count_lock:
             self.held += 1
@@ -68,13 +71,16 @@ def pool() -> Iterator[HostPool]:
 def start_backend(tmp_path: Path, pool: HostPool):
     started: list[DiskBackend] = []
 
-    def start(faults: FaultInjector, capacity_records: int, write_threads: int) -> DiskBackend:
+    def start(
+        faults: FaultInjector, capacity_records: int, write_threads: int, read_threads: int = 4
+    ) -> DiskBackend:
         cfg = Config(
             pool=PoolConfig(num_slots=SLOTS, block_bytes=BLOCK, layout_id="writers-test"),
             disk=DiskConfig(
                 root=str(tmp_path / "disk"),
                 capacity_bytes=capacity_records * RECORD,
                 write_threads=write_threads,
+                read_threads=read_threads,
             ),
         )
         backend = DiskBackend(cfg)
@@ -113,7 +119,7 @@ def assert_self_consistent(key: bytes, data: bytes) -> None:
 def test_a_cascade_writes_its_keys_in_parallel_and_reports_in_job_order(
     start_backend, pool: HostPool
 ) -> None:
-    faults = SlowWrites(hold_s=0.1)
+    faults = SlowOps("write_record", hold_s=0.1)
     backend = start_backend(faults, capacity_records=16, write_threads=3)
     keys = [b"p-%d" % i for i in range(6)]
     for slot, key in enumerate(keys):
@@ -127,6 +133,26 @@ def test_a_cascade_writes_its_keys_in_parallel_and_reports_in_job_order(
     assert done.ok_keys == keys
     for slot, key in enumerate(keys, start=8):
         assert pool.slot(slot).tobytes() == payload_for(key, 1)
+
+
+def test_a_promotion_reads_its_keys_in_parallel_and_reports_in_job_order(
+    start_backend, pool: HostPool
+) -> None:
+    faults = SlowOps("read", hold_s=0.1)
+    backend = start_backend(faults, capacity_records=16, write_threads=2, read_threads=3)
+    keys = [b"r-%d" % i for i in range(6)]
+    for slot, key in enumerate(keys):
+        pool.slot(slot)[:] = payload_for(key, 1)
+    assert run(backend, JobKind.CASCADE, keys, list(range(6))).ok_keys == keys
+    backend.take_index_changes()
+    backend._require_store().delete(keys[4])
+    done = run(backend, JobKind.PROMOTE, keys, list(range(8, 14)))
+    assert faults.most == 3, f"{faults.most} reads at once, not the 3 reader threads"
+    assert done.ok_keys == keys[:4] + keys[5:] and done.absent_keys == [keys[4]]
+    assert backend.take_index_changes() == ([], [keys[4]])
+    for slot, key in enumerate(keys, start=8):
+        if key != keys[4]:
+            assert pool.slot(slot).tobytes() == payload_for(key, 1)
 
 
 def test_parallel_writers_keep_every_record_correct_under_concurrent_jobs_and_evictions(

@@ -5,7 +5,10 @@ Jobs (``slots[i]`` co-indexed with ``keys[i]``):
 - ``promote``: ``store.get(key, slot)``. Bytes land only in the job's own slots (reserved by
   the manager, not readable until the result arrives); a failed key may leave garbage there,
   which the manager never serves since it frees that slot. A key that landed has its slot
-  header stamped (when slot headers are on) with the checksum the store just verified.
+  header stamped (when slot headers are on) with the checksum the store just verified; every
+  key but the job's last is then reported landed (``report_landed``), so the manager serves
+  it while the rest of the job is still being read. A job's keys are read in parallel on the
+  backend's ``disk.read_threads`` reader threads and reported in job order.
 - ``cascade``: ``store.put(key, slot)``; the slot is only read. A job's keys are written in
   parallel on the backend's ``disk.write_threads`` writer threads; its result waits for all.
 
@@ -34,7 +37,7 @@ import errno
 import mmap
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from kvoffload.blockformat import CorruptBlock, deployment_fingerprint
@@ -92,6 +95,7 @@ class DiskBackend:
         self._headers: SlotHeaders | None = None
         self._store: DiskStore | None = None
         self._writers: ThreadPoolExecutor | None = None
+        self._readers: ThreadPoolExecutor | None = None
         self._faults = FaultInjector()
         self._lock = threading.Lock()
         self._changed: dict[bytes, None] = {}
@@ -101,7 +105,8 @@ class DiskBackend:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def job_threads(self, cfg: Config) -> int:
-        """Read and write threads together (a cascade's writes run on the writer threads)."""
+        """Read and write threads together (a job's reads and writes run on the backend's
+        reader and writer threads)."""
         return cfg.disk.read_threads + cfg.disk.write_threads
 
     def cpu_affinity(self, cfg: Config) -> tuple[int, ...]:
@@ -130,6 +135,7 @@ class DiskBackend:
         store.open()
         self._store = store
         self._writers = ThreadPoolExecutor(disk.write_threads, thread_name_prefix="disk-write")
+        self._readers = ThreadPoolExecutor(disk.read_threads, thread_name_prefix="disk-read")
         log.info(
             "disk_backend_started",
             root=str(store.directory),
@@ -142,6 +148,8 @@ class DiskBackend:
     def close(self) -> None:
         if self._writers is not None:
             self._writers.shutdown()
+        if self._readers is not None:
+            self._readers.shutdown()
         if self._store is not None:
             self._store.close()
 
@@ -163,11 +171,12 @@ class DiskBackend:
         evicted: list[bytes] = []
         failures: Counter[str] = Counter()
         first_error = ""
+        landed = self._promote_all(job, changed)  # started by a promotion only
         try:
             written = [] if promote else self._cascade_all(job, changed, evicted)
-            for index, (key, slot) in enumerate(zip(job.keys, job.slots, strict=True)):
+            for index, key in enumerate(job.keys):
                 if promote:
-                    failure = self._promote_one(key, slot, job.job_id, changed)
+                    failure = next(landed)
                     if not failure and index < len(job.keys) - 1:
                         report_landed([key])  # the last one goes with the result
                 else:
@@ -183,6 +192,7 @@ class DiskBackend:
                 else:
                     ok.append(key)
         except BaseException:
+            landed.close()  # waits for the job's reads
             self._note_changed(changed)  # the job fails as a whole; still report what it changed
             raise
         finally:
@@ -230,6 +240,39 @@ class DiskBackend:
         if self._headers is not None:
             self._headers.stamp(slot, key, generation, header.checksum)
         return ""
+
+    def _promote_all(self, job: Job, changed: list[bytes]) -> Generator[str, None, None]:
+        """Read the job's keys in parallel on the reader threads (``disk.read_threads``, shared
+        by every job; a one-key job reads on its own thread) and yield each key's
+        ``_promote_one`` outcome in job order, each as soon as it and the keys before it have
+        landed; ``changed`` receives the keys in job order. Every read of the job has returned
+        before the generator ends, raises or is closed; an exception of one read is raised when
+        its turn comes."""
+        if len(job.keys) == 1:
+            yield self._promote_one(job.keys[0], job.slots[0], job.job_id, changed)
+            return
+        readers = self._require_readers()
+        futures = [
+            readers.submit(self._promote_key, key, slot, job.job_id)
+            for key, slot in zip(job.keys, job.slots, strict=True)
+        ]
+        taken = 0
+        try:
+            for future in futures:
+                failure, key_changed = future.result()
+                taken += 1
+                changed.extend(key_changed)
+                yield failure
+        finally:
+            wait(futures)
+            for future in futures[taken:]:
+                if future.exception() is None:
+                    changed.extend(future.result()[1])
+
+    def _promote_key(self, key: bytes, slot: int, generation: int) -> tuple[str, list[bytes]]:
+        """``_promote_one`` on a reader thread, with its own changed list."""
+        changed: list[bytes] = []
+        return self._promote_one(key, slot, generation, changed), changed
 
     def _cascade_all(self, job: Job, changed: list[bytes], evicted: list[bytes]) -> list[str]:
         """Write the job's keys in parallel on the writer threads (``disk.write_threads``,
@@ -380,6 +423,11 @@ class DiskBackend:
         if self._store is None:
             raise RuntimeError("DiskBackend.start was not called")
         return self._store
+
+    def _require_readers(self) -> ThreadPoolExecutor:
+        if self._readers is None:
+            raise RuntimeError("DiskBackend.start was not called")
+        return self._readers
 
     def _require_writers(self) -> ThreadPoolExecutor:
         if self._writers is None:
