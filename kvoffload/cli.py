@@ -1,4 +1,4 @@
-"""The ``kvoffload`` command: serve, status, demo."""
+"""The ``kvoffload`` command: serve, status, demo, soak, bench."""
 
 from __future__ import annotations
 
@@ -111,6 +111,12 @@ def cmd_soak(args) -> int:
     return run_from_args(args)
 
 
+def cmd_bench(args) -> int:
+    from .bench.runner import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvoffload", description="Tiered KV-cache offload service"
@@ -155,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_soak_arguments(soak)
     soak.set_defaults(func=cmd_soak)
+
+    from .bench.runner import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser(
+        "bench", help="run benchmark suites against their same-run references (JSON, charts)"
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
