@@ -15,23 +15,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
 import zmq
 
+from kvoffload import protocol as p
+from kvoffload.blockformat import copy_with_checksum
 from kvoffload.client import KVOffloadClient
 from kvoffload.config import load_config
 from kvoffload.kvcache import SharedKVCache, unique_kv_name
 from kvoffload.logs import configure_logging
+from kvoffload.pool import HostPool
+from kvoffload.protocol import LookupResult
 from kvoffload.supervisor import Supervisor
 from kvoffload.tiering import ReqContext, TieringManager
+
+SECTIONS = ("control", "latency", "data")
 
 
 def percentiles(samples: list[float]) -> dict:
@@ -65,8 +74,9 @@ def bare_zmq_rtt(frame: bytes, rounds: int) -> dict:
     server = subprocess.Popen(
         [sys.executable, "-c", ECHO_SERVER, endpoint], stdout=subprocess.PIPE, text=True
     )
+    assert server.stdout is not None
     server.stdout.readline()
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     dealer.connect(endpoint)
     samples = []
     for _ in range(rounds):
@@ -84,6 +94,7 @@ def library_lookup(keys: list[bytes], rounds: int) -> dict:
     m = TieringManager(len(keys) + 16)
     m.on_new_request(ReqContext("r"))
     out = m.prepare_store("r", keys)
+    assert out is not None
     m.complete_store("r", out.keys_to_store)
     samples = []
     for _ in range(rounds):
@@ -103,8 +114,8 @@ def service_lookup(client: KVOffloadClient, req: str, keys: list[bytes], rounds:
     return percentiles(samples[10:])
 
 
-def control_plane(client, kv, rounds: int) -> dict:
-    result = {}
+def control_plane(client: KVOffloadClient, rounds: int) -> dict:
+    result: dict[str, dict[str, Any]] = {}
     for n in (1, 1000):
         keys = keys_for(n, f"cp{n}")
         req = f"cp-{n}"
@@ -113,7 +124,7 @@ def control_plane(client, kv, rounds: int) -> dict:
             chunk = keys[i : i + 64]
             job = client.store(req, chunk, list(range(len(chunk))), "bench")
             if job.job_id is not None:
-                client.wait([job.job_id])
+                wait_job(client, job)
         frame = msgspec.msgpack.encode({"t": "lookup", "rid": 1, "req_id": req, "keys": keys})
         result[f"{n}_keys"] = {
             "manager": service_lookup(client, req, keys, rounds),
@@ -129,10 +140,10 @@ def control_plane(client, kv, rounds: int) -> dict:
 
 
 def data_plane(block_sizes: list[int], total_bytes: int) -> dict:
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     for block in block_sizes:
         n = max(4, min(2048, total_bytes // block))
-        cfg_note = {"block_bytes": block, "blocks": n}
+        cfg_note: dict[str, Any] = {"block_bytes": block, "blocks": n}
         with Service(block, n * 2 + 16) as service:
             client = service.client()
             kv = SharedKVCache.create(unique_kv_name(), n * 2, [block])
@@ -140,20 +151,19 @@ def data_plane(block_sizes: list[int], total_bytes: int) -> dict:
             kv.tensors[0][:] = rng.integers(0, 256, size=(2 * n, block), dtype=np.uint8)
             client.register_kv(kv.handle("bench"))
             client.new_request("dp")
-            store_s, load_s = [], []
+            stores: list[float] = []
+            loads: list[float] = []
             for round_no in range(4):
                 keys = keys_for(n, f"dp{block}-{round_no}")
                 t0 = time.perf_counter()
-                job = client.store("dp", keys, list(range(n)), "bench")
-                client.wait([job.job_id], timeout_s=120)
-                store_s.append(time.perf_counter() - t0)
+                wait_job(client, client.store("dp", keys, list(range(n)), "bench"))
+                stores.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                job = client.load("dp", keys, list(range(n, 2 * n)), "bench")
-                done = client.wait([job.job_id], timeout_s=120)[job.job_id]
-                load_s.append(time.perf_counter() - t0)
+                done = wait_job(client, client.load("dp", keys, list(range(n, 2 * n)), "bench"))
+                loads.append(time.perf_counter() - t0)
                 assert done.success and np.array_equal(kv.tensors[0][:n], kv.tensors[0][n : 2 * n])
-            cfg_note["first_round_store_s"], cfg_note["first_round_load_s"] = store_s[0], load_s[0]
-            store_s, load_s = min(store_s[1:]), min(load_s[1:])
+            cfg_note["first_round_store_s"], cfg_note["first_round_load_s"] = stores[0], loads[0]
+            store_s, load_s = min(stores[1:]), min(loads[1:])
             src = kv.tensors[0][:n]
             dst = np.empty_like(src)
             np.copyto(dst, src)
@@ -176,18 +186,173 @@ def data_plane(block_sizes: list[int], total_bytes: int) -> dict:
     return results
 
 
+def wait_job(client: KVOffloadClient, job: p.JobAccepted) -> p.DeviceJobFinished:
+    """Wait for a device job the call created."""
+    assert job.job_id is not None
+    return client.wait([job.job_id], timeout_s=120)[job.job_id]
+
+
+def device_job(
+    client: KVOffloadClient, call: Callable[..., p.JobAccepted], keys: list[bytes], block: int
+) -> None:
+    """A one-block device store or load (``call``) through the cpu worker, waited for."""
+    assert wait_job(client, call("lat", keys, [block], "bench")).success
+
+
+def engine_store(
+    client: KVOffloadClient,
+    req: str,
+    keys: list[bytes],
+    pool: HostPool,
+    rows: np.ndarray,
+    wait: bool = False,
+) -> None:
+    """The engine-side store path: prepare_store, copy each row into its slot while taking its
+    xxh3 (``blockformat.copy_with_checksum``), complete_store with the checksums (without
+    waiting for its reply unless ``wait``)."""
+    slots = client.prepare_store(req, keys)
+    row_of = dict(zip(keys, rows, strict=True))
+    sums = [
+        copy_with_checksum(pool.slot_array(slot), row_of[key])
+        for key, slot in zip(slots.keys, slots.slots, strict=True)
+    ]
+    client.complete_store(req, list(slots.keys), checksums=sums, wait=wait)
+
+
+def engine_load(
+    client: KVOffloadClient,
+    req: str,
+    keys: list[bytes],
+    pool: HostPool,
+    out: np.ndarray,
+    wait_ms: int = 0,
+    wait: bool = False,
+) -> int:
+    """The engine-side load path: a pinned lookup, a copy of every HIT slot, complete_load
+    (without waiting for its reply unless ``wait``); keys not ready yet are looked up again
+    (held by the manager up to ``wait_ms`` until some of them land, when ``wait_ms`` > 0).
+    Returns the number of lookups it took."""
+    position = {key: i for i, key in enumerate(keys)}
+    remaining = list(keys)
+    lookups = 0
+    while remaining:
+        outcome = client.lookup(req, remaining, pin=True, wait_ms=wait_ms)
+        lookups += 1
+        if LookupResult.MISS in outcome.results:
+            raise RuntimeError(f"cold load missed: {outcome}")
+        copied = [key for key, slot in zip(remaining, outcome.slots, strict=False) if slot >= 0]
+        for key, slot in zip(remaining, outcome.slots, strict=False):
+            if slot >= 0:
+                np.copyto(out[position[key]], pool.slot_array(slot))
+        if copied:
+            client.complete_load(req, copied, wait=wait)
+        done = set(copied)
+        remaining = [key for key in remaining if key not in done]
+    return lookups
+
+
+def latency(block_bytes: int, rounds: int, prefix_blocks: int, wait_ms: int) -> dict:
+    """One-block store and load through the engine-side copy path (completion sent without
+    waiting for its reply, and awaited) and through device jobs, and cold loads from the disk
+    tier (one block, and a ``prefix_blocks``-block prefix) with lookups held by the manager
+    (``wait_ms``) and polled, next to a bare ZeroMQ round trip over the same transport and a
+    copy of one block. Every variant runs in each round, interleaved. p50/p99 in microseconds.
+    """
+    modes = {"held": wait_ms, "polled": 0}
+    cold_keys = {
+        mode: [keys_for(1 + prefix_blocks, f"cold-{mode}-{r}") for r in range(rounds)]
+        for mode in modes
+    }
+    num_slots = 2 * rounds * (1 + prefix_blocks) + 4 * rounds + 64
+    result: dict[str, Any] = {"block_bytes": block_bytes, "rounds": rounds, "wait_ms": wait_ms}
+    with Service(block_bytes, num_slots, disk=True) as service:
+        client = service.client()
+        info = client.info
+        pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
+        rng = np.random.default_rng(2)
+        rows = rng.integers(0, 256, size=(1 + prefix_blocks, block_bytes), dtype=np.uint8)
+        out = np.zeros_like(rows)
+        kv = SharedKVCache.create(unique_kv_name(), 2, [block_bytes])
+        kv.tensors[0][0] = rows[0]
+        client.register_kv(kv.handle("bench"))
+        client.new_request("lat")
+        frame = p.encode(p.Lookup(rid=1, req_id="lat", keys=keys_for(1, "rtt"), pin=True))
+        result["bare_zmq_rtt"] = bare_zmq_rtt(frame, max(rounds, 200))
+        samples: dict[str, list[float]] = {}
+
+        def timed(name: str, action: Callable[..., object], *args: Any) -> None:
+            t0 = time.perf_counter()
+            action(*args)
+            samples.setdefault(name, []).append(time.perf_counter() - t0)
+
+        for r in range(rounds):
+            for wait, suffix in ((False, ""), (True, "_awaited")):
+                key = keys_for(1, f"warm{suffix}{r}")
+                timed(
+                    f"engine_store{suffix}", engine_store, client, "lat", key, pool, rows[:1], wait
+                )
+                timed(
+                    f"engine_load{suffix}", engine_load, client, "lat", key, pool, out[:1], 0, wait
+                )
+                assert np.array_equal(out[0], rows[0])
+            timed("copy", np.copyto, out[0], rows[0])
+            key = keys_for(1, f"dev{r}")
+            timed("device_store", device_job, client, client.store, key, 0)
+            timed("device_load", device_job, client, client.load, key, 1)
+        for mode in modes:
+            for keys in cold_keys[mode]:
+                engine_store(client, "lat", keys, pool, rows)
+        client.reset_cache()  # every cascade lands on disk first; the host pool is emptied
+        lookups: dict[str, list[int]] = {}
+        for r in range(rounds):
+            for mode, mode_wait_ms in modes.items():
+                keys = cold_keys[mode][r]
+                for name, part, dst in (
+                    (f"cold_1_{mode}", keys[:1], out[:1]),
+                    (f"cold_{prefix_blocks}_{mode}", keys[1:], out[1:]),
+                ):
+                    dst[:] = 0
+                    t0 = time.perf_counter()
+                    count = engine_load(client, "lat", part, pool, dst, mode_wait_ms)
+                    samples.setdefault(name, []).append(time.perf_counter() - t0)
+                    lookups.setdefault(name, []).append(count)
+                assert np.array_equal(out, rows), "a cold load returned wrong bytes"
+        rtt = result["bare_zmq_rtt"]["p50_us"]
+        for name, values in samples.items():
+            entry = percentiles(values)
+            entry["over_bare_zmq_rtt"] = entry["p50_us"] / rtt
+            if name in lookups:
+                entry["lookups_p50"] = statistics.median(lookups[name])
+            result[name] = entry
+        copy_us = result["copy"]["p50_us"]
+        for name in samples:
+            if name.startswith(("engine_", "device_")):
+                result[name]["rtts_beyond_copy"] = (result[name]["p50_us"] - copy_us) / rtt
+        for size in (1, prefix_blocks):
+            held, polled = result[f"cold_{size}_held"], result[f"cold_{size}_polled"]
+            held["polled_over_held_p50"] = polled["p50_us"] / held["p50_us"]
+        client.finish_request("lat")
+        client.close()
+        pool.close()
+        kv.close()
+        kv.unlink()
+    return result
+
+
 class Service:
-    """A service with only the host pool and the cpu worker, in a temp runtime dir."""
+    """A service with the host pool and the cpu worker (and the disk tier when ``disk``; the
+    object tier is off), in a temp runtime dir."""
 
     slot_headers = True
 
-    def __init__(self, block_bytes: int, num_slots: int) -> None:
+    def __init__(self, block_bytes: int, num_slots: int, disk: bool = False) -> None:
         self.tmp = tempfile.mkdtemp(prefix="kvb-")
         env = {
             "KVOFFLOAD_SERVICE__RUNTIME_DIR": self.tmp,
             "KVOFFLOAD_POOL__BLOCK_BYTES": str(block_bytes),
             "KVOFFLOAD_POOL__NUM_SLOTS": str(num_slots),
-            "KVOFFLOAD_DISK__ENABLED": "false",
+            "KVOFFLOAD_DISK__ENABLED": str(disk).lower(),
+            "KVOFFLOAD_DISK__ROOT": str(Path(self.tmp) / "disk"),
             "KVOFFLOAD_SERVICE__LOG_LEVEL": "warning",
             "KVOFFLOAD_POOL__SLOT_HEADERS": str(self.slot_headers).lower(),
         }
@@ -211,8 +376,9 @@ class Service:
     def client(self) -> KVOffloadClient:
         return KVOffloadClient(self.spec.client_endpoint, timeout_s=60.0, name="bench")
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.supervisor.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def main() -> None:
@@ -223,19 +389,38 @@ def main() -> None:
     parser.add_argument(
         "--no-slot-headers", action="store_true", help="measure with pool.slot_headers = false"
     )
+    parser.add_argument(
+        "--only", choices=SECTIONS, action="append", help="run only these sections (repeatable)"
+    )
+    parser.add_argument("--latency-rounds", type=int, default=40)
+    parser.add_argument("--latency-block-kib", type=int, default=256)
+    parser.add_argument("--prefix-blocks", type=int, default=16)
+    parser.add_argument(
+        "--wait-ms",
+        type=int,
+        default=1000,
+        help="how long a cold load's lookup may be held by the manager (0: poll without waiting)",
+    )
     args = parser.parse_args()
     Service.slot_headers = not args.no_slot_headers
     configure_logging("bench", "warning")
-    with Service(65536, 2048) as service:
-        client = service.client()
-        kv = SharedKVCache.create(unique_kv_name(), 64, [65536])
-        client.register_kv(kv.handle("bench"))
-        control = control_plane(client, kv, args.rounds)
-        client.close()
-        kv.close()
-        kv.unlink()
-    data = data_plane([65536, 262144, 1 << 20, 4 << 20], args.total_mib << 20)
-    result = {"slot_headers": Service.slot_headers, "control_plane": control, "data_plane": data}
+    sections = args.only or list(SECTIONS)
+    result: dict[str, Any] = {"slot_headers": Service.slot_headers}
+    if "control" in sections:
+        with Service(65536, 2048) as service:
+            client = service.client()
+            kv = SharedKVCache.create(unique_kv_name(), 64, [65536])
+            client.register_kv(kv.handle("bench"))
+            result["control_plane"] = control_plane(client, args.rounds)
+            client.close()
+            kv.close()
+            kv.unlink()
+    if "latency" in sections:
+        result["latency"] = latency(
+            args.latency_block_kib << 10, args.latency_rounds, args.prefix_blocks, args.wait_ms
+        )
+    if "data" in sections:
+        result["data_plane"] = data_plane([65536, 262144, 1 << 20, 4 << 20], args.total_mib << 20)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
