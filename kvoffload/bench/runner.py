@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -70,23 +69,9 @@ def _object_missing(args: argparse.Namespace) -> str | None:
 
 
 def _peer_missing(args: argparse.Namespace) -> str | None:
-    python = args.peer_python or sys.executable
-    if shutil.which(python) is None and not Path(python).is_file():
-        return f"--peer-python {python} does not exist"
-    found = subprocess.run(
-        [
-            python,
-            "-c",
-            "import importlib.util, sys; sys.exit(importlib.util.find_spec('lmcache') is None)",
-        ],
-        capture_output=True,
-    )
-    if found.returncode != 0:
-        return (
-            f"LMCache is not installed for {python} (install the peer extra in a separate "
-            "virtualenv and pass --peer-python)"
-        )
-    return None
+    from .peer import lmcache_missing
+
+    return lmcache_missing(args.peer_python or sys.executable)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,343 @@
+"""kvoffload against LMCache's storage backends (LocalCPUBackend, LocalDiskBackend, also with
+``use_odirect``) on one store/load workload, in the same run, as ratios kvoffload / LMCache.
+
+Per block size (256 KiB, 1 MiB, 4 MiB) and round, ``--mib`` of random bytes in an engine buffer
+go to each store and back, in prefixes of ``--prefix-blocks`` blocks; loads are verified. The
+kvoffload side runs here on its defaults (slot headers and checksums on); the LMCache side runs
+``peer_lmcache.py`` under ``--peer-python`` (a virtualenv with LMCache; LMCache's pins do not
+fit kvoffload's), and the rounds of the two sides alternate. Operations:
+- host store / host load, through the service (host pool + cpu worker) vs LocalCPUBackend;
+- store until on disk, one store request per prefix (service with its disk tier: until every
+  block was cascaded) vs LocalCPUBackend + LocalDiskBackend; the same followed by ``sync``;
+- disk store library put (DiskStore, 4 threads like LMCache's disk writers) vs LMCache O_DIRECT;
+- cold disk load, one lookup per prefix (host pool reset, so every block is promoted from disk,
+  then loaded) vs LMCache O_DIRECT ``batched_get_blocking`` per prefix.
+Writes JSON (cells: medians of the rounds, ratio = median of the per-round ratios) and prints
+the ratio table. Skips, saying why, when LMCache cannot be imported by ``--peer-python``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvoffload.blockformat import deployment_fingerprint
+from kvoffload.client import KVOffloadClient
+from kvoffload.config import load_config
+from kvoffload.kvcache import SharedKVCache, unique_kv_name
+from kvoffload.logs import configure_logging
+from kvoffload.supervisor import Supervisor
+from workers.disk import DiskStore
+
+SIZES = (256 << 10, 1 << 20, 4 << 20)
+# (operation, kvoffload figure, LMCache figure, LMCache backend)
+OPS = (
+    ("host store, through the service", "host_store", "cpu_store", "LocalCPUBackend"),
+    ("host load", "host_load", "cpu_load", "LocalCPUBackend"),
+    (
+        "store until on disk, one store request per prefix",
+        "disk_store",
+        "disk_store",
+        "LocalDiskBackend",
+    ),
+    ("same, both followed by sync", "disk_store_sync", "disk_store_sync", "LocalDiskBackend"),
+    ("disk store library put", "library_put", "disk_store_odirect", "LocalDiskBackend O_DIRECT"),
+    (
+        "cold disk load, one lookup per prefix",
+        "cold_load",
+        "disk_load_odirect",
+        "LocalDiskBackend O_DIRECT",
+    ),
+)
+WRITERS = 4
+
+
+class Service:
+    """A service in a temp directory: host pool + cpu worker, and the disk tier if ``disk``."""
+
+    def __init__(self, block_bytes: int, num_slots: int, disk: bool, disk_bytes: int) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="kvo-peer-"))
+        env = {
+            "KVOFFLOAD_SERVICE__RUNTIME_DIR": str(self.tmp / "run"),
+            "KVOFFLOAD_SERVICE__LOG_LEVEL": "warning",
+            "KVOFFLOAD_POOL__BLOCK_BYTES": str(block_bytes),
+            "KVOFFLOAD_POOL__NUM_SLOTS": str(num_slots),
+            "KVOFFLOAD_POOL__UNREAD_PROMOTION_CAP": "1.0",
+            "KVOFFLOAD_DISK__ENABLED": str(disk).lower(),
+            "KVOFFLOAD_DISK__ROOT": str(self.tmp / "disk"),
+            "KVOFFLOAD_DISK__CAPACITY_BYTES": str(disk_bytes),
+        }
+        self.workers = ("cpu", "disk") if disk else ("cpu",)
+        self.supervisor = Supervisor(load_config(None, env), log_path=self.tmp / "service.log")
+
+    def __enter__(self) -> KVOffloadClient:
+        endpoint = self.supervisor.start().client_endpoint
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with KVOffloadClient(endpoint, timeout_s=2.0) as probe:
+                    workers = probe.status().workers
+                if all(w in workers and workers[w].index_complete for w in self.workers):
+                    self.client = KVOffloadClient(endpoint, timeout_s=60.0, name="peer")
+                    return self.client
+            except TimeoutError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("service did not start")
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+        self.supervisor.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def keys_for(n: int, salt: str) -> list[bytes]:
+    return [f"{salt}-{i}".encode().ljust(32, b".") for i in range(n)]
+
+
+def prefixes(n: int, size: int) -> list[range]:
+    return [range(first, min(n, first + size)) for first in range(0, n, size)]
+
+
+def device_jobs(
+    client: KVOffloadClient, req: str, keys: list[bytes], blocks: range, store: bool, prefix: int
+) -> None:
+    """One store (or load) request per prefix, all in flight; wait for every job."""
+    call = client.store if store else client.load
+    jobs = []
+    for part in prefixes(len(keys), prefix):
+        job = call(req, [keys[i] for i in part], [blocks[i] for i in part], "bench")
+        if job.job_id is not None:
+            jobs.append(job.job_id)
+    for job_id, done in client.wait(jobs, timeout_s=600).items():
+        if not done.success:
+            raise RuntimeError(f"job {job_id} failed: {done.error}")
+
+
+def wait_on_disk(client: KVOffloadClient, total: int) -> None:
+    """Until ``total`` keys in all were cascaded to the disk tier."""
+    deadline = time.monotonic() + 600
+    while client.status().tiering.per_tier["disk"].cascaded_keys_ok < total:
+        if time.monotonic() > deadline:
+            raise TimeoutError("cascades to disk did not finish")
+        time.sleep(0.002)
+
+
+def cold_load(
+    client: KVOffloadClient, req: str, keys: list[bytes], blocks: range, prefix: int
+) -> None:
+    """Per prefix: look up (promotions start), look up again until ready, load, wait."""
+    for part in prefixes(len(keys), prefix):
+        wanted = [keys[i] for i in part]
+        outcome = client.lookup(req, wanted)
+        while outcome.must_wait:
+            client.end_step()
+            time.sleep(0.0005)
+            outcome = client.lookup(req, wanted)
+        if outcome.ready_prefix != len(wanted):
+            raise RuntimeError(f"only {outcome.ready_prefix} of {len(wanted)} keys came back")
+        job = client.load(req, wanted, [blocks[i] for i in part], "bench")
+        assert job.job_id is not None
+        done = client.wait([job.job_id], timeout_s=600)[job.job_id]
+        if not done.success:
+            raise RuntimeError(f"cold load failed: {done.error}")
+
+
+def kvoffload_round(
+    block: int, n: int, prefix: int, salt: str, directory: Path
+) -> dict[str, float]:
+    """One round of the kvoffload side for one block size; GB/s per operation."""
+    kv = SharedKVCache.create(unique_kv_name(), 2 * n, [block])
+    try:
+        return measure(kv, block, n, prefix, salt, directory)
+    finally:
+        kv.close()
+        kv.unlink()
+
+
+def measure(
+    kv: SharedKVCache, block: int, n: int, prefix: int, salt: str, directory: Path
+) -> dict[str, float]:
+    nbytes = n * block
+    out: dict[str, float] = {}
+    rows = kv.tensors[0]
+    rows[:n] = np.random.default_rng(block).integers(0, 256, size=(n, block), dtype=np.uint8)
+    src, dst = range(n), range(n, 2 * n)
+
+    def timed(name: str, fn: Any) -> None:
+        start = time.perf_counter()
+        fn()
+        out[name] = nbytes / (time.perf_counter() - start) / 1e9
+
+    def verify() -> None:
+        if not np.array_equal(rows[:n], rows[n:]):
+            raise AssertionError("a load returned other bytes")
+        rows[n:] = 0
+
+    with Service(block, n + 64, False, 0) as client:
+        client.register_kv(kv.handle("bench"))
+        client.new_request("host")
+        keys = keys_for(n, f"{salt}-host")
+        timed("host_store", lambda: device_jobs(client, "host", keys, src, True, prefix))
+        timed("host_load", lambda: device_jobs(client, "host", keys, dst, False, prefix))
+        verify()
+    with Service(block, 2 * n + 64, True, 3 * n * (block + 8192)) as client:
+        client.register_kv(kv.handle("bench"))
+        client.new_request("disk")
+        keys = keys_for(n, f"{salt}-disk")
+        synced = keys_for(n, f"{salt}-sync")
+
+        def until_on_disk(batch: list[bytes], total: int, sync: bool) -> None:
+            device_jobs(client, "disk", batch, src, True, prefix)
+            wait_on_disk(client, total)
+            if sync:
+                os.sync()
+
+        timed("disk_store", lambda: until_on_disk(keys, n, False))
+        timed("disk_store_sync", lambda: until_on_disk(synced, 2 * n, True))
+        client.finish_request("disk")
+        client.reset_cache()
+        client.new_request("cold")
+        timed("cold_load", lambda: cold_load(client, "cold", keys, dst, prefix))
+        verify()
+    out["library_put"] = library_put(block, n, rows, directory)
+    return out
+
+
+def library_put(block: int, n: int, rows: np.ndarray, directory: Path) -> float:
+    """DiskStore.put of every block from the engine buffer, ``WRITERS`` threads; GB/s."""
+    root = Path(tempfile.mkdtemp(prefix="kvo-peer-put-", dir=directory))
+    store = DiskStore(
+        root, block, deployment_fingerprint(block, "bench"), n * (block + 8192), direct_io=None
+    )
+    store.open()
+    try:
+        views = [memoryview(rows[i]) for i in range(n)]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(WRITERS) as pool:
+            list(pool.map(lambda i: store.put(i.to_bytes(8, "big") * 4, views[i]), range(n)))
+        return n * block / (time.perf_counter() - start) / 1e9
+    finally:
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def lmcache_round(
+    python: str, sizes: list[int], mib: int, prefix: int, directory: Path
+) -> dict[str, Any]:
+    script = Path(__file__).with_name("peer_lmcache.py")
+    argv = [python, str(script), "--sizes", ",".join(map(str, sizes)), "--mib", str(mib)]
+    argv += ["--prefix-blocks", str(prefix), "--dir", str(directory)]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the LMCache side failed: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def lmcache_missing(python: str) -> str | None:
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('lmcache') is None)"
+    try:
+        found = subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
+    except OSError as exc:
+        return f"cannot run {python}: {exc}"
+    if not found:
+        return f"LMCache is not installed for {python} (the peer extra, in a virtualenv of its own)"
+    return None
+
+
+def label(size: int) -> str:
+    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+
+
+def print_table(cells: list[dict[str, Any]], sizes: list[int], rounds: int) -> None:
+    print(f"kvoffload / LMCache, median of {rounds} round(s):")
+    print(f"| op | {' | '.join(label(s) for s in sizes)} |")
+    print(f"|---|{'---|' * len(sizes)}")
+    for op, *_ in OPS:
+        row = {c["size"]: c["ratio_to_reference"] for c in cells if c["metric"] == op}
+        print(f"| {op} | {' | '.join(f'{row[s]:.2f}' if s in row else '-' for s in sizes)} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="block sizes, bytes")
+    parser.add_argument("--mib", type=int, default=256, help="bytes per size and round, MiB")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--prefix-blocks", type=int, default=16)
+    parser.add_argument("--peer-python", default=sys.executable, help="python with LMCache")
+    parser.add_argument("--dir", help="directory for the disk stores (default: a temp dir)")
+    parser.add_argument("--out", default="results/bench_peer.json")
+    args = parser.parse_args(argv)
+    prefix = args.prefix_blocks
+    configure_logging("bench", "warning")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if (reason := lmcache_missing(args.peer_python)) is not None:
+        out.write_text(json.dumps({"skipped": reason}, indent=2) + "\n")
+        print(f"peer: skipped: {reason}")
+        return 0
+    sizes = [int(s) for s in args.sizes.split(",")]
+    directory = Path(tempfile.mkdtemp(prefix="kvo-peer-", dir=args.dir))
+    samples: dict[str, list[dict[str, Any]]] = {"kvoffload": [], "lmcache": []}
+    try:
+        for round_no in range(args.rounds):
+            mine = {}
+            for size in sizes:
+                n = max(prefix, (args.mib << 20) // size)
+                mine[str(size)] = kvoffload_round(size, n, prefix, f"r{round_no}", directory)
+            samples["kvoffload"].append(mine)
+            samples["lmcache"].append(
+                lmcache_round(args.peer_python, sizes, args.mib, prefix, directory)
+            )
+            print(f"round {round_no + 1}/{args.rounds} done", flush=True)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    cells = []
+    for op, ours, theirs, backend in OPS:
+        for size in sizes:
+            pairs = [
+                (k[str(size)][ours], t[str(size)][theirs])
+                for k, t in zip(*samples.values(), strict=True)
+            ]
+            cells.append(
+                {
+                    "suite": "peer",
+                    "metric": op,
+                    "size": size,
+                    "size_unit": "bytes",
+                    "value": statistics.median(k for k, _ in pairs),
+                    "unit": "GB/s",
+                    "reference": f"LMCache {backend}",
+                    "reference_value": statistics.median(t for _, t in pairs),
+                    "ratio_to_reference": statistics.median(k / t for k, t in pairs),
+                    "chart": True,
+                }
+            )
+    report = {
+        "lmcache_version": samples["lmcache"][0].get("lmcache_version"),
+        "peer_python": args.peer_python,
+        "mib": args.mib,
+        "rounds": args.rounds,
+        "prefix_blocks": prefix,
+        "samples_gbps": samples,
+        "cells": cells,
+    }
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(cells, sizes, args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
