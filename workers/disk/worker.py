@@ -7,10 +7,11 @@ Jobs (``slots[i]`` co-indexed with ``keys[i]``):
   which the manager never serves since it frees that slot. A key that landed has its slot
   header stamped (when slot headers are on) with the checksum the store just verified; every
   key but the job's last is then reported landed (``report_landed``), so the manager serves
-  it while the rest of the job is still being read. A job's keys are read in parallel on the
-  backend's ``disk.read_threads`` reader threads and reported in job order.
+  it while the rest of the job is still being read. A job's keys are read in parallel, on its
+  job thread and the backend's ``disk.read_threads`` reader threads, and reported in job order.
 - ``cascade``: ``store.put(key, slot)``; the slot is only read. A job's keys are written in
-  parallel on the backend's ``disk.write_threads`` writer threads; its result waits for all.
+  parallel, on its job thread and the backend's ``disk.write_threads`` writer threads; its
+  result waits for all.
 
 Per-key outcomes: a corrupt or absent copy fails the key, reports it removed and, for a
 promotion, lists it in the outcome's ``absent_keys``; a transient
@@ -38,7 +39,8 @@ import mmap
 import threading
 from collections import Counter
 from collections.abc import Generator, Iterable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 
 from kvoffload.blockformat import CorruptBlock, deployment_fingerprint
 from kvoffload.config import Config
@@ -47,6 +49,7 @@ from kvoffload.pool import HostPool
 from kvoffload.protocol import DiskWorkerStats, Job, JobKind, KVHandle
 from workers.backend import BackendOutcome
 from workers.disk.errors import StoreFull, TransientIOError
+from workers.disk.fanout import fan_out
 from workers.disk.slab import DiskStore
 from workers.faults import FaultInjector
 from workers.framework import report_landed
@@ -105,8 +108,8 @@ class DiskBackend:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def job_threads(self, cfg: Config) -> int:
-        """Read and write threads together (a job's reads and writes run on the backend's
-        reader and writer threads)."""
+        """Read and write threads together (a job's reads and writes run on its job thread and
+        on the backend's reader and writer threads)."""
         return cfg.disk.read_threads + cfg.disk.write_threads
 
     def cpu_affinity(self, cfg: Config) -> tuple[int, ...]:
@@ -242,75 +245,56 @@ class DiskBackend:
         return ""
 
     def _promote_all(self, job: Job, changed: list[bytes]) -> Generator[str, None, None]:
-        """Read the job's keys in parallel on the reader threads (``disk.read_threads``, shared
-        by every job; a one-key job reads on its own thread) and yield each key's
-        ``_promote_one`` outcome in job order, each as soon as it and the keys before it have
-        landed; ``changed`` receives the keys in job order. Every read of the job has returned
-        before the generator ends, raises or is closed; an exception of one read is raised when
-        its turn comes."""
-        if len(job.keys) == 1:
-            yield self._promote_one(job.keys[0], job.slots[0], job.job_id, changed)
-            return
+        """Read the job's keys in parallel, on this thread and up to ``disk.read_threads``
+        reader threads (shared by every job), and yield each key's ``_promote_one`` outcome in
+        job order, each as soon as it and the keys before it have landed; ``changed`` receives
+        the keys in job order. Every read of the job has returned before the generator ends,
+        raises or is closed; an exception of one read is raised in its turn."""
+        per_key: list[list[bytes]] = [[] for _ in job.keys]
+
+        def read(index: int) -> str:
+            return self._promote_one(job.keys[index], job.slots[index], job.job_id, per_key[index])
+
         readers = self._require_readers()
-        futures = [
-            readers.submit(self._promote_key, key, slot, job.job_id)
-            for key, slot in zip(job.keys, job.slots, strict=True)
-        ]
         taken = 0
         try:
-            for future in futures:
-                failure, key_changed = future.result()
-                taken += 1
-                changed.extend(key_changed)
-                yield failure
+            with closing(fan_out(len(job.keys), read, readers, self._cfg.disk.read_threads)) as got:
+                for failure in got:
+                    changed.extend(per_key[taken])
+                    taken += 1
+                    yield failure
         finally:
-            wait(futures)
-            for future in futures[taken:]:
-                if future.exception() is None:
-                    changed.extend(future.result()[1])
-
-    def _promote_key(self, key: bytes, slot: int, generation: int) -> tuple[str, list[bytes]]:
-        """``_promote_one`` on a reader thread, with its own changed list."""
-        changed: list[bytes] = []
-        return self._promote_one(key, slot, generation, changed), changed
+            for keys in per_key[taken:]:
+                changed.extend(keys)
 
     def _cascade_all(self, job: Job, changed: list[bytes], evicted: list[bytes]) -> list[str]:
-        """Write the job's keys in parallel on the writer threads (``disk.write_threads``,
-        shared by every job; a one-key job writes on its own thread) and wait for all of them.
-        Returns each key's ``_cascade_one`` outcome in job order; ``changed`` and ``evicted``
-        receive the keys in job order, and the stored keys are touched in job order (recency
-        as if written one after another). An exception of one write is raised after every write
-        of the job returned (their keys noted first)."""
+        """Write the job's keys in parallel, on this thread and up to ``disk.write_threads``
+        writer threads (shared by every job), and wait for all of them. Returns each key's
+        ``_cascade_one`` outcome in job order; ``changed`` and ``evicted`` receive the keys in
+        job order, and the stored keys are touched in job order (recency as if written one
+        after another). An exception of one write is raised after every write of the job that
+        started has returned (their keys noted first)."""
         pool = self._require_pool()
-        if len(job.keys) == 1:
-            return [self._cascade_one(job.keys[0], pool.slot(job.slots[0]), changed, evicted)]
+        per_changed: list[list[bytes]] = [[] for _ in job.keys]
+        per_evicted: list[list[bytes]] = [[] for _ in job.keys]
+
+        def write(index: int) -> str:
+            src = pool.slot(job.slots[index])
+            return self._cascade_one(job.keys[index], src, per_changed[index], per_evicted[index])
+
         writers = self._require_writers()
-        futures = [
-            writers.submit(self._cascade_key, key, pool.slot(slot))
-            for key, slot in zip(job.keys, job.slots, strict=True)
-        ]
-        wait(futures)
-        outcomes: list[str] = []
-        error: BaseException | None = None
-        for future in futures:
-            exc = future.exception()
-            if exc is not None:
-                error = error or exc
-                continue
-            failure, key_changed, key_evicted = future.result()
-            outcomes.append(failure)
-            changed.extend(key_changed)
-            evicted.extend(key_evicted)
-        if error is not None:
-            raise error
+        try:
+            with closing(
+                fan_out(len(job.keys), write, writers, self._cfg.disk.write_threads)
+            ) as got:
+                outcomes = list(got)
+        finally:
+            for keys in per_changed:
+                changed.extend(keys)
+            for keys in per_evicted:
+                evicted.extend(keys)
         self._require_store().touch(k for k, f in zip(job.keys, outcomes, strict=True) if not f)
         return outcomes
-
-    def _cascade_key(self, key: bytes, src: memoryview) -> tuple[str, list[bytes], list[bytes]]:
-        """``_cascade_one`` on a writer thread, with its own changed and evicted lists."""
-        changed: list[bytes] = []
-        evicted: list[bytes] = []
-        return self._cascade_one(key, src, changed, evicted), changed, evicted
 
     def _cascade_one(
         self, key: bytes, src: memoryview, changed: list[bytes], evicted: list[bytes]
