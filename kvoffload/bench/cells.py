@@ -218,7 +218,33 @@ def disk_cells(outputs: dict[str, Any]) -> list[Cell]:
                     reference="dd direct write" if is_store else "dd direct read",
                     reference_value=dd_write if is_store else dd_read,
                     chart=entry["threads"] == most_threads
-                    and op in ("store", "load_cold", "store_flushed"),
+                    and entry["mode"] == "direct"
+                    and op in ("store", "load_cold"),
+                )
+            )
+    worker_ops = (
+        ("disk worker cascade jobs", "store", "dd_write"),
+        ("disk worker cascade jobs, evicting", "store_evicting", "dd_write"),
+        ("disk worker promotion jobs, cold", "load_cold", "dd_read"),
+    )
+    for entry in data.get("worker", []):
+        median = entry["median"]
+        for metric, op, dd in worker_ops:
+            if f"{op}_gbps" not in median:
+                continue
+            ratio = median.get(f"{op.removesuffix('_cold')}_ratio")
+            cells.append(
+                Cell(
+                    suite="disk",
+                    metric=metric,
+                    size=entry["block_kib"] << 10,
+                    size_unit="bytes",
+                    value=median[f"{op}_gbps"],
+                    unit="GB/s",
+                    reference=f"dd direct {'write' if dd == 'dd_write' else 'read'}, same block size",
+                    reference_value=median[f"{dd}_gbps"],
+                    ratio_to_reference=ratio,
+                    chart=op != "store_evicting",
                 )
             )
     startup = outputs.get("disk_startup")

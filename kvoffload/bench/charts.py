@@ -42,7 +42,7 @@ def plot_cells(cells: list[Cell], directory: Path) -> list[Path]:
 def _plot(cells: list[Cell], title: str, ttft: bool, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(12, 5.5), dpi=110)
     sizes = sorted({c.size for c in cells if c.size is not None})
     metrics = list(dict.fromkeys(c.metric for c in cells))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -66,7 +66,7 @@ def _plot(cells: list[Cell], title: str, ttft: bool, path: Path) -> None:
         points = [(s, v) for s, v in zip(sizes, line, strict=True) if v is not None]
         color = "black" if shared else colors[metrics.index(users[0]) % len(colors)]
         label = f"{name} (reference)" if shared else f"{name} (reference for {users[0]})"
-        ax.plot(*zip(*points, strict=True), style, color=color, alpha=0.8, label=label)
+        ax.plot(*zip(*points, strict=True), style, marker="x", color=color, alpha=0.8, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [_size_label(s, cells[0].size_unit) for s in sizes])
     ax.minorticks_off()
@@ -81,7 +81,7 @@ def _plot(cells: list[Cell], title: str, ttft: bool, path: Path) -> None:
         ax.set_title(f"{title}: {cells[0].unit} per block size (higher is better)")
         ax.set_ylim(bottom=0)
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

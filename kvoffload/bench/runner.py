@@ -47,8 +47,8 @@ class Step:
 
     name: str
     module: str
-    full: tuple[str, ...]
-    quick: tuple[str, ...]
+    full: str
+    quick: str
 
 
 def _missing_modules(*names: str) -> str | None:
@@ -88,7 +88,7 @@ SUITES = {
         SuiteSpec(
             Suite.TIERING,
             "tiering library lookups and store bookkeeping vs a dict-membership loop",
-            (Step("tiering", "kvoffload.bench.tiering", (), ("--keys", "200", "--repeat", "5")),),
+            (Step("tiering", "kvoffload.bench.tiering", "", "--keys 200 --repeat 5"),),
         ),
         SuiteSpec(
             Suite.SERVICE,
@@ -97,8 +97,8 @@ SUITES = {
                 Step(
                     "service",
                     "kvoffload.bench.service",
-                    ("--rounds", "500", "--total-mib", "256"),
-                    ("--rounds", "30", "--total-mib", "4"),
+                    "--rounds 500 --total-mib 256",
+                    "--rounds 30 --total-mib 4",
                 ),
             ),
         ),
@@ -109,18 +109,8 @@ SUITES = {
                 Step(
                     "cpu_worker",
                     "kvoffload.bench.cpu_worker",
-                    ("--sizes", "64K,256K,1M,4M", "--mib", "256", "--reps", "3", "--process"),
-                    (
-                        "--sizes",
-                        "64K,1M",
-                        "--mib",
-                        "8",
-                        "--reps",
-                        "1",
-                        "--threads",
-                        "2",
-                        "--process",
-                    ),
+                    "--sizes 64K,256K,1M,4M --mib 256 --reps 3 --process",
+                    "--sizes 64K,1M --mib 4 --reps 1 --threads 2 --process",
                 ),
             ),
         ),
@@ -131,23 +121,14 @@ SUITES = {
                 Step(
                     "disk",
                     "kvoffload.bench.disk",
-                    ("--total-mib", "256", "--sizes-kib", "64,256,1024,4096", "--threads", "1,4"),
-                    (
-                        "--total-mib",
-                        "8",
-                        "--sizes-kib",
-                        "64,1024",
-                        "--threads",
-                        "1",
-                        "--parts-records",
-                        "32",
-                    ),
+                    "--total-mib 256 --sizes-kib 64,256,1024,4096 --threads 1,4",
+                    "--total-mib 8 --sizes-kib 64,1024 --threads 1 --parts-records 32",
                 ),
                 Step(
                     "disk_startup",
                     "kvoffload.bench.disk_startup",
-                    ("--blocks", "20000"),
-                    ("--blocks", "500"),
+                    "--blocks 20000",
+                    "--blocks 500",
                 ),
             ),
         ),
@@ -158,8 +139,8 @@ SUITES = {
                 Step(
                     "object",
                     "kvoffload.bench.object",
-                    ("--count", "64", "--threads", "1,8"),
-                    ("--count", "8", "--sizes", "256KiB", "--threads", "1"),
+                    "--count 64 --threads 1,8",
+                    "--count 8 --sizes 256KiB --threads 1",
                 ),
             ),
             _object_missing,
@@ -171,8 +152,8 @@ SUITES = {
                 Step(
                     "ttft",
                     "kvoffload.bench.ttft",
-                    ("--lengths", "1024", "4096", "--repeats", "3"),
-                    ("--lengths", "256", "--repeats", "1"),
+                    "--lengths 1024 4096 --repeats 3",
+                    "--lengths 256 --repeats 1",
                 ),
             ),
             lambda args: _missing_modules("torch"),
@@ -184,8 +165,8 @@ SUITES = {
                 Step(
                     "vllm",
                     "kvoffload.bench.vllm",
-                    ("--lengths", "2048", "4096", "8192"),
-                    ("--lengths", "512", "--prompts", "1", "--no-native"),
+                    "--lengths 2048 4096 8192",
+                    "--lengths 512 --prompts 1 --no-native",
                 ),
             ),
             lambda args: _missing_modules("vllm", "torch"),
@@ -197,8 +178,8 @@ SUITES = {
                 Step(
                     "peer",
                     "kvoffload.bench.peer",
-                    ("--mib", "256", "--rounds", "4"),
-                    ("--mib", "4", "--rounds", "1"),
+                    "--mib 256 --rounds 4",
+                    "--mib 4 --rounds 1",
                 ),
             ),
             _peer_missing,
@@ -291,7 +272,7 @@ def run_suite(spec: SuiteSpec, args: argparse.Namespace, results: Path, progress
             suffix = f".{round_no + 1}" if args.rounds > 1 else ""
             out = results / f"bench_{step.name}{suffix}.json"
             log = results / "logs" / f"bench_{step.name}{suffix}.log"
-            argv = [*(step.quick if args.quick else step.full), "--out", str(out)]
+            argv = [*shlex.split(step.quick if args.quick else step.full), "--out", str(out)]
             if step.name == "peer" and args.peer_python:
                 argv += ["--peer-python", args.peer_python]
             label = f"{spec.suite}: {step.name}" + (f" round {round_no + 1}" if suffix else "")
