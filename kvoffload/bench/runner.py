@@ -231,7 +231,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     skipped = {s: r for s in chosen if (r := SUITES[s].missing(args)) is not None}
     planned = [s for s in chosen if s not in skipped]
     total = sum(len(SUITES[s].steps) for s in planned) * args.rounds
-    summary: dict[str, Any] = {"run": run_info(args), "baseline": baseline.get("run"), "suites": {}}
+    summary: dict[str, Any] = {
+        "run": run_info(args),
+        "baseline": baseline.get("runs"),
+        "suites": {},
+    }
     for suite, reason in skipped.items():
         print(f"{suite}: skipped: {reason}", file=sys.stderr)
         summary["suites"][suite] = {"status": "skipped", "reason": reason}
@@ -361,14 +365,22 @@ def run_info(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def write_baseline(path: Path, summary: dict[str, Any], cells: list[Cell]) -> None:
+    """Write this run's cells to ``path``; the suites it did not measure keep their cells."""
     kept = (
         *("suite", "metric", "size", "size_unit", "value", "unit", "higher_is_better"),
         *("reference", "reference_value", "ratio_to_reference"),
     )
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    measured = {s for s, e in summary["suites"].items() if e["status"] == "ok"}
+    skipped = {s: e["reason"] for s, e in summary["suites"].items() if e["status"] != "ok"}
     document = {
-        "run": summary["run"],
-        "skipped": {s: e["reason"] for s, e in summary["suites"].items() if e["status"] != "ok"},
-        "cells": [{k: v for k, v in c.to_json().items() if k in kept} for c in cells],
+        "runs": [*old.get("runs", []), summary["run"]],
+        "skipped": {
+            **{s: r for s, r in old.get("skipped", {}).items() if s not in measured},
+            **skipped,
+        },
+        "cells": [c for c in old.get("cells", []) if c["suite"] not in measured]
+        + [{k: v for k, v in c.to_json().items() if k in kept} for c in cells],
     }
     path.write_text(json.dumps(document, indent=1) + "\n")
 
