@@ -7,7 +7,8 @@ HIT_PENDING, if kvoffload said so last time); ``on_schedule_end`` sends one pinn
 engine in the same round trip, so ``prepare_load`` never fails: it only hands over the slots.
 
 Pins. A pinned key is released by ``complete_load`` after its load, or, if vLLM never loads
-it, when its request finishes. ``reset_cache`` and a lost service session drop every pin at the
+it, when its request finishes; the release is sent without waiting for its reply (the
+service handles this engine's calls in order). ``reset_cache`` and a lost service session drop every pin at the
 service, so the tables are cleared with them.
 
 Failed loads. A worker that could not load a key reports it (``note_failed_loads``); that key
@@ -164,7 +165,7 @@ class KVOffloadManager(OffloadingManager):
         if state.generation == self._link.generation and self._link.up:
             try:
                 if unused:
-                    self._link.call(lambda c: c.complete_load(state.ctx.req_id, unused))
+                    self._link.call(lambda c: c.complete_load(state.ctx.req_id, unused, wait=False))
                 self._link.call(lambda c: c.finish_request(state.ctx.req_id))
             except (ServiceDown, KVOffloadError) as exc:
                 log.debug("kvoffload_finish_failed req_id=%s error=%s", state.ctx.req_id, exc)
@@ -308,7 +309,7 @@ class KVOffloadManager(OffloadingManager):
         state.loading = +state.loading
         if release and state.load_generation == self._link.generation and self._link.up:
             try:
-                self._link.call(lambda c: c.complete_load(req_context.req_id, release))
+                self._link.call(lambda c: c.complete_load(req_context.req_id, release, wait=False))
             except (ServiceDown, KVOffloadError) as exc:
                 log.debug("kvoffload_unpin_failed req_id=%s error=%s", req_context.req_id, exc)
         self._maybe_forget(state)
