@@ -8,8 +8,8 @@ engine in the same round trip, so ``prepare_load`` never fails: it only hands ov
 
 Pins. A pinned key is released by ``complete_load`` after its load, or, if vLLM never loads
 it, when its request finishes; the release is sent without waiting for its reply (the
-service handles this engine's calls in order). ``reset_cache`` and a lost service session drop every pin at the
-service, so the tables are cleared with them.
+service handles this engine's calls in order). ``reset_cache`` and a lost service session
+drop every pin at the service, so the tables are cleared with them.
 
 Failed loads. A worker that could not load a key reports it (``note_failed_loads``); that key
 is a MISS for that request from then on, so vLLM recomputes it once and never loops.
