@@ -1,146 +1,58 @@
-"""A real kvoffload service (``kvoffload serve`` as a subprocess) for process-level tests; the
-``start_service`` fixture is registered in tests/conftest.py."""
+"""The process-level tests' service: ``kvoffload serve`` run by the one ``ServiceHarness``
+(``Launch.SERVE``); the ``start_service`` fixture is registered in tests/conftest.py. Also the
+helpers that scrape the metrics endpoint."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from kvoffload import protocol as p
-from kvoffload.client import KVOffloadClient
-from kvoffload.rundir import live_runs
-from kvoffload.soak.probe import log_events_in
+from kvoffload.soak.service import Launch, ServiceHarness
+
+TEST_DEFAULTS = {
+    "service": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "log_level": "info"},
+    "pool": {"num_slots": 64, "block_bytes": 65536},
+    "disk": {"enabled": False, "capacity_bytes": 67108864},
+    "supervisor": {"restart_backoff_initial_s": 0.2, "drain_timeout_s": 5.0},
+}
 
 
-class Service:
-    """A running supervisor with its manager and workers; ``stop()`` SIGTERMs it by pid."""
-
-    def __init__(
-        self,
-        tmp: Path,
-        extra_config: str = "",
-        workers=("cpu",),
-        service_options: str = "",
-        num_slots: int = 64,
-        block_bytes: int = 65536,
-    ) -> None:
-        """``service_options``: extra ``key = value`` lines of the [service] table;
-        ``extra_config``: extra tables appended at the end."""
-        self.base = tmp / "run"
-        self.data = tmp / "data"
-        self.config = tmp / "kvoffload.toml"
-        self.workers = workers
-        self.config.write_text(
-            f"""
-[service]
-runtime_dir = "{self.base}"
-heartbeat_interval_s = 0.2
-heartbeat_timeout_s = 3.0
-log_level = "info"
-{service_options}
-
-[pool]
-num_slots = {num_slots}
-block_bytes = {block_bytes}
-
-[disk]
-enabled = {str("disk" in workers).lower()}
-root = "{self.data / "disk"}"
-capacity_bytes = 67108864
-
-[supervisor]
-restart_backoff_initial_s = 0.2
-drain_timeout_s = 5.0
-{extra_config}
-"""
-        )
-        self.log_path = tmp / "service.log"
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvoffload.cli", "serve", "--config", str(self.config)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-
-    def wait_ready(self) -> None:
-        self.endpoint = self._wait_endpoint()
-        self.wait_workers(self.workers)
-
-    def _wait_endpoint(self, timeout_s: float = 20.0) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            runs = [r for r in live_runs(self.base) if r.pid == self.proc.pid]
-            if runs:
-                self.run_id = runs[0].run_id
-                return f"ipc://{self.base / (self.run_id + '-client.sock')}"
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"service exited early:\n{self.log_path.read_text()[-4000:]}")
-            time.sleep(0.05)
-        raise TimeoutError("service did not start")
-
-    def client(self, name: str = "test", timeout_s: float = 10.0) -> KVOffloadClient:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                return KVOffloadClient(self.endpoint, timeout_s=timeout_s, name=name)
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    raise
-
-    def status(self) -> p.ManagerStatus:
-        with self.client("status") as c:
-            return c.status()
-
-    def wait_workers(self, names, timeout_s: float = 30.0, exclude_pids=()) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            workers = self.status().workers
-            if all(
-                n in workers and workers[n].index_complete and workers[n].pid not in exclude_pids
-                for n in names
-            ):
-                return workers
-            time.sleep(0.1)
-        raise TimeoutError(
-            f"workers {names} not ready: {self.status().workers}\n{self.log_path.read_text()[-3000:]}"
-        )
-
-    def log_events(self) -> list[dict]:
-        return log_events_in(self.log_path)
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+def serve_harness(
+    home: Path,
+    workers=("cpu",),
+    extra_config: str = "",
+    service_options: str = "",
+    num_slots: int = 64,
+    block_bytes: int = 65536,
+) -> ServiceHarness:
+    """A (not yet started) ``kvoffload serve`` with ``workers``. ``service_options``: extra
+    ``key = value`` lines of the [service] table; ``extra_config``: TOML whose leading keys
+    belong to [supervisor], then any tables (``[faults]``, ``[object]``, ``[[engines]]``)."""
+    sections = tomllib.loads(f"[service]\n{service_options}\n[supervisor]\n{extra_config}\n")
+    sections["pool"] = {"num_slots": num_slots, "block_bytes": block_bytes}
+    sections.setdefault("disk", {})["enabled"] = "disk" in workers
+    return ServiceHarness(home, sections, defaults=TEST_DEFAULTS, launch=Launch.SERVE)
 
 
 @pytest.fixture
 def start_service(tmp_path):
-    started: list[Service] = []
+    """``start(**serve_harness options)`` -> a started service; each is stopped at the end and
+    must leave no segment, runtime file or process behind."""
+    started: list[ServiceHarness] = []
 
-    def start(**kw) -> Service:
+    def start(**kw) -> ServiceHarness:
         home = tmp_path / f"svc{len(started)}"
-        home.mkdir()
-        service = Service(home, **kw)
+        service = serve_harness(home, **kw)
         started.append(service)
-        service.wait_ready()
-        return service
+        return service.start()
 
     yield start
-    for service in started:
-        service.stop()
+    leftovers = [service.stop() for service in started]
+    dirty = [left for left in leftovers if not left.clean]
+    assert not dirty, f"runs left things behind: {dirty}"
 
 
 def free_port() -> int:

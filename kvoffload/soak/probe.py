@@ -4,15 +4,13 @@
 ``expected_block(key)``; ``store`` copies them into the service, ``load`` brings keys back
 into poisoned device blocks and returns the keys whose bytes differ (must be empty), and
 ``lookup_ready`` waits out HIT_PENDING/RETRY. ``services`` is a context manager that starts
-``ServiceHarness``es and, on exit, stops them and asserts nothing was left behind;
-``log_events`` reads the service's JSON log.
+``ServiceHarness``es and, on exit, stops them and asserts nothing was left behind.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -133,20 +131,3 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float 
             return False
         time.sleep(interval_s)
     return True
-
-
-def log_events(harness: ServiceHarness) -> list[dict]:
-    """The JSON log events the service's processes wrote so far."""
-    return log_events_in(harness.log_path)
-
-
-def log_events_in(path: Path) -> list[dict]:
-    """The JSON log events (one object a line) in the log file at ``path``."""
-    events = []
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                continue
-    return events

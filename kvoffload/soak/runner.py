@@ -47,7 +47,6 @@ from .invariants import (
     is_quiescent,
     judge_engine_events,
 )
-from .probe import log_events
 from .service import ServiceHarness
 
 DEFAULT_FAULTS = {
@@ -245,7 +244,7 @@ class SoakRun:
             self.rss_peak = max(self.rss_peak, rss)
             self.rss_final = rss
             self.rss_samples += 1
-        status = harness.status()
+        status = harness.poll_status()
         if status is not None:
             self.last_status = status
             for tier, counters in status["tiering"]["per_tier"].items():
@@ -287,14 +286,14 @@ class SoakRun:
             self.violations.append(Violation("engine_did_not_stop", {"engine": name}))
         self.reader.read(engines.reports())
         quiet_within = harness.cfg.service.request_lease_s + 15.0
-        status = harness.wait_status(is_quiescent, quiet_within) or harness.status()
+        status = harness.wait_status(is_quiescent, quiet_within) or harness.poll_status()
         self.violations += check_quiescent(status)
         self._sweep(harness)
-        status = harness.wait_status(is_quiescent, quiet_within) or harness.status()
+        status = harness.wait_status(is_quiescent, quiet_within) or harness.poll_status()
         self.violations += check_quiescent(status)
         self.violations += check_workers_up(status, harness.worker_names)
         self._check_durability(harness)
-        status = harness.wait_status(is_quiescent, quiet_within) or harness.status()
+        status = harness.wait_status(is_quiescent, quiet_within) or harness.poll_status()
         self.violations += check_quiescent(status)
         status = harness.wait_status(lambda s: s["clients"] <= 1, quiet_within) or status
         self.violations += check_sessions_gone(status)
@@ -362,7 +361,7 @@ class SoakRun:
             return
         finally:
             self.reader.read([report])
-        excused = excused_keys(log_events(harness))
+        excused = excused_keys(harness.log_events())
         self.violations += check_acknowledged_blocks(missing, excused)
         reasons = Counter(excused[key] for key in missing if key in excused)
         self.durability = {

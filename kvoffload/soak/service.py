@@ -1,26 +1,39 @@
-"""A real kvoffload service run by an in-process ``Supervisor``, for soak runs and fault tests.
+"""A real kvoffload service for soak runs and tests: one harness, two ways to launch it.
 
-``ServiceHarness`` writes a TOML config (soak defaults overlaid by the caller's sections),
-starts the supervisor (manager, cpu, disk and object workers as real processes), and calls
-``Supervisor.watch_once`` from a watcher thread so crashed children are restarted while the
-caller injects faults. Contract:
+``ServiceHarness`` writes a TOML config (the caller's defaults overlaid by its sections) and
+starts the service in one of two ways (``Launch``):
 
-- signals go only to live children of this process (``signal_child`` checks the parent pid),
-  i.e. processes the in-process supervisor started and the manager reports by pid;
-- ``status`` never raises: None while the manager does not answer (it is thread-safe);
-- ``stop`` stops the watcher, then the supervisor (drain, stop children, unlink the pool and
-  run files), and returns what the run left behind (``Leftovers``).
+- ``IN_PROCESS``: a ``Supervisor`` in this process (manager and workers as real child
+  processes), with ``Supervisor.watch_once`` called from a watcher thread so crashed children
+  are restarted while the caller injects faults. The soak uses this.
+- ``SERVE``: ``kvoffload serve`` as a child process, exactly what an operator runs (graceful
+  SIGTERM, exit code, ``[[engines]]``). Process-level tests use this.
+
+Contract, both ways:
+
+- signals go only to live descendants of this process (``signal_child`` checks the ancestry),
+  i.e. processes the service started and the manager reports by pid;
+- ``status`` returns the typed ``ManagerStatus`` and raises when the manager does not answer;
+  ``poll_status`` never raises: the status as plain data, or None while the manager does not
+  answer (it is thread-safe);
+- ``stop`` stops the service (drain, stop children, unlink the pool and run files) and returns
+  what the run left behind (``Leftovers``, with the ``kvoffload serve`` exit code in SERVE).
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +42,10 @@ import msgspec
 import psutil
 import structlog
 
+from .. import protocol as p
 from ..client import KVOffloadClient, KVOffloadError
 from ..config import Config, load_config
+from ..rundir import live_runs
 from ..supervisor import Supervisor
 
 log = structlog.get_logger()
@@ -69,11 +84,18 @@ SOAK_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def merge_sections(base: dict[str, dict], extra: dict[str, dict] | None) -> dict[str, dict]:
-    """``base`` with each section of ``extra`` laid over it, key by key (copies, no aliasing)."""
-    merged = {name: dict(table) for name, table in base.items()}
+def merge_sections(base: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
+    """``base`` with each table of ``extra`` laid over it, key by key (copies, no aliasing); an
+    array of tables in ``extra`` replaces the base's."""
+    merged: dict[str, Any] = {
+        name: [dict(e) for e in table] if isinstance(table, list) else dict(table)
+        for name, table in base.items()
+    }
     for name, table in (extra or {}).items():
-        merged.setdefault(name, {}).update(table)
+        if isinstance(table, list):
+            merged[name] = [dict(entry) for entry in table]
+        else:
+            merged.setdefault(name, {}).update(table)
     return merged
 
 
@@ -89,13 +111,15 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"no TOML form for {type(value).__name__}")
 
 
-def to_toml(sections: dict[str, dict[str, Any]]) -> str:
-    """TOML text of flat sections (scalars and arrays only)."""
+def to_toml(sections: dict[str, Any]) -> str:
+    """TOML text of flat tables (scalars and arrays as values); a section whose value is a list
+    of tables becomes an array of tables (``[[engines]]``)."""
     lines: list[str] = []
     for name, table in sections.items():
-        lines.append(f"[{name}]")
-        lines.extend(f"{key} = {_toml_value(value)}" for key, value in table.items())
-        lines.append("")
+        for entry in table if isinstance(table, list) else [table]:
+            lines.append(f"[[{name}]]" if isinstance(table, list) else f"[{name}]")
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in entry.items())
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -107,6 +131,8 @@ class Leftovers:
     shm: list[str] = field(default_factory=list)
     runtime_files: list[str] = field(default_factory=list)
     processes: list[int] = field(default_factory=list)
+    exit_code: int | None = None
+    """``kvoffload serve``'s exit status (SERVE); None in process."""
 
     @property
     def clean(self) -> bool:
@@ -121,23 +147,47 @@ def shm_names_containing(text: str) -> list[str]:
         return []
 
 
+class Launch(enum.StrEnum):
+    """How ``ServiceHarness`` runs the service (see the module docstring)."""
+
+    IN_PROCESS = "in_process"
+    SERVE = "serve"
+
+
+def log_events_in(path: Path) -> list[dict]:
+    """The JSON log events (one object a line) in the log file at ``path``."""
+    events = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue
+    return events
+
+
 class ServiceHarness:
-    """One supervised service. ``workdir`` holds the config, the disk tier and the log; the
-    runtime dir is a short fresh directory under the system temp dir (AF_UNIX path limit)."""
+    """One service. ``workdir`` holds the config, the disk tier and the log; the runtime dir is
+    a short fresh directory under the system temp dir (AF_UNIX path limit)."""
 
     def __init__(
         self,
         workdir: Path,
-        sections: dict[str, dict] | None = None,
+        sections: dict[str, Any] | None = None,
         curve_keys: tuple[bytes, bytes, bytes] | None = None,
+        *,
+        defaults: dict[str, Any] = SOAK_DEFAULTS,
+        launch: Launch = Launch.IN_PROCESS,
     ) -> None:
-        """``curve_keys``: (client public, client secret, server public) for a tcp:// endpoint."""
+        """``sections`` are laid over ``defaults`` table by table; ``curve_keys``: (client
+        public, client secret, server public) for a tcp:// endpoint (IN_PROCESS only)."""
         self.curve_keys = curve_keys
+        self.launch = launch
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="kvrun-"))
         base = merge_sections(
-            SOAK_DEFAULTS,
+            defaults,
             {
                 "service": {"runtime_dir": str(self.runtime_dir)},
                 "disk": {"root": str(self.workdir / "disk")},
@@ -150,7 +200,8 @@ class ServiceHarness:
         self.config_path.write_text(to_toml(self.sections))
         self.cfg: Config = load_config(self.config_path, env={})
         self.log_path = self.workdir / "service.log"
-        self.supervisor = Supervisor(self.cfg, log_path=self.log_path)
+        self.supervisor: Supervisor | None = None
+        self.serve: subprocess.Popen[bytes] | None = None
         self.endpoint = ""
         self.job_endpoint = ""
         self.run_id = ""
@@ -169,10 +220,24 @@ class ServiceHarness:
             names.append("object")
         return names
 
+    @property
+    def supervisor_pid(self) -> int:
+        """The process supervising the manager and workers: ``kvoffload serve`` or this one."""
+        return self.serve.pid if self.serve is not None else os.getpid()
+
     # ---- start and watch ------------------------------------------------------------------
 
     def start(self, ready_timeout_s: float = 60.0) -> ServiceHarness:
-        """Start the supervisor and its watcher; return once every worker's index is in."""
+        """Start the service; return once every worker's index is in."""
+        if self.launch == Launch.SERVE:
+            self._start_serve(ready_timeout_s)
+        else:
+            self._start_in_process()
+        self.wait_workers(self.worker_names, timeout_s=ready_timeout_s)
+        return self
+
+    def _start_in_process(self) -> None:
+        self.supervisor = Supervisor(self.cfg, log_path=self.log_path)
         spec = self.supervisor.start()
         self.endpoint = spec.client_endpoint
         self.job_endpoint = spec.job_endpoint
@@ -180,15 +245,41 @@ class ServiceHarness:
         self._note_children()
         self._watcher = threading.Thread(target=self._watch, name="soak-watch", daemon=True)
         self._watcher.start()
-        self.wait_workers(self.worker_names, timeout_s=ready_timeout_s)
-        return self
+
+    def _start_serve(self, timeout_s: float) -> None:
+        with open(self.log_path, "ab") as log_file:
+            self.serve = subprocess.Popen(
+                [sys.executable, "-m", "kvoffload.cli", "serve", "--config", str(self.config_path)],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        self.spawned_pids.add(self.serve.pid)
+        deadline = time.monotonic() + timeout_s
+        while not (runs := [r for r in live_runs(self.runtime_dir) if r.pid == self.serve.pid]):
+            if self.serve.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"kvoffload serve exited with {self.serve.returncode}:\n{tail}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"kvoffload serve did not start; see {self.log_path}")
+            time.sleep(0.05)
+        self.run_id = runs[0].run_id
+        self.endpoint = f"ipc://{self.runtime_dir / (self.run_id + '-client.sock')}"
+        self.job_endpoint = f"ipc://{self.runtime_dir / (self.run_id + '-jobs.sock')}"
 
     def _note_children(self) -> None:
-        for child in list(self.supervisor.children.values()):
-            if child.pid is not None:
-                self.spawned_pids.add(child.pid)
+        if self.supervisor is not None:
+            for child in list(self.supervisor.children.values()):
+                if child.pid is not None:
+                    self.spawned_pids.add(child.pid)
+        if self.serve is not None:
+            with _quiet_psutil():
+                self.spawned_pids.update(
+                    c.pid for c in psutil.Process(self.serve.pid).children(recursive=True)
+                )
 
     def _watch(self) -> None:
+        assert self.supervisor is not None
         while not self._stop.wait(WATCH_INTERVAL_S):
             try:
                 self.supervisor.watch_once()
@@ -212,7 +303,12 @@ class ServiceHarness:
                 if time.monotonic() > deadline:
                     raise
 
-    def status(self, timeout_s: float = 2.0) -> dict | None:
+    def status(self, timeout_s: float = 10.0) -> p.ManagerStatus:
+        """The manager's status; raises (TimeoutError, KVOffloadError) when it does not answer."""
+        with self.client("status", timeout_s=timeout_s) as c:
+            return c.status()
+
+    def poll_status(self, timeout_s: float = 2.0) -> dict | None:
         """The manager's status as plain data (for invariants and JSON reports), or None when
         it does not answer within ``timeout_s``."""
         with self._status_lock:
@@ -237,18 +333,20 @@ class ServiceHarness:
     def wait_status(
         self, predicate: Callable[[dict], bool], timeout_s: float, interval_s: float = 0.1
     ) -> dict | None:
-        """The first status for which ``predicate`` holds, or None after ``timeout_s``."""
+        """The first ``poll_status`` for which ``predicate`` holds, or None after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
-            status = self.status()
+            status = self.poll_status()
             if status is not None and predicate(status):
                 return status
             if time.monotonic() >= deadline:
                 return None
             time.sleep(interval_s)
 
-    def wait_workers(self, names, timeout_s: float = 30.0, exclude_pids=()) -> dict:
-        """Status once every named worker is connected with its index announced and a pid not
+    def wait_workers(
+        self, names, timeout_s: float = 30.0, exclude_pids=()
+    ) -> dict[str, p.WorkerStatus]:
+        """The workers once every named one is connected with its index announced and a pid not
         in ``exclude_pids``; TimeoutError otherwise."""
         excluded = set(exclude_pids)
 
@@ -264,29 +362,38 @@ class ServiceHarness:
             raise TimeoutError(
                 f"workers {list(names)} not ready in {timeout_s} s; see {self.log_path}"
             )
-        return status
+        return msgspec.convert(status, p.ManagerStatus).workers
+
+    def log_events(self) -> list[dict]:
+        """The JSON log events the service's processes wrote so far."""
+        return log_events_in(self.log_path)
 
     # ---- processes ------------------------------------------------------------------------
 
     def manager_pid(self) -> int | None:
-        return self.supervisor.child_pid("manager")
+        """The manager's pid (None while there is none, or, in SERVE, it does not answer)."""
+        if self.supervisor is not None:
+            return self.supervisor.child_pid("manager")
+        status = self.poll_status()
+        return None if status is None else status["pid"]
 
     def worker_pid(self, name: str) -> int | None:
         """The pid the manager reports for worker ``name`` (None if not connected)."""
-        status = self.status()
+        status = self.poll_status()
         worker = (status or {}).get("workers", {}).get(name)
         return None if worker is None else worker["pid"]
 
     def is_own_child(self, pid: int) -> bool:
-        """True when ``pid`` is a live (not zombie) child of this process."""
-        try:
+        """True when ``pid`` is a live (not zombie) descendant of this process."""
+        with _quiet_psutil():
             proc = psutil.Process(pid)
-            return proc.ppid() == os.getpid() and proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
+            return proc.status() != psutil.STATUS_ZOMBIE and any(
+                parent.pid == os.getpid() for parent in proc.parents()
+            )
+        return False
 
     def signal_child(self, pid: int | None, sig: signal.Signals) -> bool:
-        """Send ``sig`` to ``pid`` if it is a live child of this process; True if sent."""
+        """Send ``sig`` to ``pid`` if it is a live descendant of this process; True if sent."""
         if pid is None or not self.is_own_child(pid):
             return False
         try:
@@ -305,20 +412,36 @@ class ServiceHarness:
             return None
 
     def restarts(self) -> dict[str, int]:
-        """Restarts the supervisor performed, per child."""
+        """Restarts the in-process supervisor performed, per child (empty in SERVE)."""
+        if self.supervisor is None:
+            return {}
         return {name: child.restarts for name, child in self.supervisor.children.items()}
 
     # ---- stop -----------------------------------------------------------------------------
 
-    def stop(self) -> Leftovers:
-        """Stop everything and report leftovers; removes the runtime dir when it is clean."""
+    def stop(self, timeout_s: float = 30.0) -> Leftovers:
+        """Stop everything and report leftovers; removes the runtime dir when it is clean.
+        SERVE: SIGTERM to ``kvoffload serve`` (SIGKILL after ``timeout_s``)."""
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join()
         with self._status_lock:
             self._drop_status_client()
-        self.supervisor.stop()
+        exit_code = None
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        if self.serve is not None:
+            self._note_children()
+            if self.serve.poll() is None:
+                self.serve.send_signal(signal.SIGTERM)
+                try:
+                    self.serve.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.serve.kill()
+                    self.serve.wait()
+            exit_code = self.serve.returncode
         left = self.leftovers()
+        left.exit_code = exit_code
         if left.clean:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
         return left
@@ -338,3 +461,12 @@ class ServiceHarness:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def _quiet_psutil() -> Iterator[None]:
+    """A process that exits while being inspected is simply not there."""
+    try:
+        yield
+    except psutil.Error:
+        pass

@@ -376,7 +376,7 @@ def test_end_to_end_through_the_service_with_worker_kill(start_service) -> None:
     finally:
         kv.close()
         kv.unlink()
-    assert service.stop() == 0
+    assert service.stop().exit_code == 0
     assert not [
         n for n in os.listdir("/dev/shm") if service.run_id in n or kv.name.lstrip("/") in n
     ]

@@ -18,7 +18,7 @@ import zmq
 
 from kvoffload import protocol as p
 from kvoffload.client import KVOffloadError
-from kvoffload.soak.probe import ProbeEngine, log_events, probe_keys, services
+from kvoffload.soak.probe import ProbeEngine, probe_keys, services
 
 SEED = 20261129
 MESSAGES_PER_ROUND = 300
@@ -219,7 +219,7 @@ def test_random_frames_on_both_channels_are_answered_or_ignored(harness):
         rss.append(harness.rss_bytes(manager))
     assert harness.manager_pid() == manager and harness.restarts()["manager"] == 0
     assert harness.worker_pid("cpu") == cpu
-    assert not [e for e in log_events(harness) if e.get("event") in CRASH_EVENTS]
+    assert not [e for e in harness.log_events() if e.get("event") in CRASH_EVENTS]
     assert rss[2] - rss[1] < 8 << 20, f"manager RSS still growing: {[r >> 20 for r in rss]} MiB"
 
 
@@ -240,7 +240,7 @@ def test_a_frame_nested_too_deep_to_decode_gets_one_typed_reply_with_its_rid(har
             assert not sock.poll(200), "a second reply"
     finally:
         sock.close()
-    assert not [e for e in log_events(harness) if e.get("event") in CRASH_EVENTS]
+    assert not [e for e in harness.log_events() if e.get("event") in CRASH_EVENTS]
 
 
 def test_the_client_refuses_a_call_over_the_size_limit_before_sending_it(harness):

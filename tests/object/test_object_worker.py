@@ -543,5 +543,5 @@ def test_blocks_come_back_from_s3_after_reset(
         e for e in events if e["event"] in ("job_result_rejected", "device_job_result_rejected")
     ]
     run_id = service.run_id
-    assert service.stop() == 0
+    assert service.stop().exit_code == 0
     assert shm_names_containing(run_id) == []

@@ -17,7 +17,6 @@ from kvoffload import protocol as p
 from kvoffload.client import KVOffloadError
 from kvoffload.cuda_host import cuda_device_count
 from kvoffload.kvcache import SharedKVCache
-from kvoffload.soak.service import shm_names_containing
 from kvoffload.tiering import LookupResult
 from tests.service_process import free_port, sample_value, scrape_metrics
 
@@ -140,7 +139,7 @@ def test_malformed_frames_on_client_channel(start_service):
 def test_bad_worker_hello_is_refused(start_service):
     service = start_service()
     zctx = zmq.Context.instance()
-    jobs_endpoint = f"ipc://{service.base / (service.run_id + '-jobs.sock')}"
+    jobs_endpoint = service.job_endpoint
     for identity, hello, reason in [
         (
             b"cpu",
@@ -204,9 +203,8 @@ def test_sigterm_with_jobs_in_flight_leaves_nothing_behind(start_service, kv):
         c.new_request("r")
         for j in range(3):
             c.store("r", keys_for(f"t{j}", 8), list(range(8)), "kv")
-    assert service.stop() == 0
-    assert shm_names_containing(service.run_id) == []
-    assert [f for f in os.listdir(service.base) if service.run_id in f] == []
+    left = service.stop()
+    assert left.exit_code == 0 and left.clean, left
     events = {e["event"] for e in service.log_events()}
     assert {"manager_stopping", "service_stopped"} <= events
 
@@ -224,18 +222,19 @@ def ignores_sigterm(pid: int) -> bool:
 def test_shutdown_kills_children_that_ignore_sigterm_after_the_grace_period(start_service):
     engine = f'[[engines]]\ncommand = ["{sys.executable}", "-c", "{STUBBORN}"]\n'
     service = start_service(extra_config="stop_grace_s = 1.0\n" + engine + engine)
-    stubborn = [c for c in psutil.Process(service.proc.pid).children() if STUBBORN in c.cmdline()]
+    stubborn = [
+        c for c in psutil.Process(service.supervisor_pid).children() if STUBBORN in c.cmdline()
+    ]
     assert len(stubborn) == 2
     deadline = time.monotonic() + 10
     while not all(ignores_sigterm(c.pid) for c in stubborn):
         assert time.monotonic() < deadline, "the stubborn engines never ignored SIGTERM"
         time.sleep(0.05)
     started = time.monotonic()
-    assert service.stop() == 0
+    left = service.stop()
+    assert left.exit_code == 0 and left.clean, left
     assert time.monotonic() - started < 4.0, "two stubborn children share one 1-second grace period"
     assert not [c for c in stubborn if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    assert shm_names_containing(service.run_id) == []
-    assert [f for f in os.listdir(service.base) if service.run_id in f] == []
     killed = [
         e["child"] for e in service.log_events() if e.get("event") == "child_killed_after_grace"
     ]
@@ -248,7 +247,7 @@ def test_status_cli_and_metrics_endpoint(start_service, kv):
     port = free_port()
     service = start_service(workers=("cpu", "disk"), service_options=f"metrics_port = {port}")
     out = subprocess.run(
-        [sys.executable, "-m", "kvoffload.cli", "status", "--config", str(service.config)],
+        [sys.executable, "-m", "kvoffload.cli", "status", "--config", str(service.config_path)],
         capture_output=True,
         text=True,
         timeout=30,

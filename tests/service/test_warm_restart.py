@@ -56,7 +56,7 @@ def store_all(client, req: str, keys: list[bytes]) -> None:
 def kill_manager(service) -> int:
     """SIGKILL the manager the service reports (checked to be the supervisor's child)."""
     pid = service.status().pid
-    assert psutil.Process(pid).ppid() == service.proc.pid
+    assert psutil.Process(pid).ppid() == service.supervisor_pid
     os.kill(pid, signal.SIGKILL)
     return pid
 
@@ -150,7 +150,7 @@ def test_ready_blocks_survive_a_manager_crash_and_nothing_unverified_is_served(s
     assert [(e["slot"], e["reason"]) for e in failed] == [(corrupt_slot, "checksum mismatch")]
 
     run_id = service.run_id
-    assert service.stop() == 0
+    assert service.stop().exit_code == 0
     assert shm_names_containing(run_id) == []
 
 

@@ -13,8 +13,9 @@ import pytest
 from kvoffload.blockformat import payload_checksum
 from kvoffload.client import KVOffloadError
 from kvoffload.pool import HostPool
+from kvoffload.protocol import DiskWorkerStats
 from kvoffload.soak.blocks import expected_block
-from kvoffload.soak.probe import ProbeEngine, log_events, probe_keys, services, wait_for
+from kvoffload.soak.probe import ProbeEngine, probe_keys, services, wait_for
 
 NO_DISK = {"enabled": False}
 
@@ -51,7 +52,7 @@ def test_stopped_worker_is_killed_by_the_manager_its_job_fails_and_it_is_restart
         finally:
             harness.signal_child(pid, signal.SIGCONT)
         harness.wait_workers(["cpu"], exclude_pids={pid})
-        timeouts = [e for e in log_events(harness) if e.get("event") == "worker_heartbeat_timeout"]
+        timeouts = [e for e in harness.log_events() if e.get("event") == "worker_heartbeat_timeout"]
         assert [e["worker_pid"] for e in timeouts] == [pid]
         req = engine.new_request()
         assert engine.store(req, keys).success
@@ -71,8 +72,8 @@ def test_killed_manager_is_restarted_with_fenced_workers_and_serves_correct_byte
     assert old_engine.store(req, keys).success
     cpu_pid = harness.worker_pid("cpu")
     kill_manager(harness)
-    status = harness.wait_workers(["cpu"], exclude_pids={cpu_pid})
-    assert status["workers"]["cpu"]["pid"] != cpu_pid, "the old worker must be fenced (killed)"
+    workers = harness.wait_workers(["cpu"], exclude_pids={cpu_pid})
+    assert workers["cpu"].pid != cpu_pid, "the old worker must be fenced (killed)"
     with pytest.raises(KVOffloadError) as err:
         old_engine.client.lookup(req, keys)
     assert err.value.code == "not_connected"
@@ -99,8 +100,8 @@ def test_after_a_manager_restart_the_disk_tier_serves_its_keys_verified(start_se
         assert harness.wait_status(lambda s: s["tiering"]["jobs_in_flight"] == 0, 10)
     disk_pid = harness.worker_pid("disk")
     kill_manager(harness)
-    status = harness.wait_workers(["cpu", "disk"], exclude_pids={disk_pid})
-    assert status["workers"]["disk"]["pid"] != disk_pid
+    workers = harness.wait_workers(["cpu", "disk"], exclude_pids={disk_pid})
+    assert workers["disk"].pid != disk_pid
     with ProbeEngine(harness, "after") as engine:
         req = engine.new_request()
         assert engine.lookup_ready(req, keys).ready_prefix == len(keys)
@@ -191,21 +192,21 @@ def test_killed_client_pins_and_open_stores_are_released_after_its_lease(start_s
     )
     try:
         assert proc.stdout.readline().strip() == "pinned"
-        tiering = harness.status()["tiering"]
-        assert (tiering["pinned_slots"], tiering["writing_slots"]) == (4, 1)
+        tiering = harness.status().tiering
+        assert (tiering.pinned_slots, tiering.writing_slots) == (4, 1)
     finally:
         proc.kill()
         proc.wait()
         proc.stdout.close()
     killed_at = time.monotonic()
-    tiering = harness.status()["tiering"]
-    assert tiering["pinned_slots"] == 4, "pins must outlive the client until its lease expires"
+    tiering = harness.status().tiering
+    assert tiering.pinned_slots == 4, "pins must outlive the client until its lease expires"
     released = harness.wait_status(
         lambda s: s["tiering"]["pinned_slots"] == 0 and s["tiering"]["writing_slots"] == 0, 10
     )
     assert released is not None and released["clients"] <= 1
     assert time.monotonic() - killed_at < harness.cfg.service.request_lease_s + 3
-    dropped = [e for e in log_events(harness) if e.get("event") == "client_dropped"]
+    dropped = [e for e in harness.log_events() if e.get("event") == "client_dropped"]
     assert any(e["reason"] == "lease_expired" and e["pins"] == 4 for e in dropped)
     keys = probe_keys("doomed", 4)
     with ProbeEngine(harness, "survivor") as engine:
@@ -237,10 +238,11 @@ def test_disk_io_faults_fail_keys_partially_and_never_serve_wrong_bytes(start_se
     assert loaded > 0
     assert any(not r.success and r.successful_keys for r in results), "expected a partial result"
     status = harness.status()
-    disk = status["workers"]["disk"]["stats"]["medium"]
-    assert disk["injected_corruptions"] > 0 and disk["corrupt_blocks"] > 0
-    assert status["tiering"]["per_tier"]["disk"]["promotion_jobs_failed"] > 0
-    assert harness.status()["tiering"]["pinned_slots"] == 0
+    disk = status.workers["disk"].stats.medium
+    assert isinstance(disk, DiskWorkerStats)
+    assert disk.injected_corruptions > 0 and disk.corrupt_blocks > 0
+    assert status.tiering.per_tier["disk"].promotion_jobs_failed > 0
+    assert harness.status().tiering.pinned_slots == 0
 
 
 # ---- durable cascades ---------------------------------------------------------------------

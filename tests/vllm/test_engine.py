@@ -23,7 +23,8 @@ pytest.importorskip("vllm")
 
 from kvoffload.blockformat import CorruptBlock, decode_header  # noqa: E402
 from kvoffload.pool import HostPool  # noqa: E402
-from tests.service_process import Service  # noqa: E402
+from kvoffload.soak.service import ServiceHarness  # noqa: E402
+from tests.service_process import serve_harness  # noqa: E402
 from tests.vllm.harness import Engine  # noqa: E402
 from tests.vllm.models import TinyLlama, make_model  # noqa: E402
 
@@ -64,13 +65,12 @@ def model(work: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def service(work: Path) -> Iterator[Service]:
+def service(work: Path) -> Iterator[ServiceHarness]:
     home = work / "service"
     home.mkdir()
-    svc = Service(home, workers=("cpu", "disk"), num_slots=256, block_bytes=BLOCK_BYTES)
+    svc = serve_harness(home, workers=("cpu", "disk"), num_slots=256, block_bytes=BLOCK_BYTES)
     try:
-        svc.wait_ready()
-        yield svc
+        yield svc.start()
     finally:
         svc.stop()
 
@@ -78,7 +78,7 @@ def service(work: Path) -> Iterator[Service]:
 class Engines:
     """Engines started on first use and stopped at the end of the module."""
 
-    def __init__(self, work: Path, model: Path, service: Service) -> None:
+    def __init__(self, work: Path, model: Path, service: ServiceHarness) -> None:
         self.work, self.model, self.service = work, model, service
         self._started: dict[str, Engine] = {}
 
@@ -104,7 +104,7 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines(work: Path, model: Path, service: Service) -> Iterator[Engines]:
+def engines(work: Path, model: Path, service: ServiceHarness) -> Iterator[Engines]:
     started = Engines(work, model, service)
     try:
         yield started
@@ -129,19 +129,21 @@ def reference(engines: Engines) -> Callable[[list[int], int], dict]:
     return run
 
 
-def stored_blocks(service: Service) -> int:
+def stored_blocks(service: ServiceHarness) -> int:
     return service.status().tiering.used_slots
 
 
-def primary_hits(service: Service) -> int:
+def primary_hits(service: ServiceHarness) -> int:
     return service.status().tiering.per_tier["primary"].lookups_hit
 
 
-def on_disk(service: Service) -> int:
+def on_disk(service: ServiceHarness) -> int:
     return service.status().tiering.tiers["disk"].indexed_keys
 
 
-def offload(engine: Engine, service: Service, prompt: list[int], cascaded: bool = False) -> dict:
+def offload(
+    engine: Engine, service: ServiceHarness, prompt: list[int], cascaded: bool = False
+) -> dict:
     """Run ``prompt`` once so its full blocks are stored (and, with ``cascaded``, on disk)."""
     disk_before = on_disk(service)
     out = engine.generate([prompt])[0]
@@ -173,7 +175,7 @@ def test_same_prompt_after_reset_prefix_cache_is_served_by_kvoffload(engines, se
     same_output(second, reference(prompt, FULL_TOKENS))
 
 
-def _with_pool_overwritten(service: Service, run: Callable[[], dict]) -> dict:
+def _with_pool_overwritten(service: ServiceHarness, run: Callable[[], dict]) -> dict:
     """``run()`` while every byte of the host pool is 7; the pool is restored after."""
     with service.client("inspect") as client:
         info = client.info
@@ -318,14 +320,14 @@ def test_a_hung_service_costs_a_timeout_and_hits_resume(engines, service, refere
     _hits_resume(engine, service, reference)
 
 
-def _service_back(service: Service, dead_pid: int) -> bool:
+def _service_back(service: ServiceHarness, dead_pid: int) -> bool:
     try:
         return service.status().pid != dead_pid
     except TimeoutError:
         return False
 
 
-def _hits_resume(engine: Engine, service: Service, reference) -> None:
+def _hits_resume(engine: Engine, service: ServiceHarness, reference) -> None:
     """Within a bounded time the same engine stores and hits again, without a restart."""
     deadline = time.monotonic() + 30
     while True:
@@ -380,11 +382,11 @@ def test_a_block_corrupted_on_disk_is_recomputed(engines, service, reference):
     assert any(e.get("event") == "disk_block_corrupt" for e in service.log_events())
 
 
-def _disk_records(service: Service) -> list[tuple[Path, int, int]]:
+def _disk_records(service: ServiceHarness) -> list[tuple[Path, int, int]]:
     """(slab file, record offset, generation) of every valid record of the disk tier."""
     records = []
     record_bytes = HEADER_PAGE + BLOCK_BYTES
-    for slab in sorted((service.data / "disk").glob("*/slab-*.kvs")):
+    for slab in sorted(Path(service.cfg.disk.root).glob("*/slab-*.kvs")):
         data = slab.read_bytes()
         fingerprint = bytes.fromhex(slab.parent.name)
         for offset in range(0, len(data) - record_bytes + 1, record_bytes):

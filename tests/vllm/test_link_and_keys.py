@@ -90,7 +90,7 @@ def test_endpoint_discovery_order(tmp_path: Path, monkeypatch, start_service):
     with pytest.raises(NoServiceFound, match="kvoffload serve"):
         find_endpoint(cfg=empty)
     svc = start_service()
-    cfg = load_config(None, env={"KVOFFLOAD_SERVICE__RUNTIME_DIR": str(svc.base)})
+    cfg = load_config(None, env={"KVOFFLOAD_SERVICE__RUNTIME_DIR": str(svc.runtime_dir)})
     assert find_endpoint(cfg=cfg) == svc.endpoint
 
 
