@@ -266,12 +266,19 @@ def object_cells(outputs: dict[str, Any]) -> list[Cell]:
     data = outputs["object"]
     sizes = {"256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
     table = {(c["client"], c["block"], c["threads"]): c for c in data["cells"]}
+    # Median of the per-round ratios, where the suite interleaved its clients in rounds.
+    per_round = {
+        (r["block"], r["threads"]): r
+        for r in data.get("ratios", [])
+        if r["client"] == "s3blockstore" and r["reference"] == "obstore"
+    }
     cells = []
     for (client, block, threads), entry in table.items():
         if client != "s3blockstore":
             continue
         obstore = table.get(("obstore", block, threads))
         boto3 = table.get(("boto3", block, threads))
+        ratios = per_round.get((block, threads))
         for op in ("put", "get"):
             cells.append(
                 Cell(
@@ -285,6 +292,7 @@ def object_cells(outputs: dict[str, Any]) -> list[Cell]:
                     reference_value=obstore[f"{op}_mb_s"] / 1e3 if obstore else None,
                     others={"plain boto3": boto3[f"{op}_mb_s"] / 1e3} if boto3 else {},
                     chart=True,
+                    ratio_to_reference=ratios[op] if ratios else None,
                 )
             )
     return cells
