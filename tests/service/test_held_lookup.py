@@ -35,12 +35,15 @@ def wait_until(predicate, timeout_s: float = 20.0, what: str = "") -> None:
 
 @pytest.fixture
 def cold(start_service):
-    """A service with the disk tier and slow disk operations, four blocks written through the
-    engine-side path, cascaded to disk, then gone from the host pool: (client, pool, keys,
-    rows)."""
+    """A service with the disk tier, slow disk operations and one disk reader thread, four
+    blocks written through the engine-side path, cascaded to disk, then gone from the host
+    pool: (client, pool, keys, rows)."""
     service = start_service(
         workers=("cpu", "disk"),
-        extra_config=f"[faults]\ndelay_s = {READ_DELAY_S}\ndelay_fraction = 1.0\n",
+        # one reader thread: a promotion's blocks land one after another
+        extra_config=(
+            f"[faults]\ndelay_s = {READ_DELAY_S}\ndelay_fraction = 1.0\n[disk]\nread_threads = 1\n"
+        ),
     )
     rng = np.random.default_rng(5)
     rows = rng.integers(0, 256, size=(4, BLOCK), dtype=np.uint8)
