@@ -251,21 +251,26 @@ def engine_load(
     return lookups
 
 
-def latency(block_bytes: int, rounds: int, prefix_blocks: int, wait_ms: int) -> dict:
+def latency(
+    block_bytes: int, rounds: int, prefix_blocks: int, wait_ms: int, disk: bool = True
+) -> dict:
     """One-block store and load through the engine-side copy path (completion sent without
-    waiting for its reply, and awaited) and through device jobs, and cold loads from the disk
-    tier (one block, and a ``prefix_blocks``-block prefix) with lookups held by the manager
-    (``wait_ms``) and polled, next to a bare ZeroMQ round trip over the same transport and a
-    copy of one block. Every variant runs in each round, interleaved. p50/p99 in microseconds.
-    """
+    waiting for its reply, and awaited) and through device jobs, and, with ``disk``, cold loads
+    from the disk tier (one block, and a ``prefix_blocks``-block prefix) with lookups held by
+    the manager (``wait_ms``) and polled, next to a bare ZeroMQ round trip over the same
+    transport and a copy of one block. Every variant runs in each round, interleaved. p50/p99 in
+    microseconds. Without ``disk`` the service has the host pool only, so no cascade to disk
+    follows a store."""
     modes = {"held": wait_ms, "polled": 0}
     cold_keys = {
         mode: [keys_for(1 + prefix_blocks, f"cold-{mode}-{r}") for r in range(rounds)]
         for mode in modes
     }
     num_slots = 2 * rounds * (1 + prefix_blocks) + 4 * rounds + 64
-    result: dict[str, Any] = {"block_bytes": block_bytes, "rounds": rounds, "wait_ms": wait_ms}
-    with Service(block_bytes, num_slots, disk=True) as service:
+    result: dict[str, Any] = {"block_bytes": block_bytes, "rounds": rounds, "disk_tier": disk}
+    if disk:
+        result["wait_ms"] = wait_ms
+    with Service(block_bytes, num_slots, disk=disk) as service:
         client = service.client()
         info = client.info
         pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
@@ -299,12 +304,13 @@ def latency(block_bytes: int, rounds: int, prefix_blocks: int, wait_ms: int) -> 
             key = keys_for(1, f"dev{r}")
             timed("device_store", device_job, client, client.store, key, 0)
             timed("device_load", device_job, client, client.load, key, 1)
-        for mode in modes:
-            for keys in cold_keys[mode]:
-                engine_store(client, "lat", keys, pool, rows)
-        client.reset_cache()  # every cascade lands on disk first; the host pool is emptied
         lookups: dict[str, list[int]] = {}
-        for r in range(rounds):
+        if disk:
+            for mode in modes:
+                for keys in cold_keys[mode]:
+                    engine_store(client, "lat", keys, pool, rows)
+            client.reset_cache()  # every cascade lands on disk first; the host pool is emptied
+        for r in range(rounds if disk else 0):
             for mode, mode_wait_ms in modes.items():
                 keys = cold_keys[mode][r]
                 for name, part, dst in (
@@ -328,7 +334,7 @@ def latency(block_bytes: int, rounds: int, prefix_blocks: int, wait_ms: int) -> 
         for name in samples:
             if name.startswith(("engine_", "device_")):
                 result[name]["rtts_beyond_copy"] = (result[name]["p50_us"] - copy_us) / rtt
-        for size in (1, prefix_blocks):
+        for size in (1, prefix_blocks) if disk else ():
             held, polled = result[f"cold_{size}_held"], result[f"cold_{size}_polled"]
             held["polled_over_held_p50"] = polled["p50_us"] / held["p50_us"]
         client.finish_request("lat")
@@ -416,9 +422,14 @@ def main() -> None:
             kv.close()
             kv.unlink()
     if "latency" in sections:
-        result["latency"] = latency(
-            args.latency_block_kib << 10, args.latency_rounds, args.prefix_blocks, args.wait_ms
-        )
+        for disk, name in ((True, "latency"), (False, "latency_host_only")):
+            result[name] = latency(
+                args.latency_block_kib << 10,
+                args.latency_rounds,
+                args.prefix_blocks,
+                args.wait_ms,
+                disk,
+            )
     if "data" in sections:
         result["data_plane"] = data_plane([65536, 262144, 1 << 20, 4 << 20], args.total_mib << 20)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
