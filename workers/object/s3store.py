@@ -2,7 +2,7 @@
 
 Object name: ``{prefix}/{fingerprint_hex}/{key_hex}``; object body: the 128-byte
 ``kvoffload.blockformat`` header followed by the block. Client: obstore (measured faster than
-tuned boto3 against SeaweedFS, see scripts/bench_object.py); no other module sees it.
+tuned boto3 against SeaweedFS, see kvoffload/bench/object.py); no other module sees it.
 
 Errors: ``KeyError`` (absent), ``CorruptBlock`` (confirmed on a second read; the object is then
 deleted), ``TransientObjectError`` (timeouts, 5xx, throttling, connection failures after bounded
@@ -248,17 +248,17 @@ class S3BlockStore:
         return self._request("get", path, lambda: obstore.get(self._store, path).bytes())
 
     def _read_into(self, key: bytes, path: str, view: memoryview) -> BlockHeader:
-        data = self._fetch(path)
-        if len(data) != HEADER_SIZE + self.block_bytes:
-            raise CorruptBlock(
-                f"object is {len(data)} bytes, expected {HEADER_SIZE + self.block_bytes}"
-            )
-        # obstore's stub types Bytes slices as slice[int, int, int] only
-        header = decode_header(data[:HEADER_SIZE], self._fingerprint)  # type: ignore[index]
-        payload = data[HEADER_SIZE:]  # type: ignore[index]
-        verify_payload(header, key, payload)
-        view[:] = payload
-        return header
+        # One view of the response, released on return; slicing it makes no response objects.
+        with memoryview(self._fetch(path)) as body:
+            if body.nbytes != HEADER_SIZE + self.block_bytes:
+                raise CorruptBlock(
+                    f"object is {body.nbytes} bytes, expected {HEADER_SIZE + self.block_bytes}"
+                )
+            header = decode_header(body[:HEADER_SIZE], self._fingerprint)
+            payload = body[HEADER_SIZE:]
+            verify_payload(header, key, payload)
+            view[:] = payload
+            return header
 
     def _discard_corrupt(self, path: str, reason: CorruptBlock) -> None:
         try:
