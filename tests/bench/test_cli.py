@@ -51,6 +51,10 @@ def test_quick_tiering_and_cpu_write_json_with_ratios_and_a_chart(tmp_path: Path
     cpu = summary["suites"]["cpu"]["cells"]
     assert {c["size"] for c in cpu} == {64 << 10, 1 << 20}
     assert any(c["metric"] == "device_store_process" for c in cpu), "the worker-process copies"
+    # the packaged baseline has these sizes (with 4 job threads): each such cell is compared
+    assert summary["baseline"] and summary["baseline"][0]["commit"]
+    compared = [c for c in cpu if c["metric"].endswith(("_process", "_1thread"))]
+    assert len(compared) == 8 and all(c["vs_baseline"] is not None for c in compared)
     chart = tmp_path / "bench_cpu.png"
     data = chart.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 20_000
