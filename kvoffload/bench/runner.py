@@ -41,6 +41,14 @@ class Suite(enum.StrEnum):
     PEER = "peer"
 
 
+class Status(enum.StrEnum):
+    """What became of a suite in a run."""
+
+    OK = "ok"
+    SKIPPED = "skipped"  # its requirements are absent (the reason says which)
+    FAILED = "failed"  # a step exited non-zero (the reason quotes its log)
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One suite module run; its JSON is ``bench_<name>.json``."""
@@ -238,7 +246,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     }
     for suite, reason in skipped.items():
         print(f"{suite}: skipped: {reason}", file=sys.stderr)
-        summary["suites"][suite] = {"status": "skipped", "reason": reason}
+        summary["suites"][suite] = {"status": Status.SKIPPED, "reason": reason}
     with Progress(total) as progress:
         for suite in planned:
             summary["suites"][suite] = run_suite(SUITES[suite], args, results, progress)
@@ -262,7 +270,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.record_baseline:
         write_baseline(Path(args.record_baseline), summary, cells)
         print(f"baseline written: {args.record_baseline}")
-    failed = [s for s, e in summary["suites"].items() if e["status"] == "failed"]
+    failed = [s for s, e in summary["suites"].items() if e["status"] == Status.FAILED]
     return 1 if failed else 0
 
 
@@ -286,18 +294,22 @@ def run_suite(spec: SuiteSpec, args: argparse.Namespace, results: Path, progress
                 tail = log.read_text(errors="replace").strip().splitlines()[-5:]
                 return {
                     "suite": spec.suite,
-                    "status": "failed",
+                    "status": Status.FAILED,
                     "reason": f"{step.module} exited with {code}; log {log}: " + " | ".join(tail),
                 }
             outputs[step.name] = json.loads(out.read_text())
             files.append(str(out))
         if spec.suite == Suite.PEER and outputs["peer"].get("skipped"):
-            return {"suite": spec.suite, "status": "skipped", "reason": outputs["peer"]["skipped"]}
+            return {
+                "suite": spec.suite,
+                "status": Status.SKIPPED,
+                "reason": outputs["peer"]["skipped"],
+            }
         rounds.append(EXTRACTORS[spec.suite](outputs))
     cells = merge_rounds(rounds)
     return {
         "suite": spec.suite,
-        "status": "ok",
+        "status": Status.OK,
         "files": files,
         "cells": [c.to_json() for c in cells],
     }
@@ -371,8 +383,8 @@ def write_baseline(path: Path, summary: dict[str, Any], cells: list[Cell]) -> No
         *("reference", "reference_value", "ratio_to_reference"),
     )
     old = json.loads(path.read_text()) if path.is_file() else {}
-    measured = {s for s, e in summary["suites"].items() if e["status"] == "ok"}
-    skipped = {s: e["reason"] for s, e in summary["suites"].items() if e["status"] != "ok"}
+    measured = {s for s, e in summary["suites"].items() if e["status"] == Status.OK}
+    skipped = {s: e["reason"] for s, e in summary["suites"].items() if e["status"] != Status.OK}
     document = {
         "runs": [*old.get("runs", []), summary["run"]],
         "skipped": {
@@ -400,7 +412,7 @@ def _ratio(value: float | None) -> str:
 def print_summary(summary: dict[str, Any], cells: list[Cell]) -> None:
     """Per suite: one line per cell with the value, x reference and x baseline."""
     for suite, entry in summary["suites"].items():
-        if entry["status"] != "ok":
+        if entry["status"] != Status.OK:
             print(f"\n{suite}: {entry['status']}: {entry['reason']}")
             continue
         rows = [c for c in cells if c.suite == suite]
