@@ -423,3 +423,17 @@ def print_summary(summary: dict[str, Any], cells: list[Cell]) -> None:
                 f"  {c.metric:<42}{_size(c):>12}{c.value:>10.4g} {c.unit:<4}"
                 f"{_ratio(c.ratio_to_reference):>6}{_ratio(c.vs_baseline):>8}  {c.reference or ''}"
             )
+        if suite == Suite.PEER:
+            print_ratio_table(rows, "kvoffload / LMCache, GB/s in the same run")
+
+
+def print_ratio_table(cells: list[Cell], title: str) -> None:
+    """Ratios to the reference as a Markdown table: one row per operation, one column per size."""
+    by_size = {c.size: _size(c) for c in sorted(cells, key=lambda c: c.size or 0)}
+    ratios = {(c.metric, c.size): c.ratio_to_reference for c in cells}
+    print(f"\n{title}:")
+    print(f"| op | {' | '.join(by_size.values())} |")
+    print(f"|---|{'---|' * len(by_size)}")
+    for metric in dict.fromkeys(c.metric for c in cells):
+        row = " | ".join(_ratio(ratios.get((metric, size))) for size in by_size)
+        print(f"| {metric} | {row} |")
