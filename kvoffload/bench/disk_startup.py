@@ -14,6 +14,7 @@ import argparse
 import json
 import mmap
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ def drop_page_cache(directory: Path) -> None:
             os.close(fd)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--blocks", type=int, default=100_000)
     parser.add_argument("--block-bytes", type=int, default=4096)
@@ -39,7 +40,7 @@ def main() -> None:
         "--dir", default=None, help="directory on the disk to test (default: a temp dir)"
     )
     parser.add_argument("--out", default="results/bench_disk_startup.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="kvo-startup-", dir=args.dir))
     fingerprint = deployment_fingerprint(args.block_bytes, "bench")
     capacity = (args.blocks + 16) * (args.block_bytes + 4096)
@@ -86,7 +87,8 @@ def main() -> None:
     for path in sorted(root.rglob("*"), reverse=True):
         path.unlink() if path.is_file() else path.rmdir()
     root.rmdir()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

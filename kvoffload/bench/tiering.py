@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -133,12 +134,12 @@ def bench_store(n_keys: int, batch: int) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--out", default="results/bench_tiering.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     keys = keys_for(args.keys)
     floor = bench_floor(keys, args.repeat)
     all_hit = bench_all_hit(keys, args.repeat)
@@ -154,7 +155,8 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

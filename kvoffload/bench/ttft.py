@@ -29,6 +29,7 @@ import dataclasses
 import json
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -180,7 +181,7 @@ def print_table(results: list[dict]) -> None:
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--repeats", type=int, default=3)
@@ -191,7 +192,7 @@ def main() -> None:
         help="prefix length from which recompute runs once",
     )
     parser.add_argument("--out", default="results/bench_ttft.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     configure_logging("bench", "warning")
     model = TinyDecoder(BENCH_MODEL)
     params = sum(p.numel() for p in model.parameters())
@@ -237,7 +238,8 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"targets met: {report['all_targets_met']}; JSON in {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

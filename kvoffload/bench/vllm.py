@@ -833,7 +833,7 @@ def _git_commit() -> str:
     return head + ("-dirty" if dirty else "")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument(
@@ -857,10 +857,10 @@ def main() -> None:
     parser.add_argument("--reply-fd", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--kv-transfer", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.engine:
         engine_main(args)
-        return
+        return 0
     if any(n % BLOCK_TOKENS for n in args.lengths):
         parser.error(f"prefix lengths must be multiples of {BLOCK_TOKENS}")
     from kvoffload.logs import configure_logging
@@ -885,7 +885,8 @@ def main() -> None:
         "targets: " + ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in met.items())
     )
     print(f"JSON in {out} ({report['seconds']:.0f} s)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
