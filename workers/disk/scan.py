@@ -19,7 +19,8 @@ _BLANK_HEADER = bytes(HEADER_SIZE)
 class SlabScan:
     """Records of one slab: ``found`` holds (key, record, generation) of valid headers;
     ``invalid`` records hold bytes that are not a valid header of this layout (torn, foreign,
-    truncated), or with verification a payload that fails the header's checksum; ``unreadable`` records failed to read. Blank records are in none of them."""
+    truncated) or, when verified, a payload that fails the header's checksum; ``unreadable``
+    records failed to read. Blank records are in none of them."""
 
     slab: int
     found: list[tuple[bytes, int, int]] = field(default_factory=list)

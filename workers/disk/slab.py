@@ -22,9 +22,9 @@ Contracts:
   touch; after ``open()`` it follows write order. Records pinned by an in-progress get are
   never evicted or overwritten; a put that finds nothing to reuse raises ``StoreFull``.
 * Overwriting a key reuses its record in place when no get is reading it (the key leaves the
-  index and the new record is written over the old one). While a get reads it, the new copy goes to
-  another record and the old one is cleared after the read; the header generation makes the
-  newest copy win at the next scan if a crash comes in between.
+  index and the new record is written over the old one). While a get reads it, the new copy
+  goes to another record and the old one is cleared after the read; the header generation
+  makes the newest copy win at the next scan if a crash comes in between.
 * ENOSPC/EDQUOT fails the put with that OSError and sets ``degraded`` until a put succeeds.
 * Thread safety: every public method may be called from many threads at once, except
   ``open`` and ``close``, which must not overlap other calls. One lock guards the index and
