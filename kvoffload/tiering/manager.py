@@ -742,7 +742,9 @@ class TieringManager:
         self._promotion_landed(job, ok)
 
     def _promotion_landed(self, job: TransferJob, keys: list[Key]) -> list[Key]:
-        """Make promoted keys ready and protect them for their request until it reads them."""
+        """Make promoted keys ready and protect them for their request until it reads them.
+        They count as promoted by their tier now, whether the job's result came or not."""
+        self.stats.tier(job.tier + 1).promoted_keys_ok += len(keys)
         landed = self.primary.complete_write(keys, True)
         self._writes_landed(landed)
         self._landed.update(landed)

@@ -1138,6 +1138,16 @@ def test_progress_makes_the_landed_keys_hit_before_the_result(h):
     assert h.m.primary.ref_count(k(1)) == 1  # protected once, not twice
 
 
+def test_landed_keys_count_as_promoted_by_their_tier_once_before_the_result(h):
+    """An engine attributes a load to a tier by its promoted count, which must not lag behind
+    the keys it can already load."""
+    r, job = promoting(h, [k(1), k(2), k(3)])
+    h.m.apply_progress("disk", job.job_id, [k(1), k(2)])
+    assert h.m.stats.tier(1).promoted_keys_ok == 2
+    h.m.apply_result("disk", TransferResult(job.job_id, True))
+    assert h.m.stats.tier(1).promoted_keys_ok == 3
+
+
 def test_a_failed_result_frees_only_the_keys_that_had_not_landed(h):
     r, job = promoting(h, [k(1), k(2), k(3)])
     h.m.apply_progress("disk", job.job_id, [k(1)])
