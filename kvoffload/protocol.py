@@ -574,7 +574,7 @@ class JobDone(_Msg, tag="job_done"):
 class Heartbeat(_Msg, tag="heartbeat"):
     inflight: int = 0
     degraded: bool = False
-    stats: dict[str, Any] = {}
+    stats: WorkerStats = msgspec.field(default_factory=WorkerStats)
 
 
 class JobProgress(_Msg, tag="job_progress"):

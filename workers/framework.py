@@ -58,6 +58,7 @@ from kvoffload.protocol import (
     Job,
     JobDone,
     JobProgress,
+    MediumStats,
     ProtocolError,
     TouchKeys,
     WorkerHello,
