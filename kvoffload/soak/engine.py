@@ -382,7 +382,9 @@ class SoakEngine:
 
     def _recover_batch(self, keys: list[bytes]) -> list[bytes]:
         """One request that looks each key up alone, waits out HIT_PENDING/RETRY, loads the
-        ready ones; the keys not loaded."""
+        ready ones; the keys not loaded. A ready key is pinned by its lookup, so the promotions
+        of the keys looked up after it cannot evict it before the load; the pins are released
+        after the load."""
         self._req_seq += 1
         req = f"r{self._req_seq}"
         self._call(self._client.new_request, req)
@@ -392,7 +394,7 @@ class SoakEngine:
             while waiting and time.monotonic() < deadline:
                 still = []
                 for key in waiting:
-                    outcome = self._call(self._client.lookup, req, [key])
+                    outcome = self._call(self._client.lookup, req, [key], pin=True)
                     if outcome.must_wait:
                         still.append(key)
                     elif outcome.ready_prefix:
@@ -402,6 +404,8 @@ class SoakEngine:
                     self._call(self._client.end_step)
                     time.sleep(0.005)
             loaded = self._load_device(req, ready) if ready else set()
+            if ready:
+                self._call(self._client.complete_load, req, ready)
         finally:
             self._call(self._client.finish_request, req)
         return [key for key in keys if key not in loaded]
