@@ -216,6 +216,7 @@ class _Worker:
         self._exit_code = EXIT_OK
         self._rehello_sent_at: float | None = None
         self._stop_requested = False
+        self._supervisor_pid = os.getppid()
         self._draining = False
         self._shutdown_deadline: float | None = None
         self._loop_stats = WorkerLoopStats()
@@ -414,7 +415,15 @@ class _Worker:
             if now >= next_heartbeat:
                 self._heartbeat()
                 next_heartbeat = now + self._heartbeat_s
+                self._check_supervisor()
             self._flush()
+
+    def _check_supervisor(self) -> None:
+        """A worker whose supervisor died (it was re-parented) shuts down: no one would restart
+        its manager, and it must not keep the pool mapped."""
+        if self._shutdown_deadline is None and os.getppid() != self._supervisor_pid:
+            log.warning("supervisor_gone", supervisor_pid=self._supervisor_pid)
+            self._begin_shutdown("supervisor_gone")
 
     def _recv_one(self) -> bytes | None:
         """One single-part frame, or None when none is waiting (multi-part frames are logged

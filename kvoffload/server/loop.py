@@ -8,6 +8,7 @@ manager assigns job ids (the tiering library's counter) and never maps the pool'
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -30,6 +31,7 @@ HOUSEKEEPING_PERIOD_S = 0.02
 class ManagerServer:
     def __init__(self, spec: RunSpec, cfg: Config) -> None:
         self.state = ManagerState(spec, cfg)
+        self._supervisor_pid = os.getppid()
         handles = KVHandles(self.state)
         self.workers = WorkerChannel(self.state, handles)
         self.api = ClientApi(self.state, handles, self.workers)
@@ -94,6 +96,10 @@ class ManagerServer:
                 log.exception("message_handling_crashed", channel=channel)
 
     def _housekeeping(self, now: float) -> None:
+        if not self.state.draining and os.getppid() != self._supervisor_pid:
+            # re-parented: no one would restart this manager or clean up after it
+            log.warning("supervisor_gone", supervisor_pid=self._supervisor_pid)
+            self.state.draining = True
         self.workers.kill_silent_workers(now)
         self.api.housekeeping(now)
         if self.metrics is not None:

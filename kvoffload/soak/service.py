@@ -205,7 +205,9 @@ class ServiceHarness:
         self.endpoint = ""
         self.job_endpoint = ""
         self.run_id = ""
-        self.spawned_pids: set[int] = set()
+        self._spawned: dict[int, psutil.Process] = {}
+        """Every process the service started, kept by identity (pid and start time): one
+        orphaned by a dead parent still counts as left behind."""
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._status_lock = threading.Lock()
@@ -234,6 +236,7 @@ class ServiceHarness:
         else:
             self._start_in_process()
         self.wait_workers(self.worker_names, timeout_s=ready_timeout_s)
+        self._note_children()
         return self
 
     def _start_in_process(self) -> None:
@@ -254,7 +257,7 @@ class ServiceHarness:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
-        self.spawned_pids.add(self.serve.pid)
+        self._spawned[self.serve.pid] = psutil.Process(self.serve.pid)
         deadline = time.monotonic() + timeout_s
         while not (runs := [r for r in live_runs(self.runtime_dir) if r.pid == self.serve.pid]):
             if self.serve.poll() is not None:
@@ -268,15 +271,16 @@ class ServiceHarness:
         self.job_endpoint = f"ipc://{self.runtime_dir / (self.run_id + '-jobs.sock')}"
 
     def _note_children(self) -> None:
+        pids = []
         if self.supervisor is not None:
-            for child in list(self.supervisor.children.values()):
-                if child.pid is not None:
-                    self.spawned_pids.add(child.pid)
+            pids = [c.pid for c in list(self.supervisor.children.values()) if c.pid is not None]
         if self.serve is not None:
             with _quiet_psutil():
-                self.spawned_pids.update(
-                    c.pid for c in psutil.Process(self.serve.pid).children(recursive=True)
-                )
+                pids = [c.pid for c in psutil.Process(self.serve.pid).children(recursive=True)]
+        for pid in pids:
+            if pid not in self._spawned:
+                with _quiet_psutil():
+                    self._spawned[pid] = psutil.Process(pid)
 
     def _watch(self) -> None:
         assert self.supervisor is not None
@@ -453,7 +457,7 @@ class ServiceHarness:
         return Leftovers(
             shm=shm_names_containing(self.run_id) if self.run_id else [],
             runtime_files=files,
-            processes=sorted(pid for pid in self.spawned_pids if self.is_own_child(pid)),
+            processes=sorted(pid for pid, proc in self._spawned.items() if _alive(proc)),
         )
 
     def __enter__(self) -> ServiceHarness:
@@ -461,6 +465,13 @@ class ServiceHarness:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _alive(proc: psutil.Process) -> bool:
+    """Still running (the same process, not a reused pid) and not a zombie."""
+    with _quiet_psutil():
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    return False
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from kvoffload import protocol as p
 from kvoffload.client import KVOffloadError
 from kvoffload.cuda_host import cuda_device_count
 from kvoffload.kvcache import SharedKVCache
+from kvoffload.rundir import cleanup_stale
 from kvoffload.tiering import LookupResult
 from tests.service_process import free_port, sample_value, scrape_metrics
 
@@ -364,3 +365,31 @@ def test_a_cuda_handle_is_refused_at_registration_when_no_worker_has_cuda(start_
         c.new_request("r")
         assert store_and_wait(c, "r", keys_for("after-cuda", 2), [0, 1]).success
     assert service.status().workers["cpu"].pid == cpu_pid
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.mark.parametrize("manager_dies_too", [False, True])
+def test_manager_and_workers_shut_down_when_their_supervisor_dies(start_service, manager_dies_too):
+    """Nothing would restart them or clean up after them: they must not keep the pool mapped.
+    A live manager drains and stops its workers; workers left without a manager stop alone."""
+    service = start_service(workers=("cpu", "disk"))
+    supervisor = psutil.Process(service.supervisor_pid)
+    children = supervisor.children(recursive=True)
+    assert len(children) == 3
+    if manager_dies_too:
+        supervisor.suspend()  # so it does not restart the manager
+        os.kill(service.status().pid, signal.SIGKILL)
+    supervisor.kill()
+    deadline = time.monotonic() + 20
+    while any(_running(c) for c in children):
+        assert time.monotonic() < deadline, [c.pid for c in children if _running(c)]
+        time.sleep(0.1)
+    gone = {e["proc"] for e in service.log_events() if e.get("event") == "supervisor_gone"}
+    assert gone >= ({"cpu", "disk"} if manager_dies_too else {"manager"}), gone
+    cleanup_stale(service.runtime_dir)  # what the next `kvoffload serve` there does first
