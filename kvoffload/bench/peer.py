@@ -174,6 +174,7 @@ def measure(
     out: dict[str, float] = {}
     rows = kv.tensors[0]
     rows[:n] = np.random.default_rng(block).integers(0, 256, size=(n, block), dtype=np.uint8)
+    rows[n:] = 0  # an engine's KV cache is allocated (and zeroed) before it is registered
     src, dst = range(n), range(n, 2 * n)
 
     def timed(name: str, fn: Any) -> None:
