@@ -17,7 +17,7 @@ from kvoffload.tiering import LookupResult
 
 HIT, HIT_PENDING = LookupResult.HIT, LookupResult.HIT_PENDING
 BLOCK = 65536
-READ_DELAY_S = 0.25
+READ_DELAY_S = 0.5
 """Every disk-store operation (each block read of a promotion, too) is delayed this long."""
 
 
