@@ -33,6 +33,7 @@ pytest.importorskip("vllm")
 
 from kvoffload.client import KVOffloadClient  # noqa: E402
 from kvoffload.rundir import live_runs  # noqa: E402
+from kvoffload.soak.service import log_events_in  # noqa: E402
 from tests.vllm.harness import ENGINE_ENV  # noqa: E402
 from tests.vllm.models import TinyLlama, make_model, words  # noqa: E402
 
@@ -113,21 +114,10 @@ def http(
         return json.loads(reply.read() or b"{}")
 
 
-def log_events(log: Path) -> list[dict[str, Any]]:
-    events = []
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                continue
-    return events
-
-
 def child_pid(log: Path, name: str) -> int | None:
     pids = [
         e["child_pid"]
-        for e in log_events(log)
+        for e in log_events_in(log)
         if e.get("event") == "child_started" and e.get("child") == name
     ]
     return pids[-1] if pids else None
