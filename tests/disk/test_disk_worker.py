@@ -5,7 +5,6 @@ faults), then end to end through ``kvoffload serve`` with a kill -9 of the disk 
 from __future__ import annotations
 
 import errno
-import itertools
 import os
 import signal
 import time
@@ -19,9 +18,10 @@ from kvoffload.blockformat import HEADER_SIZE, CorruptBlock, decode_header, depl
 from kvoffload.config import Config, DiskConfig, PoolConfig
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.pool import HostPool
-from kvoffload.protocol import DiskWorkerStats, FaultSpec, Job, JobKind, WorkerStatus
+from kvoffload.protocol import DiskWorkerStats, FaultSpec, JobKind, WorkerStatus
 from kvoffload.tiering import LookupResult
-from workers.backend import Backend, BackendOutcome
+from tests.disk.jobs import run
+from workers.backend import Backend
 from workers.disk.worker import DiskBackend
 from workers.faults import FaultInjector
 
@@ -30,7 +30,6 @@ RECORD = 4096 + BLOCK
 SLOTS = 32
 LAYOUT_ID = "disk-worker-test"
 FP = deployment_fingerprint(BLOCK, LAYOUT_ID)
-_job_ids = itertools.count(1)
 
 
 class ScriptedFaults(FaultInjector):
@@ -76,16 +75,6 @@ def start_backend(tmp_path: Path, pool: HostPool):
     yield start
     for backend in started:
         backend.close()
-
-
-def run(backend: DiskBackend, kind: str, keys: list[bytes], slots: list[int]) -> BackendOutcome:
-    """Run one job, then release and clean it up as the framework does before publishing."""
-    outcome = backend.run_job(Job(job_id=next(_job_ids), kind=kind, keys=keys, slots=slots))
-    if outcome.release is not None:
-        outcome.release()
-    if outcome.cleanup is not None:
-        outcome.cleanup()
-    return outcome
 
 
 def fill(pool: HostPool, slots, seed: int) -> list[bytes]:

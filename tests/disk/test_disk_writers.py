@@ -20,8 +20,8 @@ import pytest
 
 from kvoffload.config import Config, DiskConfig, PoolConfig
 from kvoffload.pool import HostPool
-from kvoffload.protocol import Job, JobKind
-from workers.backend import BackendOutcome
+from kvoffload.protocol import JobKind
+from tests.disk.jobs import run
 from workers.disk.fanout import fan_out
 from workers.disk.worker import DiskBackend
 from workers.faults import FaultInjector
@@ -29,7 +29,6 @@ from workers.faults import FaultInjector
 BLOCK = 16384
 RECORD = 4096 + BLOCK
 SLOTS = 32
-_job_ids = itertools.count(1)
 
 
 class SlowOps(FaultInjector):
@@ -93,16 +92,6 @@ def start_backend(tmp_path: Path, pool: HostPool):
     yield start
     for backend in started:
         backend.close()
-
-
-def run(backend: DiskBackend, kind: str, keys: list[bytes], slots: list[int]) -> BackendOutcome:
-    """Run one job, then release and clean it up as the framework does before publishing."""
-    outcome = backend.run_job(Job(job_id=next(_job_ids), kind=kind, keys=keys, slots=slots))
-    if outcome.release is not None:
-        outcome.release()
-    if outcome.cleanup is not None:
-        outcome.cleanup()
-    return outcome
 
 
 def payload_for(key: bytes, version: int) -> bytes:
