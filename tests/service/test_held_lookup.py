@@ -19,6 +19,8 @@ HIT, HIT_PENDING = LookupResult.HIT, LookupResult.HIT_PENDING
 BLOCK = 65536
 READ_DELAY_S = 0.5
 """Every disk-store operation (each block read of a promotion, too) is delayed this long."""
+PROMOTED_BLOCKS = 8
+"""Two reads at a time: the last blocks land at least a second after the first ones."""
 
 
 def keys_for(prefix: str, n: int) -> list[bytes]:
@@ -35,19 +37,19 @@ def wait_until(predicate, timeout_s: float = 20.0, what: str = "") -> None:
 
 @pytest.fixture
 def cold(start_service):
-    """A service with the disk tier, slow disk operations and one disk reader thread, four
-    blocks written through the engine-side path, cascaded to disk, then gone from the host
-    pool: (client, pool, keys, rows)."""
+    """A service with the disk tier, slow disk operations and one helper reader thread (a
+    promotion reads two blocks at a time: its job thread and the helper), eight blocks written
+    through the engine-side path, cascaded to disk, then gone from the host pool: (client, pool,
+    keys, rows)."""
     service = start_service(
         workers=("cpu", "disk"),
-        # one reader thread: a promotion's blocks land one after another
         extra_config=(
             f"[faults]\ndelay_s = {READ_DELAY_S}\ndelay_fraction = 1.0\n[disk]\nread_threads = 1\n"
         ),
     )
     rng = np.random.default_rng(5)
-    rows = rng.integers(0, 256, size=(4, BLOCK), dtype=np.uint8)
-    keys = keys_for("cold", 4)
+    rows = rng.integers(0, 256, size=(PROMOTED_BLOCKS, BLOCK), dtype=np.uint8)
+    keys = keys_for("cold", PROMOTED_BLOCKS)
     with service.client("engine", timeout_s=20.0) as client:
         info = client.info
         pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
