@@ -97,19 +97,27 @@ class Boto3Runner:
         self.client.close()
 
 
+def _s3_store(cfg: dict, **options: Any) -> S3Store:
+    """A plain obstore S3Store on the bench bucket, path-style, with these client options."""
+    return S3Store(
+        cfg["bucket"],
+        endpoint=cfg["endpoint"],
+        access_key_id=cfg["access_key"],
+        secret_access_key=cfg["secret_key"],
+        region=cfg["region"],
+        virtual_hosted_style_request=False,
+        **options,
+    )
+
+
 class ObstoreRunner:
     """Plain obstore S3Store on its defaults, no retries."""
 
     name = "obstore"
 
     def __init__(self, cfg: dict, block_bytes: int, threads: int) -> None:
-        self.store = S3Store(
-            cfg["bucket"],
-            endpoint=cfg["endpoint"],
-            access_key_id=cfg["access_key"],
-            secret_access_key=cfg["secret_key"],
-            region=cfg["region"],
-            virtual_hosted_style_request=False,
+        self.store = _s3_store(
+            cfg,
             client_options={"allow_http": True, "timeout": timedelta(seconds=30)},
             retry_config={"max_retries": 0},
         )
@@ -132,13 +140,8 @@ class UnsignedObstoreRunner(ObstoreRunner):
     name = "obstore-unsigned"
 
     def __init__(self, cfg: dict, block_bytes: int, threads: int) -> None:
-        self.store = S3Store(
-            cfg["bucket"],
-            endpoint=cfg["endpoint"],
-            access_key_id=cfg["access_key"],
-            secret_access_key=cfg["secret_key"],
-            region=cfg["region"],
-            virtual_hosted_style_request=False,
+        self.store = _s3_store(
+            cfg,
             unsigned_payload=True,
             client_options={
                 "allow_http": True,

@@ -46,18 +46,6 @@ class ScriptedFaults(FaultInjector):
 
 
 @pytest.fixture
-def pool():
-    name = f"/kvoffload-test-{uuid.uuid4().hex[:12]}"
-    host_pool = HostPool.create(name, SLOTS, BLOCK)
-    try:
-        yield host_pool
-    finally:
-        host_pool.close()
-        host_pool.unlink()
-    assert not os.path.exists(f"/dev/shm{name}")
-
-
-@pytest.fixture
 def start_backend(tmp_path: Path, pool: HostPool):
     """Factory: a started DiskBackend on ``tmp_path/"disk"`` (closed at teardown)."""
     started: list[DiskBackend] = []

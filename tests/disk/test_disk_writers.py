@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -54,18 +51,6 @@ class SlowOps(FaultInjector):
         time.sleep(self.hold_s)
         with self._count_lock:
             self.held -= 1
-
-
-@pytest.fixture
-def pool() -> Iterator[HostPool]:
-    name = f"/kvoffload-test-{uuid.uuid4().hex[:12]}"
-    host_pool = HostPool.create(name, SLOTS, BLOCK)
-    try:
-        yield host_pool
-    finally:
-        host_pool.close()
-        host_pool.unlink()
-    assert not os.path.exists(f"/dev/shm{name}")
 
 
 @pytest.fixture
