@@ -32,6 +32,7 @@ LOSS_EVENTS = {
     "cascade_dropped": "cascade_dropped",
     "disk_keys_evicted": "disk_evicted",
     "disk_block_corrupt": "disk_corrupt",
+    "disk_scan_corrupt_blocks": "disk_corrupt",
     "object_block_corrupt_deleted": "object_corrupt",
     "object_corrupt_delete_failed": "object_corrupt",
 }

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from kvoffload.blockformat import HEADER_SIZE, CorruptBlock, decode_header, deployment_fingerprint
 from workers.disk import FAULT_OPS, DiskStore, LayoutError, StoreFull, TransientIOError
@@ -233,8 +234,11 @@ def test_torn_single_write_is_dropped_by_the_scan_after_a_crash(open_store, tmp_
     assert not (unopened.directory / CLEAN_FILE).exists()
     path, offset = tear_payload_tail(unopened, b"k1")
 
-    store = open_store()
+    with capture_logs() as logs:
+        store = open_store()
     assert sorted(store.keys()) == [b"k0", b"k2"], "a torn record must not be indexed"
+    lost = [e["keys"] for e in logs if e["event"] == "disk_scan_corrupt_blocks"]
+    assert lost == [[b"k1".hex()]], "the key the scan dropped is named in the log"
     with open(path, "rb") as f:
         f.seek(offset)
         assert f.read(HEADER_SIZE) == bytes(HEADER_SIZE), "its header page is cleared"

@@ -19,12 +19,14 @@ _BLANK_HEADER = bytes(HEADER_SIZE)
 class SlabScan:
     """Records of one slab: ``found`` holds (key, record, generation) of valid headers;
     ``invalid`` records hold bytes that are not a valid header of this layout (torn, foreign,
-    truncated) or, when verified, a payload that fails the header's checksum; ``unreadable``
-    records failed to read. Blank records are in none of them."""
+    truncated); ``corrupt`` holds (key, record) of valid headers whose payload, when verified,
+    fails the header's checksum; ``unreadable`` records failed to read. Blank records are in
+    none of them."""
 
     slab: int
     found: list[tuple[bytes, int, int]] = field(default_factory=list)
     invalid: list[int] = field(default_factory=list)
+    corrupt: list[tuple[bytes, int]] = field(default_factory=list)
     unreadable: list[int] = field(default_factory=list)
 
 
@@ -70,7 +72,7 @@ def scan_slab(
                 result.invalid.append(record)
                 continue
             if verify and payload_checksum(payload) != header.checksum:
-                result.invalid.append(record)
+                result.corrupt.append((header.key, record))
                 continue
             result.found.append((header.key, record, header.generation))
     finally:

@@ -167,10 +167,13 @@ class DiskStore:
     ) -> None:
         """Create the layout directory (0700, see ``make_private_directory``) and lock it,
         check or write ``layout.json`` (0600), choose the I/O mode, and rebuild the index from
-        the header pages of existing slab files. Records that are not a valid header of this
-        layout, and older duplicate copies of a key, get their header page cleared. ``on_batch`` receives the found keys in lists of up to ``batch_size`` while the
-        scan goes on (it runs in this thread). LayoutError if the directory holds an incompatible
-        layout or another process has it open."""
+        the header pages of existing slab files (after an unclean close, every payload is
+        verified too). Records that are not a valid header of this layout, payloads that fail
+        their checksum, and older duplicate copies of a key get their header page cleared; the
+        keys lost to a failed checksum are logged (``disk_scan_corrupt_blocks``). ``on_batch``
+        receives the found keys in lists of up to ``batch_size`` while the scan goes on (it runs
+        in this thread). LayoutError if the directory holds an incompatible layout or another
+        process has it open."""
         if self._is_open:
             raise RuntimeError("DiskStore is already open")
         if batch_size < 1:
@@ -462,6 +465,7 @@ class DiskStore:
         best: dict[bytes, tuple[int, int]] = {}
         to_clear: list[int] = []
         stale: list[int] = []
+        corrupt: set[bytes] = set()
         pending: list[bytes] = []
         if existing:
             before_read = partial(self._fault, "scan", b"")
@@ -485,6 +489,9 @@ class DiskStore:
                         else:
                             to_clear.append(record)
                     to_clear.extend(result.invalid)
+                    for key, record in result.corrupt:
+                        corrupt.add(key)
+                        to_clear.append(record)
                     stale.extend(result.unreadable)
                     if len(pending) >= batch_size:
                         pending = self._announce(on_batch, pending, batch_size)
@@ -495,6 +502,9 @@ class DiskStore:
             self._log.warning(
                 "disk_scan_dropped_records", cleared=len(to_clear), unreadable=len(stale)
             )
+        lost = sorted(corrupt.difference(best))
+        if lost:
+            self._log.warning("disk_scan_corrupt_blocks", keys=[key.hex() for key in lost])
         entries = [(key, record, generation) for key, (record, generation) in best.items()]
         self._index = RecordIndex.from_scan(layout.n_records, entries, stale)
         return len(entries)
