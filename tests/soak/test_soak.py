@@ -123,19 +123,20 @@ def test_timeouts_are_excused_only_inside_a_fault_window():
 
 
 def test_an_acknowledged_block_that_did_not_come_back_is_excused_only_by_a_logged_loss():
-    keys = conversation_keys(b"ns", 0, 5)
+    keys = conversation_keys(b"ns", 0, 6)
     log = [
         {"event": "cascade_dropped", "tier": "disk", "reason": "evicted", "keys": [keys[0].hex()]},
         {"event": "disk_keys_evicted", "keys": [keys[1].hex()]},
         {"event": "disk_block_corrupt", "key": keys[2].hex()},
         {"event": "object_block_corrupt_deleted", "path": f"soak/00ff/{keys[3].hex()}"},
-        {"event": "job_failed", "keys": [keys[4].hex()]},
+        {"event": "disk_scan_corrupt_blocks", "keys": [keys[4].hex()]},
+        {"event": "job_failed", "keys": [keys[5].hex()]},
     ]
     excused = excused_keys(log)
-    assert set(excused) == set(keys[:4])
-    assert check_acknowledged_blocks(keys[:4], excused) == []
+    assert set(excused) == set(keys[:5])
+    assert check_acknowledged_blocks(keys[:5], excused) == []
     (lost,) = check_acknowledged_blocks(keys, excused)
-    assert lost.kind == "acknowledged_block_lost" and lost.detail["keys"] == [keys[4].hex()]
+    assert lost.kind == "acknowledged_block_lost" and lost.detail["keys"] == [keys[5].hex()]
 
 
 def test_fault_plan_holds_every_kind_and_is_seeded():
