@@ -6,12 +6,19 @@ go to each store and back, in prefixes of ``--prefix-blocks`` blocks; loads are 
 kvoffload side runs here on its defaults (slot headers and checksums on); the LMCache side runs
 ``peer_lmcache.py`` under ``--peer-python`` (a virtualenv with LMCache; LMCache's pins do not
 fit kvoffload's), and the rounds of the two sides alternate. Operations:
-- host store / host load, through the service (host pool + cpu worker) vs LocalCPUBackend;
+- host store / host load through the service (host pool + cpu worker) vs LocalCPUBackend, by
+  device jobs (the cpu worker copies, one job per prefix) and by engine-side copies (the path
+  of an engine that maps the pool, as the vLLM integration does: ``prepare_store``, copy with
+  xxh3, ``complete_store``; a pinned lookup, copy, ``complete_load``; per prefix);
 - store until on disk, one store request per prefix (service with its disk tier: until every
   block was cascaded) vs LocalCPUBackend + LocalDiskBackend; the same followed by ``sync``;
 - disk store library put (DiskStore, 4 threads like LMCache's disk writers) vs LMCache O_DIRECT;
-- cold disk load, one lookup per prefix (host pool reset, so every block is promoted from disk,
-  then loaded) vs LMCache O_DIRECT ``batched_get_blocking`` per prefix.
+- cold disk load, per prefix (host pool reset, so every block is promoted from disk), through
+  the engine-side path an engine such as vLLM uses: a pinned lookup held by the manager until
+  blocks land, a copy of each landed block out of its pool slot, again for the rest; vs LMCache
+  O_DIRECT ``batched_get_blocking`` per prefix;
+- cold one-block disk load (p50 of ``LATENCY_LOADS`` single-block loads, same paths), in
+  microseconds; its ratio is LMCache's time over kvoffload's.
 Writes JSON (cells: medians of the rounds, ratio = median of the per-round ratios) and prints
 the ratio table. Skips, saying why, when LMCache cannot be imported by ``--peer-python``.
 """
@@ -33,19 +40,23 @@ from typing import Any
 
 import numpy as np
 
+from kvoffload.bench.service import engine_load, engine_store
 from kvoffload.blockformat import deployment_fingerprint
 from kvoffload.client import KVOffloadClient
 from kvoffload.config import load_config
 from kvoffload.kvcache import SharedKVCache, unique_kv_name
 from kvoffload.logs import configure_logging
+from kvoffload.pool import HostPool
 from kvoffload.supervisor import Supervisor
 from workers.disk import DiskStore
 
 SIZES = (256 << 10, 1 << 20, 4 << 20)
 # (operation, kvoffload figure, LMCache figure, LMCache backend)
 OPS = (
-    ("host store, through the service", "host_store", "cpu_store", "LocalCPUBackend"),
-    ("host load", "host_load", "cpu_load", "LocalCPUBackend"),
+    ("host store, device jobs", "host_store", "cpu_store", "LocalCPUBackend"),
+    ("host load, device jobs", "host_load", "cpu_load", "LocalCPUBackend"),
+    ("host store, engine-side copies", "host_store_engine", "cpu_store", "LocalCPUBackend"),
+    ("host load, engine-side copies", "host_load_engine", "cpu_load", "LocalCPUBackend"),
     (
         "store until on disk, one store request per prefix",
         "disk_store",
@@ -55,13 +66,24 @@ OPS = (
     ("same, both followed by sync", "disk_store_sync", "disk_store_sync", "LocalDiskBackend"),
     ("disk store library put", "library_put", "disk_store_odirect", "LocalDiskBackend O_DIRECT"),
     (
-        "cold disk load, one lookup per prefix",
+        "cold disk load, per prefix, engine-side copies",
         "cold_load",
         "disk_load_odirect",
         "LocalDiskBackend O_DIRECT",
     ),
 )
+# (operation, kvoffload figure, LMCache figure, LMCache backend), in microseconds
+LATENCY_OPS = (
+    (
+        "cold one-block disk load p50",
+        "cold_load_one_us",
+        "disk_load_one_odirect_us",
+        "LocalDiskBackend O_DIRECT",
+    ),
+)
 WRITERS = 4
+LATENCY_LOADS = 32
+HOLD_MS = 1000
 
 
 class Service:
@@ -136,23 +158,57 @@ def wait_on_disk(client: KVOffloadClient, total: int) -> None:
 
 
 def cold_load(
-    client: KVOffloadClient, req: str, keys: list[bytes], blocks: range, prefix: int
+    client: KVOffloadClient,
+    pool: HostPool,
+    req: str,
+    keys: list[bytes],
+    out: np.ndarray,
+    prefix: int,
 ) -> None:
-    """Per prefix: look up (promotions start), look up again until ready, load, wait."""
+    """Per prefix, the engine-side load path (``bench.service.engine_load``): a pinned lookup
+    held until blocks of the prefix have landed, a copy of each landed block, ``complete_load``,
+    again for the rest."""
     for part in prefixes(len(keys), prefix):
-        wanted = [keys[i] for i in part]
-        outcome = client.lookup(req, wanted)
-        while outcome.must_wait:
-            client.end_step()
-            time.sleep(0.0005)
-            outcome = client.lookup(req, wanted)
-        if outcome.ready_prefix != len(wanted):
-            raise RuntimeError(f"only {outcome.ready_prefix} of {len(wanted)} keys came back")
-        job = client.load(req, wanted, [blocks[i] for i in part], "bench")
-        assert job.job_id is not None
-        done = client.wait([job.job_id], timeout_s=600)[job.job_id]
-        if not done.success:
-            raise RuntimeError(f"cold load failed: {done.error}")
+        engine_load(
+            client, req, [keys[i] for i in part], pool, out[part.start : part.stop], HOLD_MS
+        )
+
+
+def engine_stores(
+    client: KVOffloadClient, pool: HostPool, keys: list[bytes], src: np.ndarray, prefix: int
+) -> None:
+    """Store ``src`` (one row per key) by engine-side copies: ``prepare_store``, copy with
+    xxh3 and ``complete_store`` per prefix; the last completion is awaited, so every block has
+    been acknowledged when this returns."""
+    parts = prefixes(len(keys), prefix)
+    for i, part in enumerate(parts):
+        batch = [keys[j] for j in part]
+        last = i == len(parts) - 1
+        engine_store(client, "host", batch, pool, src[part.start : part.stop], wait=last)
+
+
+def engine_loads(
+    client: KVOffloadClient, pool: HostPool, keys: list[bytes], out: np.ndarray, prefix: int
+) -> None:
+    """Load ``keys`` (all in the pool) into ``out`` by engine-side copies: a pinned lookup,
+    copies and ``complete_load`` per prefix; the last completion is awaited."""
+    parts = prefixes(len(keys), prefix)
+    for i, part in enumerate(parts):
+        batch = [keys[j] for j in part]
+        last = i == len(parts) - 1
+        engine_load(client, "host", batch, pool, out[part.start : part.stop], wait=last)
+
+
+def cold_load_one_us(
+    client: KVOffloadClient, pool: HostPool, req: str, keys: list[bytes], out: np.ndarray
+) -> float:
+    """p50 in microseconds of one-block cold loads (``keys``: on disk only), one at a time."""
+    times = []
+    for i, key in enumerate(keys):
+        start = time.perf_counter()
+        engine_load(client, req, [key], pool, out[i : i + 1], HOLD_MS)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
 
 
 def kvoffload_round(
@@ -194,6 +250,15 @@ def measure(
         timed("host_store", lambda: device_jobs(client, "host", keys, src, True, prefix))
         timed("host_load", lambda: device_jobs(client, "host", keys, dst, False, prefix))
         verify()
+        info = client.info
+        pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
+        try:
+            client.reset_cache()
+            timed("host_store_engine", lambda: engine_stores(client, pool, keys, rows[:n], prefix))
+            timed("host_load_engine", lambda: engine_loads(client, pool, keys, rows[n:], prefix))
+            verify()
+        finally:
+            pool.close()
     with Service(block, 2 * n + 64, True, 3 * n * (block + 8192)) as client:
         client.register_kv(kv.handle("bench"))
         client.new_request("disk")
@@ -211,8 +276,19 @@ def measure(
         client.finish_request("disk")
         client.reset_cache()
         client.new_request("cold")
-        timed("cold_load", lambda: cold_load(client, "cold", keys, dst, prefix))
-        verify()
+        info = client.info
+        pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
+        try:
+            timed("cold_load", lambda: cold_load(client, pool, "cold", keys, rows[n:], prefix))
+            verify()
+            client.reset_cache()
+            one = keys[: min(n, LATENCY_LOADS)]
+            out["cold_load_one_us"] = cold_load_one_us(client, pool, "cold", one, rows[n:])
+            if not np.array_equal(rows[: len(one)], rows[n : n + len(one)]):
+                raise AssertionError("a one-block cold load returned other bytes")
+            client.finish_request("cold")
+        finally:
+            pool.close()
     out["library_put"] = library_put(block, n, rows, directory)
     return out
 
@@ -266,7 +342,7 @@ def print_table(cells: list[dict[str, Any]], sizes: list[int], rounds: int) -> N
     print(f"kvoffload / LMCache, median of {rounds} round(s):")
     print(f"| op | {' | '.join(label(s) for s in sizes)} |")
     print(f"|---|{'---|' * len(sizes)}")
-    for op, *_ in OPS:
+    for op, *_ in OPS + LATENCY_OPS:
         row = {c["size"]: c["ratio_to_reference"] for c in cells if c["metric"] == op}
         print(f"| {op} | {' | '.join(f'{row[s]:.2f}' if s in row else '-' for s in sizes)} |")
 
@@ -324,6 +400,26 @@ def main(argv: list[str] | None = None) -> int:
                     "reference_value": statistics.median(t for _, t in pairs),
                     "ratio_to_reference": statistics.median(k / t for k, t in pairs),
                     "chart": True,
+                }
+            )
+    for op, ours, theirs, backend in LATENCY_OPS:
+        for size in sizes:
+            pairs = [
+                (k[str(size)][ours], t[str(size)][theirs])
+                for k, t in zip(*samples.values(), strict=True)
+            ]
+            cells.append(
+                {
+                    "suite": "peer",
+                    "metric": op,
+                    "size": size,
+                    "size_unit": "bytes",
+                    "value": statistics.median(k for k, _ in pairs),
+                    "unit": "us",
+                    "higher_is_better": False,
+                    "reference": f"LMCache {backend}",
+                    "reference_value": statistics.median(t for _, t in pairs),
+                    "ratio_to_reference": statistics.median(t / k for k, t in pairs),
                 }
             )
     report = {

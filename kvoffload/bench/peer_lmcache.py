@@ -10,8 +10,10 @@ random bytes in a page-aligned engine buffer are stored and loaded back block by
   default) until every key is on disk; the second also runs ``sync``;
 - ``disk_store_odirect``: LocalDiskBackend with ``use_odirect`` until every key is on disk;
 - ``disk_load_odirect``: one ``batched_get_blocking`` per prefix of ``--prefix-blocks`` blocks
-  from the O_DIRECT files (cold by construction), copied into the engine buffer and verified.
-Figures are GB/s (10^9 bytes/s) of block bytes moved.
+  from the O_DIRECT files (cold by construction), copied into the engine buffer and verified;
+- ``disk_load_one_odirect_us``: p50 of ``LATENCY_LOADS`` one-block ``batched_get_blocking``
+  calls and copies, in microseconds.
+Figures are GB/s (10^9 bytes/s) of block bytes moved, unless named ``_us``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 import mmap
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -30,6 +33,7 @@ import time
 from typing import Any
 
 TOKENS = 256  # LMCache's chunk size: a block is one chunk of [2, 1, TOKENS, width] bytes
+LATENCY_LOADS = 32
 
 
 def _quiet() -> None:
@@ -149,6 +153,18 @@ def run_size(block: int, n: int, prefix: int, directory: str) -> dict[str, float
     out["disk_load_odirect"] = _gbps(nbytes, time.perf_counter() - start)
     if not torch.equal(engine, dst):
         raise AssertionError("LocalDiskBackend returned other bytes")
+    dst.zero_()
+    times = []
+    for i, key in enumerate(batch[:LATENCY_LOADS]):
+        start = time.perf_counter()
+        (obj,) = disk.batched_get_blocking([key])
+        dst[i].copy_(obj.tensor.view(-1))
+        obj.ref_count_down()
+        times.append(time.perf_counter() - start)
+    out["disk_load_one_odirect_us"] = statistics.median(times) * 1e6
+    count = len(times)
+    if not torch.equal(engine[:count], dst[:count]):
+        raise AssertionError("LocalDiskBackend returned other bytes for one block")
     for b in backends:
         b.close()
     loop.call_soon_threadsafe(loop.stop)
