@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload.bench.cells import Cell, merge_rounds
+from kvoffload.bench.peer import LATENCY_OPS, OPS, kvoffload_round
 from kvoffload.bench.runner import Suite
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -71,6 +72,16 @@ def test_peer_without_lmcache_says_skipped_and_why(tmp_path: Path) -> None:
     entry = json.loads((tmp_path / "bench_summary.json").read_text())["suites"]["peer"]
     assert entry["status"] == "skipped"
     assert "LMCache is not installed" in entry["reason"]
+
+
+def test_peer_workload_on_kvoffload_runs_every_path_and_verifies_the_bytes(tmp_path: Path) -> None:
+    """The kvoffload side of the peer suite (no LMCache needed): every operation of the table
+    runs on small blocks, and its loads verify the bytes they brought back."""
+    figures = kvoffload_round(64 << 10, 32, 8, "t", tmp_path)
+    gbps = {name for _, name, *_ in OPS}
+    latencies = {name for _, name, *_ in LATENCY_OPS}
+    assert set(figures) == gbps | latencies
+    assert all(figures[name] > 0 for name in figures)
 
 
 def test_cells_merge_to_medians_and_compare_with_a_baseline() -> None:
