@@ -176,6 +176,8 @@ def service_cells(outputs: dict[str, Any]) -> list[Cell]:
                 others={"tiering library in-process": entry["library_in_process"]["p50_us"]},
             )
         )
+    for section, tiers in (("latency", "with the disk tier"), ("latency_host_only", "pool only")):
+        cells += one_block_cells(data.get(section), tiers)
     for block, entry in data.get("data_plane", {}).items():
         for op in ("store", "load"):
             cells.append(
@@ -191,6 +193,44 @@ def service_cells(outputs: dict[str, Any]) -> list[Cell]:
                     chart=True,
                 )
             )
+    return cells
+
+
+def one_block_cells(latency: dict[str, Any] | None, tiers: str) -> list[Cell]:
+    """One-block engine-side store and load against two interleaved bare ZeroMQ round trips
+    plus one block copy (their budget), and the cold one-block load from disk when measured."""
+    if not latency:
+        return []
+    rtt = latency["bare_zmq_rtt_interleaved"]["p50_us"]
+    budget = 2 * rtt + latency["copy"]["p50_us"]
+    cells = [
+        Cell(
+            suite="service",
+            metric=f"one-block engine-side {op} p50, {tiers}",
+            size=latency["block_bytes"],
+            size_unit="bytes",
+            value=latency[f"engine_{op}"]["p50_us"],
+            unit="us",
+            higher_is_better=False,
+            reference="two bare ZeroMQ round trips + one block copy",
+            reference_value=budget,
+            others={"awaited completion": latency[f"engine_{op}_awaited"]["p50_us"]},
+        )
+        for op in ("store", "load")
+    ]
+    if "cold_1_held" in latency:
+        cells.append(
+            Cell(
+                suite="service",
+                metric="cold one-block disk load p50, held lookup",
+                size=latency["block_bytes"],
+                size_unit="bytes",
+                value=latency["cold_1_held"]["p50_us"],
+                unit="us",
+                higher_is_better=False,
+                others={"polled lookups": latency["cold_1_polled"]["p50_us"]},
+            )
+        )
     return cells
 
 

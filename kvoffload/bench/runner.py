@@ -100,13 +100,14 @@ SUITES = {
         ),
         SuiteSpec(
             Suite.SERVICE,
-            "lookup round trip vs bare ZeroMQ; device store/load through the service vs memcpy",
+            "lookup round trip vs bare ZeroMQ; one-block engine-side store/load vs two round "
+            "trips + a copy; cold one-block disk load; device store/load vs memcpy",
             (
                 Step(
                     "service",
                     "kvoffload.bench.service",
                     "--rounds 500 --total-mib 256",
-                    "--rounds 30 --total-mib 4",
+                    "--rounds 30 --total-mib 4 --latency-rounds 5",
                 ),
             ),
         ),
@@ -417,10 +418,10 @@ def print_summary(summary: dict[str, Any], cells: list[Cell]) -> None:
             continue
         rows = [c for c in cells if c.suite == suite]
         print(f"\n{suite}  (x ref: performance / same-run reference; x base: / baseline)")
-        print(f"  {'metric':<42}{'size':>12}{'value':>14}  {'x ref':>6}{'x base':>8}  reference")
+        print(f"  {'metric':<52}{'size':>12}{'value':>14}  {'x ref':>6}{'x base':>8}  reference")
         for c in rows:
             print(
-                f"  {c.metric:<42}{_size(c):>12}{c.value:>10.4g} {c.unit:<4}"
+                f"  {c.metric:<52}{_size(c):>12}{c.value:>10.4g} {c.unit:<4}"
                 f"{_ratio(c.ratio_to_reference):>6}{_ratio(c.vs_baseline):>8}  {c.reference or ''}"
             )
         if suite == Suite.PEER:
