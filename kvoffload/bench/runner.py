@@ -425,7 +425,9 @@ def print_summary(summary: dict[str, Any], cells: list[Cell]) -> None:
                 f"{_ratio(c.ratio_to_reference):>6}{_ratio(c.vs_baseline):>8}  {c.reference or ''}"
             )
         if suite == Suite.PEER:
-            print_ratio_table(rows, "kvoffload / LMCache, GB/s in the same run")
+            print_ratio_table(
+                rows, "kvoffload / LMCache performance in the same run (GB/s, or inverse time)"
+            )
 
 
 def print_ratio_table(cells: list[Cell], title: str) -> None:
