@@ -98,12 +98,15 @@ class CpuConfig(_Section, frozen=True):
 
 
 class DiskConfig(_Section, frozen=True):
-    """The disk tier. A relative ``root`` is relative to the working directory."""
+    """The disk tier. A relative ``root`` is relative to the working directory. ``io``:
+    ``direct`` requires O_DIRECT, ``buffered`` never uses it, ``auto`` uses it when a probe at
+    start-up succeeds."""
 
     enabled: bool = True
     root: str = "kvoffload-data/disk"
     capacity_bytes: int = 8 * GiB
     durability: Literal["none", "fsync"] = "none"
+    io: Literal["auto", "direct", "buffered"] = "auto"
     read_threads: Positive = 4
     write_threads: Positive = 2
     cpu_affinity: Cores = ()

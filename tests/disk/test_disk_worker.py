@@ -10,6 +10,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from kvoffload.protocol import DiskWorkerStats, FaultSpec, JobKind, WorkerStatus
 from kvoffload.tiering import LookupResult
 from tests.disk.jobs import run
 from workers.backend import Backend
+from workers.disk.rawio import probe_direct_io
 from workers.disk.worker import DiskBackend
 from workers.faults import FaultInjector
 
@@ -50,10 +52,14 @@ def start_backend(tmp_path: Path, pool: HostPool):
     """Factory: a started DiskBackend on ``tmp_path/"disk"`` (closed at teardown)."""
     started: list[DiskBackend] = []
 
-    def start(faults: FaultInjector | None = None, capacity_records: int = 64) -> DiskBackend:
+    def start(
+        faults: FaultInjector | None = None, capacity_records: int = 64, **disk: Any
+    ) -> DiskBackend:
         cfg = Config(
             pool=PoolConfig(num_slots=SLOTS, block_bytes=BLOCK, layout_id=LAYOUT_ID),
-            disk=DiskConfig(root=str(tmp_path / "disk"), capacity_bytes=capacity_records * RECORD),
+            disk=DiskConfig(
+                root=str(tmp_path / "disk"), capacity_bytes=capacity_records * RECORD, **disk
+            ),
         )
         backend = DiskBackend(cfg)
         backend.start(pool, faults or FaultInjector())
@@ -131,6 +137,29 @@ def test_backend_protocol_cascade_promote_and_restart(
     done = run(restarted, JobKind.PROMOTE, keys, list(range(16, 24)))
     assert done.ok_keys == keys
     assert slot_bytes(pool, range(16, 24)) == originals
+
+
+@pytest.mark.parametrize("io", ["auto", "direct", "buffered"])
+def test_the_io_setting_chooses_direct_or_buffered_io(
+    start_backend, pool: HostPool, tmp_path: Path, io: str
+) -> None:
+    (tmp_path / "probe").mkdir()
+    supported = probe_direct_io(tmp_path / "probe")
+    if io == "direct" and not supported:
+        with pytest.raises(OSError):
+            start_backend(io=io)
+        return
+    backend = start_backend(io=io)
+    stats = backend.stats()
+    assert isinstance(stats, DiskWorkerStats)
+    assert stats.direct_io == (supported and io != "buffered")
+    keys = keys_of("io", 2)
+    written = fill(pool, [0, 1], seed=5)
+    assert run(backend, JobKind.CASCADE, keys, [0, 1]).ok_keys == keys
+    pool.slot_array(0)[:] = 0
+    pool.slot_array(1)[:] = 0
+    assert run(backend, JobKind.PROMOTE, keys, [0, 1]).ok_keys == keys
+    assert slot_bytes(pool, [0, 1]) == written
 
 
 def test_corrupt_and_torn_copies_fail_and_are_removed_transient_keeps(
