@@ -11,7 +11,9 @@ fit kvoffload's), and the rounds of the two sides alternate. Operations:
   of an engine that maps the pool, as the vLLM integration does: ``prepare_store``, copy with
   xxh3, ``complete_store``; a pinned lookup, copy, ``complete_load``; per prefix);
 - store until on disk, one store request per prefix (service with its disk tier: until every
-  block was cascaded) vs LocalCPUBackend + LocalDiskBackend; the same followed by ``sync``;
+  block was cascaded) vs LocalCPUBackend + LocalDiskBackend, at equal durability: both through
+  the page cache (``disk.io = "buffered"``, LMCache's default), and both followed by ``sync``
+  (kvoffload on its default I/O, O_DIRECT);
 - disk store library put (DiskStore, 4 threads like LMCache's disk writers) vs LMCache O_DIRECT;
 - cold disk load, per prefix (host pool reset, so every block is promoted from disk), through
   the engine-side path an engine such as vLLM uses: a pinned lookup held by the manager until
@@ -58,12 +60,17 @@ OPS = (
     ("host store, engine-side copies", "host_store_engine", "cpu_store", "LocalCPUBackend"),
     ("host load, engine-side copies", "host_load_engine", "cpu_load", "LocalCPUBackend"),
     (
-        "store until on disk, one store request per prefix",
+        "store until on disk, page cache on both sides",
         "disk_store",
         "disk_store",
         "LocalDiskBackend",
     ),
-    ("same, both followed by sync", "disk_store_sync", "disk_store_sync", "LocalDiskBackend"),
+    (
+        "store until on disk, then sync on both sides",
+        "disk_store_sync",
+        "disk_store_sync",
+        "LocalDiskBackend",
+    ),
     ("disk store library put", "library_put", "disk_store_odirect", "LocalDiskBackend O_DIRECT"),
     (
         "cold disk load, per prefix, engine-side copies",
@@ -87,9 +94,12 @@ HOLD_MS = 1000
 
 
 class Service:
-    """A service in a temp directory: host pool + cpu worker, and the disk tier if ``disk``."""
+    """A service in a temp directory: host pool + cpu worker, and the disk tier if ``disk``
+    (with ``disk.io`` = ``io``)."""
 
-    def __init__(self, block_bytes: int, num_slots: int, disk: bool, disk_bytes: int) -> None:
+    def __init__(
+        self, block_bytes: int, num_slots: int, disk: bool, disk_bytes: int, io: str = "auto"
+    ) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="kvo-peer-"))
         env = {
             "KVOFFLOAD_SERVICE__RUNTIME_DIR": str(self.tmp / "run"),
@@ -100,6 +110,7 @@ class Service:
             "KVOFFLOAD_DISK__ENABLED": str(disk).lower(),
             "KVOFFLOAD_DISK__ROOT": str(self.tmp / "disk"),
             "KVOFFLOAD_DISK__CAPACITY_BYTES": str(disk_bytes),
+            "KVOFFLOAD_DISK__IO": io,
         }
         self.workers = ("cpu", "disk") if disk else ("cpu",)
         self.supervisor = Supervisor(load_config(None, env), log_path=self.tmp / "service.log")
@@ -259,20 +270,24 @@ def measure(
             verify()
         finally:
             pool.close()
-    with Service(block, 2 * n + 64, True, 3 * n * (block + 8192)) as client:
+    disk_bytes = 3 * n * (block + 8192)
+
+    def until_on_disk(client: KVOffloadClient, batch: list[bytes], sync: bool) -> None:
+        device_jobs(client, "disk", batch, src, True, prefix)
+        wait_on_disk(client, len(batch))
+        if sync:
+            os.sync()
+
+    with Service(block, n + 64, True, disk_bytes, io="buffered") as client:
         client.register_kv(kv.handle("bench"))
         client.new_request("disk")
-        keys = keys_for(n, f"{salt}-disk")
-        synced = keys_for(n, f"{salt}-sync")
-
-        def until_on_disk(batch: list[bytes], total: int, sync: bool) -> None:
-            device_jobs(client, "disk", batch, src, True, prefix)
-            wait_on_disk(client, total)
-            if sync:
-                os.sync()
-
-        timed("disk_store", lambda: until_on_disk(keys, n, False))
-        timed("disk_store_sync", lambda: until_on_disk(synced, 2 * n, True))
+        buffered = keys_for(n, f"{salt}-buffered")
+        timed("disk_store", lambda: until_on_disk(client, buffered, False))
+    with Service(block, n + 64, True, disk_bytes) as client:
+        client.register_kv(kv.handle("bench"))
+        client.new_request("disk")
+        keys = keys_for(n, f"{salt}-sync")
+        timed("disk_store_sync", lambda: until_on_disk(client, keys, True))
         client.finish_request("disk")
         client.reset_cache()
         client.new_request("cold")
