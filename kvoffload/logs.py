@@ -105,27 +105,51 @@ def configure_logging(proc: str, level: str = "info", stream: TextIO | None = No
 
 
 class _LazyLogger:
-    """Resolved at each use: structlog once it is configured (by ``configure_logging`` or the
-    application), else the stdlib logger ``kvoffload`` (silent unless ``logging`` is configured)."""
+    """Resolved at first use and again whenever the logging configuration changed: structlog
+    once it is configured (by ``configure_logging`` or the application), else the stdlib logger
+    ``kvoffload`` (silent unless ``logging`` is configured). The resolved logger is kept, so a
+    call costs one look at the configuration, not a logger built per event."""
 
-    __slots__ = ("_context",)
+    __slots__ = ("_context", "_resolved", "_resolved_for")
 
     def __init__(self, context: dict[str, Any]) -> None:
         self._context = context
+        self._resolved: Any = None
+        self._resolved_for: tuple[Any, ...] | None = None
 
     def bind(self, **values: Any) -> _LazyLogger:
         return _LazyLogger({**self._context, **values})
 
     def __getattr__(self, name: str) -> Any:
-        if structlog.is_configured():
-            return getattr(structlog.get_logger(**self._context), name)
-        library = structlog.wrap_logger(
-            _library_logger,
-            processors=_LIBRARY_PROCESSORS,
-            wrapper_class=structlog.stdlib.BoundLogger,
-            **self._context,
-        )
-        return getattr(library, name)
+        return getattr(self._logger(), name)
+
+    def _logger(self) -> Any:
+        config = _configuration()
+        cached = self._resolved_for
+        if cached is None or any(a is not b for a, b in zip(cached, config, strict=True)):
+            self._resolved = _resolve(self._context, configured=config[0] is not None)
+            self._resolved_for = config
+        return self._resolved
+
+
+def _configuration() -> tuple[Any, ...]:
+    """The objects a resolved logger depends on (compared by identity): structlog's processor
+    list, wrapper class and logger factory, or Nones while structlog is not configured."""
+    if not structlog.is_configured():
+        return (None, None, None)
+    config = structlog.get_config()
+    return (config["processors"], config["wrapper_class"], config["logger_factory"])
+
+
+def _resolve(context: dict[str, Any], configured: bool) -> Any:
+    if configured:
+        return structlog.get_logger().bind(**context)
+    return structlog.wrap_logger(
+        _library_logger,
+        processors=_LIBRARY_PROCESSORS,
+        wrapper_class=structlog.stdlib.BoundLogger,
+        **context,
+    )
 
 
 _render_json = structlog.processors.JSONRenderer(serializer=_json_serializer())

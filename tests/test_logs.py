@@ -119,6 +119,28 @@ def test_reconfigure_replaces_stdlib_handler() -> None:
     assert [json.loads(line)["proc"] for line in second.getvalue().splitlines()] == ["b"]
 
 
+def test_a_logger_in_use_follows_every_new_configuration() -> None:
+    """A module logger resolves its configuration once and keeps it, until the configuration
+    changes: a new ``configure_logging`` (level, stream, name) or a test's ``capture_logs``."""
+    first, second = io.StringIO(), io.StringIO()
+    log = get_logger(tier="disk")
+    configure_logging("a", level="info", stream=first)
+    log.info("one")
+    log.debug("hidden")
+    configure_logging("b", level="debug", stream=second)
+    log.debug("two")
+    with structlog.testing.capture_logs() as captured:
+        log.info("three")
+    log.info("four")
+    assert [json.loads(line)["event"] for line in first.getvalue().splitlines()] == ["one"]
+    events = [json.loads(line) for line in second.getvalue().splitlines()]
+    assert [(e["event"], e["proc"], e["tier"]) for e in events] == [
+        ("two", "b", "disk"),
+        ("four", "b", "disk"),
+    ]
+    assert [e["event"] for e in captured] == ["three"]
+
+
 def test_unknown_level_is_rejected() -> None:
     with pytest.raises(ValueError, match="loud"):
         configure_logging("x", level="loud")

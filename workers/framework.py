@@ -428,6 +428,8 @@ class _Worker:
     def _recv_one(self) -> bytes | None:
         """One single-part frame, or None when none is waiting (multi-part frames are logged
         and dropped)."""
+        if not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+            return None  # cheaper than the zmq.Again a non-blocking receive raises
         try:
             parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
         except zmq.Again:

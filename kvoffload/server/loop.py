@@ -86,6 +86,8 @@ class ManagerServer:
     @staticmethod
     def _drain_socket(sock: zmq.Socket, handler, channel: str) -> None:
         for _ in range(1000):
+            if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+                return  # cheaper than the zmq.Again a non-blocking receive raises
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
