@@ -103,13 +103,17 @@ def copy_with_checksum(dst: np.ndarray, src: np.ndarray) -> int:
     return digest.intdigest()
 
 
-def make_header(key: bytes, payload, fingerprint: bytes, generation: int = 0) -> BlockHeader:
+def make_header(
+    key: bytes, payload, fingerprint: bytes, generation: int = 0, checksum: int | None = None
+) -> BlockHeader:
+    """The header of ``payload`` stored under ``key``; ``checksum``: the payload's xxh3 when the
+    caller already has it (taken when the bytes were written), computed when None."""
     if not 1 <= len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"key length {len(key)} outside 1..{MAX_KEY_BYTES}")
     return BlockHeader(
         key=key,
         payload_len=len(memoryview(payload).cast("B")),
-        checksum=payload_checksum(payload),
+        checksum=payload_checksum(payload) if checksum is None else checksum,
         fingerprint=fingerprint,
         generation=generation,
     )

@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import psutil
@@ -428,7 +428,7 @@ class _Worker:
     def _recv_one(self) -> bytes | None:
         """One single-part frame, or None when none is waiting (multi-part frames are logged
         and dropped)."""
-        if not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+        if not cast(int, self._sock.get(zmq.EVENTS)) & zmq.POLLIN:
             return None  # cheaper than the zmq.Again a non-blocking receive raises
         try:
             parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)

@@ -41,6 +41,15 @@ class SlotHeaders:
         header = BlockHeader(key, self._pool.block_bytes, checksum, self._fingerprint, generation)
         self._table.write(slot, header)
 
+    def checksum_of(self, slot: int, key: bytes) -> int | None:
+        """The checksum stamped for ``key`` in ``slot``'s header: the xxh3 its writer took of
+        the bytes when they landed. None when the slot has no valid header of this deployment
+        for ``key`` and this block size (then nobody vouched for the bytes)."""
+        header = self._table.read(slot, self._fingerprint)
+        if header is None or header.key != key or header.payload_len != self._pool.block_bytes:
+            return None
+        return header.checksum
+
     def check(self, slot: int, key: bytes) -> str:
         """ "" when ``slot`` has a header for ``key`` that matches the slot's bytes, else why not."""
         header = self._table.read(slot, self._fingerprint)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import cast
 
 import msgspec
 import structlog
@@ -86,7 +87,7 @@ class ManagerServer:
     @staticmethod
     def _drain_socket(sock: zmq.Socket, handler, channel: str) -> None:
         for _ in range(1000):
-            if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+            if not cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
                 return  # cheaper than the zmq.Again a non-blocking receive raises
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)

@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 from botocore.exceptions import ClientError
 
-from kvoffload.blockformat import HEADER_SIZE
+from kvoffload.blockformat import HEADER_SIZE, deployment_fingerprint
 from kvoffload.config import Config, ObjectConfig, PoolConfig
 from kvoffload.kvcache import SharedKVCache
 from kvoffload.pool import HostPool
 from kvoffload.protocol import FaultSpec, Job, JobKind, ObjectWorkerStats, WorkerStats
 from kvoffload.runspec import EXIT_REFUSED, RunSpec
+from kvoffload.slottable import SlotTable
 from kvoffload.soak.s3server import S3Server
 from kvoffload.soak.service import shm_names_containing
 from kvoffload.tiering import LookupResult
@@ -30,6 +31,7 @@ from workers.backend import Backend
 from workers.faults import FaultInjector
 from workers.object.breaker import CircuitBreaker
 from workers.object.worker import ObjectBackend
+from workers.slotheaders import SlotHeaders
 
 BLOCK = 65536
 SLOTS = 16
@@ -186,6 +188,35 @@ def test_promote_partial_failure_absent_and_corrupt(
     with pytest.raises(ClientError):
         raw.head_object(Bucket=bucket, Key=name)  # the corrupt copy was removed
     assert backend.stats().get_failures == 2
+
+
+def test_cascade_stores_the_stamped_checksum_so_later_changes_are_caught(
+    s3_server: S3Server, bucket: str, make_pool
+) -> None:
+    """A PUT carries the checksum its slot was stamped with when the bytes landed, not one of
+    the bytes as they are now: a block whose slot changed in between is never served back."""
+    cfg = make_config(s3_server, bucket, f"kv/{uuid.uuid4().hex[:8]}")
+    pool = make_pool()
+    table = SlotTable.create(f"/kvoffload-shtest-{uuid.uuid4().hex[:12]}", SLOTS)
+    headers = SlotHeaders(table, pool, deployment_fingerprint(BLOCK, cfg.pool.layout_id))
+    backend = ObjectBackend(cfg)
+    backend.use_slot_headers(headers)
+    backend.start(pool, FaultInjector())
+    try:
+        rng = np.random.default_rng(4)
+        stamped, changed, unstamped = keys = [key(i, "stamp") for i in range(3)]
+        data = {k: fill(pool, slot, rng) for slot, k in enumerate(keys)}
+        headers.stamp(0, stamped, 1)
+        headers.stamp(1, changed, 1)
+        pool.slot_array(1)[7] ^= 0xFF  # the slot's bytes change after they were stamped
+        assert backend.run_job(job(2, JobKind.CASCADE, keys, [0, 1, 2])).ok_keys == keys
+        outcome = backend.run_job(job(3, JobKind.PROMOTE, keys, [4, 5, 6]))
+        assert outcome.ok_keys == [stamped, unstamped]
+        assert outcome.absent_keys == [changed], "the changed block is dropped as corrupt"
+        assert (slot_bytes(pool, 4), slot_bytes(pool, 6)) == (data[stamped], data[unstamped])
+    finally:
+        backend.close()
+        table.unlink()
 
 
 def test_release_failure_keeps_the_job_until_released(make_backend) -> None:

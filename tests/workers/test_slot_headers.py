@@ -136,3 +136,40 @@ def test_disk_promotion_stamps_the_slot_with_the_verified_checksum(
         )
     finally:
         backend.close()
+
+
+def test_disk_cascade_stores_the_stamped_checksum_so_later_changes_are_caught(
+    make_pool, table, tmp_path: Path
+):
+    """A cascade writes the checksum its slot was stamped with when the bytes landed, not one of
+    the bytes as they are now: a block whose slot changed in between is never served back."""
+    pool = make_pool(SLOTS, BLOCK)
+    cfg = Config(
+        pool=PoolConfig(num_slots=SLOTS, block_bytes=BLOCK, layout_id=LAYOUT),
+        disk=DiskConfig(root=str(tmp_path / "disk"), capacity_bytes=16 * (BLOCK + 4096)),
+    )
+    headers = SlotHeaders(SlotTable.attach(table.name, SLOTS), pool, FP)
+    backend = DiskBackend(cfg)
+    backend.use_slot_headers(headers)
+    backend.start(pool, FaultInjector())
+    try:
+        stamped, changed, unstamped = keys_of(3, b"e")
+        rng = np.random.default_rng(9)
+        for slot in (0, 1, 2):
+            pool.slot_array(slot)[:] = rng.integers(0, 256, BLOCK, dtype=np.uint8)
+        headers.stamp(0, stamped, 1)
+        headers.stamp(1, changed, 1)
+        pool.slot_array(1)[7] ^= 0xFF  # the slot's bytes change after they were stamped
+        cascade = Job(
+            job_id=2, kind=JobKind.CASCADE, keys=[stamped, changed, unstamped], slots=[0, 1, 2]
+        )
+        assert backend.run_job(cascade).ok_keys == [stamped, changed, unstamped]
+        wanted = [payload_checksum(pool.slot_array(s)) for s in (0, 2)]
+        outcome = backend.run_job(
+            Job(job_id=3, kind=JobKind.PROMOTE, keys=[stamped, changed, unstamped], slots=[4, 5, 6])
+        )
+        assert outcome.ok_keys == [stamped, unstamped]
+        assert outcome.absent_keys == [changed], "the changed block is dropped as corrupt"
+        assert [payload_checksum(pool.slot_array(s)) for s in (4, 6)] == wanted
+    finally:
+        backend.close()

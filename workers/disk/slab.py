@@ -273,9 +273,13 @@ class DiskStore:
 
     # ---- block I/O -------------------------------------------------------------------------
 
-    def put(self, key: bytes, src, evicted: list[bytes] | None = None) -> list[bytes]:
+    def put(
+        self, key: bytes, src, evicted: list[bytes] | None = None, checksum: int | None = None
+    ) -> list[bytes]:
         """Store ``src`` (a buffer of exactly ``block_bytes``) under ``key``; returns the keys
-        evicted to make room (at most one). Raises StoreFull, or the OSError of a failed write;
+        evicted to make room (at most one). ``checksum``: the xxh3 of ``src`` taken when its
+        bytes were written (stored as is, so bytes that changed since fail their check when
+        read); computed from ``src`` when None. Raises StoreFull, or the OSError of a failed write;
         then the new bytes are not visible and the key's previous copy may be gone too.
         ``evicted``, when given, receives the evicted keys as soon as they leave the index, so
         the caller learns of them even when the write then fails; each eviction is logged
@@ -283,7 +287,8 @@ class DiskStore:
         self._require_open()
         _check_key(key)
         view = self._payload_view(src, writable=False)
-        checksum = payload_checksum(view)
+        if checksum is None:
+            checksum = payload_checksum(view)
         with self._lock:
             reservation = self._index.reserve(key)
         if reservation.evicted:

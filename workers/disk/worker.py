@@ -9,9 +9,11 @@ Jobs (``slots[i]`` co-indexed with ``keys[i]``):
   key but the job's last is then reported landed (``report_landed``), so the manager serves
   it while the rest of the job is still being read. A job's keys are read in parallel, on its
   job thread and the backend's ``disk.read_threads`` reader threads, and reported in job order.
-- ``cascade``: ``store.put(key, slot)``; the slot is only read. A job's keys are written in
-  parallel, on its job thread and the backend's ``disk.write_threads`` writer threads; its
-  result waits for all.
+- ``cascade``: ``store.put(key, slot)``; the slot is only read. The record carries the
+  checksum of the slot's header when it names the key (taken when the bytes landed in the pool,
+  so the check is end to end and the slot is not hashed again), else one taken here. A job's
+  keys are written in parallel, on its job thread and the backend's ``disk.write_threads``
+  writer threads; its result waits for all.
 
 Per-key outcomes: a corrupt or absent copy fails the key, reports it removed and, for a
 promotion, lists it in the outcome's ``absent_keys``; a transient
@@ -282,8 +284,11 @@ class DiskBackend:
         per_evicted: list[list[bytes]] = [[] for _ in job.keys]
 
         def write(index: int) -> str:
-            src = pool.slot(job.slots[index])
-            return self._cascade_one(job.keys[index], src, per_changed[index], per_evicted[index])
+            key, slot = job.keys[index], job.slots[index]
+            stamped = None if self._headers is None else self._headers.checksum_of(slot, key)
+            return self._cascade_one(
+                key, pool.slot(slot), stamped, per_changed[index], per_evicted[index]
+            )
 
         writers = self._require_writers()
         try:
@@ -300,11 +305,19 @@ class DiskBackend:
         return outcomes
 
     def _cascade_one(
-        self, key: bytes, src: memoryview, changed: list[bytes], evicted: list[bytes]
+        self,
+        key: bytes,
+        src: memoryview,
+        stamped: int | None,
+        changed: list[bytes],
+        evicted: list[bytes],
     ) -> str:
-        """Write ``src`` under ``key``; "" on success, else "<reason>: <detail>". The key is
-        noted as changed either way: a failed put may have dropped its previous copy. Keys the
-        put evicted to make room are added to ``evicted`` (and noted as changed)."""
+        """Write ``src`` under ``key``; "" on success, else "<reason>: <detail>". ``stamped``:
+        the checksum of the slot's header, stored instead of hashing the slot again (end to end:
+        a slot whose bytes changed after they landed fails its check when read back); None:
+        hashed here. The key is noted as changed either way: a failed put may have dropped its
+        previous copy. Keys the put evicted to make room are added to ``evicted`` (and noted as
+        changed)."""
         store = self._require_store()
         changed.append(key)
         payload: memoryview | mmap.mmap = src
@@ -313,7 +326,7 @@ class DiskBackend:
             payload = self._corrupting_copy(src)
         dropped: list[bytes] = []
         try:
-            store.put(key, payload, dropped)
+            store.put(key, payload, dropped, stamped)
         except StoreFull as exc:
             self._count("store_full")
             return f"store_full: {exc}"

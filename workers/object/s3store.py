@@ -199,8 +199,12 @@ class S3BlockStore:
             f"S3 endpoint {self.endpoint} refused bucket {self.bucket!r}: {failure.detail}"
         )
 
-    def put(self, key: bytes, src: memoryview, corrupt: bool = False) -> None:
+    def put(
+        self, key: bytes, src: memoryview, corrupt: bool = False, checksum: int | None = None
+    ) -> None:
         """Store src (block_bytes long) under key; visible to readers only once complete.
+        ``checksum``: the xxh3 of ``src`` taken when its bytes were written (stored as is, so
+        bytes that changed since fail verification when read); computed from ``src`` when None.
 
         The request body is the header followed by the slot itself: no copy of the block is
         made on the Python side, and the client is done with the slot when put returns.
@@ -212,7 +216,9 @@ class S3BlockStore:
         path = self.object_key(key)
         with _releasing(SlotTransfer(self._release_hook)) as transfer:
             view = transfer.hold(_slot_view(src, self.block_bytes, writable=False))
-            header = make_header(key, view, self._fingerprint, self._generations.next()).encode()
+            header = make_header(
+                key, view, self._fingerprint, self._generations.next(), checksum
+            ).encode()
             body: tuple[bytes | bytearray | memoryview, ...] = (header, view)
             if corrupt:
                 flipped = bytearray(header + view)

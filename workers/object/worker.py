@@ -10,7 +10,8 @@ Jobs:
   by one (absent, corrupt, transient, breaker open); the others still succeed. An absent or
   corrupt (and deleted) key is reported in ``absent_keys``. A GET that
   landed and released its slot stamps the slot's header (when slot headers are on) with the
-  checksum the store just verified.
+  checksum the store just verified. A PUT stores the checksum of the slot's header when it
+  names the key (end to end, and the slot is not hashed again), else one taken of the slot.
 
 Slot release (seed 002): a PUT/GET whose slot views could not be released raises
 ``ReleaseFailed``; its data outcome still counts, and its transfer joins the job's pending list.
@@ -244,7 +245,10 @@ class ObjectBackend(NoIndexBackend):
                 if promote:
                     header = self._store.get(key, view)
                 else:
-                    self._store.put(key, view, corrupt=corrupt)
+                    stamped = (
+                        None if self._headers is None else self._headers.checksum_of(slot, key)
+                    )
+                    self._store.put(key, view, corrupt=corrupt, checksum=stamped)
             if promote and self._headers is not None:
                 self._headers.stamp(slot, key, job.job_id, header.checksum)
         except ReleaseFailed as exc:
