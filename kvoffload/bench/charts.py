@@ -3,6 +3,7 @@ same-run references, and time to first token per prefix length against recompute
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from .cells import Cell
@@ -59,13 +60,17 @@ def _plot(cells: list[Cell], title: str, ttft: bool, path: Path) -> None:
                 continue
             key = (name, tuple(values.get(s) for s in sizes))
             references.setdefault(key, []).append(metric)
+    lines_per_name = Counter(name for name, _ in references)
     for style, ((name, line), users) in zip(
         ["--", ":", "-."] * 8, references.items(), strict=False
     ):
         shared = len(users) > 1 or len(metrics) == 1
         points = [(s, v) for s, v in zip(sizes, line, strict=True) if v is not None]
         color = "black" if shared else colors[metrics.index(users[0]) % len(colors)]
-        label = f"{name} (reference)" if shared else f"{name} (reference for {users[0]})"
+        if shared and lines_per_name[name] == 1:
+            label = f"{name} (reference)"
+        else:
+            label = f"{name} (reference for {'; '.join(users)})"
         ax.plot(*zip(*points, strict=True), style, marker="x", color=color, alpha=0.8, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [_size_label(s, cells[0].size_unit) for s in sizes])
