@@ -362,6 +362,35 @@ def print_table(cells: list[dict[str, Any]], sizes: list[int], rounds: int) -> N
         print(f"| {op} | {' | '.join(f'{row[s]:.2f}' if s in row else '-' for s in sizes)} |")
 
 
+def peer_cell(
+    op: str,
+    ours: str,
+    theirs: str,
+    backend: str,
+    size: int,
+    samples: dict[str, list[dict[str, Any]]],
+    throughput: bool,
+) -> dict[str, Any]:
+    """One cell from the rounds' samples: medians of both sides and of the per-round ratios of
+    performance (GB/s ours / theirs; for a latency in microseconds, their time / ours)."""
+    pairs = [
+        (k[str(size)][ours], t[str(size)][theirs]) for k, t in zip(*samples.values(), strict=True)
+    ]
+    return {
+        "suite": "peer",
+        "metric": op,
+        "size": size,
+        "size_unit": "bytes",
+        "value": statistics.median(k for k, _ in pairs),
+        "unit": "GB/s" if throughput else "us",
+        "higher_is_better": throughput,
+        "reference": f"LMCache {backend}",
+        "reference_value": statistics.median(t for _, t in pairs),
+        "ratio_to_reference": statistics.median(k / t if throughput else t / k for k, t in pairs),
+        "chart": throughput,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="block sizes, bytes")
@@ -396,47 +425,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {round_no + 1}/{args.rounds} done", flush=True)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    cells = []
-    for op, ours, theirs, backend in OPS:
-        for size in sizes:
-            pairs = [
-                (k[str(size)][ours], t[str(size)][theirs])
-                for k, t in zip(*samples.values(), strict=True)
-            ]
-            cells.append(
-                {
-                    "suite": "peer",
-                    "metric": op,
-                    "size": size,
-                    "size_unit": "bytes",
-                    "value": statistics.median(k for k, _ in pairs),
-                    "unit": "GB/s",
-                    "reference": f"LMCache {backend}",
-                    "reference_value": statistics.median(t for _, t in pairs),
-                    "ratio_to_reference": statistics.median(k / t for k, t in pairs),
-                    "chart": True,
-                }
-            )
-    for op, ours, theirs, backend in LATENCY_OPS:
-        for size in sizes:
-            pairs = [
-                (k[str(size)][ours], t[str(size)][theirs])
-                for k, t in zip(*samples.values(), strict=True)
-            ]
-            cells.append(
-                {
-                    "suite": "peer",
-                    "metric": op,
-                    "size": size,
-                    "size_unit": "bytes",
-                    "value": statistics.median(k for k, _ in pairs),
-                    "unit": "us",
-                    "higher_is_better": False,
-                    "reference": f"LMCache {backend}",
-                    "reference_value": statistics.median(t for _, t in pairs),
-                    "ratio_to_reference": statistics.median(t / k for k, t in pairs),
-                }
-            )
+    cells = [
+        peer_cell(op, ours, theirs, backend, size, samples, throughput)
+        for table, throughput in ((OPS, True), (LATENCY_OPS, False))
+        for op, ours, theirs, backend in table
+        for size in sizes
+    ]
     report = {
         "lmcache_version": samples["lmcache"][0].get("lmcache_version"),
         "peer_python": args.peer_python,
