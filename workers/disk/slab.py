@@ -279,8 +279,8 @@ class DiskStore:
         """Store ``src`` (a buffer of exactly ``block_bytes``) under ``key``; returns the keys
         evicted to make room (at most one). ``checksum``: the xxh3 of ``src`` taken when its
         bytes were written (stored as is, so bytes that changed since fail their check when
-        read); computed from ``src`` when None. Raises StoreFull, or the OSError of a failed write;
-        then the new bytes are not visible and the key's previous copy may be gone too.
+        read); computed from ``src`` when None. Raises StoreFull, or the OSError of a failed
+        write; then the new bytes are not visible and the key's previous copy may be gone too.
         ``evicted``, when given, receives the evicted keys as soon as they leave the index, so
         the caller learns of them even when the write then fails; each eviction is logged
         (``disk_keys_evicted``) before the evicted block's header is touched."""

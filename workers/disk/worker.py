@@ -67,11 +67,11 @@ SPACE_OPS = frozenset({"allocate", "write_record"})
 """Store operations where an injected full disk (``enospc_fraction``) fires, as ENOSPC would."""
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 GONE_REASONS = frozenset({"absent", "corrupt"})
-DIRECT_IO: dict[str, bool | None] = {"auto": None, "direct": True, "buffered": False}
-"""``DiskStore``'s ``direct_io`` per ``disk.io`` setting."""
 """Promotion failures that confirm the store no longer holds the key (reported absent)."""
 FULL_REASONS = frozenset({"store_full", "no_space"})
 """Cascade failures for lack of room (reported full: the manager does not retry them)."""
+DIRECT_IO: dict[str, bool | None] = {"auto": None, "direct": True, "buffered": False}
+"""``DiskStore``'s ``direct_io`` per ``disk.io`` setting."""
 _COUNTERS = (
     "bytes_read",
     "bytes_written",
