@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -185,29 +186,23 @@ def cold_load(
         )
 
 
-def engine_stores(
-    client: KVOffloadClient, pool: HostPool, keys: list[bytes], src: np.ndarray, prefix: int
+def engine_copies(
+    copy: Callable[..., object],
+    client: KVOffloadClient,
+    pool: HostPool,
+    keys: list[bytes],
+    rows: np.ndarray,
+    prefix: int,
 ) -> None:
-    """Store ``src`` (one row per key) by engine-side copies: ``prepare_store``, copy with
-    xxh3 and ``complete_store`` per prefix; the last completion is awaited, so every block has
-    been acknowledged when this returns."""
+    """Store ``rows`` (one per key) or load ``keys`` (all in the pool) into them by engine-side
+    copies, one ``copy`` (``engine_store``: ``prepare_store``, copy with xxh3,
+    ``complete_store``; or ``engine_load``: a pinned lookup, copies, ``complete_load``) per
+    prefix; the last completion is awaited, so every block is acknowledged when this returns."""
     parts = prefixes(len(keys), prefix)
     for i, part in enumerate(parts):
         batch = [keys[j] for j in part]
         last = i == len(parts) - 1
-        engine_store(client, "host", batch, pool, src[part.start : part.stop], wait=last)
-
-
-def engine_loads(
-    client: KVOffloadClient, pool: HostPool, keys: list[bytes], out: np.ndarray, prefix: int
-) -> None:
-    """Load ``keys`` (all in the pool) into ``out`` by engine-side copies: a pinned lookup,
-    copies and ``complete_load`` per prefix; the last completion is awaited."""
-    parts = prefixes(len(keys), prefix)
-    for i, part in enumerate(parts):
-        batch = [keys[j] for j in part]
-        last = i == len(parts) - 1
-        engine_load(client, "host", batch, pool, out[part.start : part.stop], wait=last)
+        copy(client, "host", batch, pool, rows[part.start : part.stop], wait=last)
 
 
 def cold_load_one_us(
@@ -265,8 +260,15 @@ def measure(
         pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
         try:
             client.reset_cache()
-            timed("host_store_engine", lambda: engine_stores(client, pool, keys, rows[:n], prefix))
-            timed("host_load_engine", lambda: engine_loads(client, pool, keys, rows[n:], prefix))
+            stores, loads = rows[:n], rows[n:]
+            timed(
+                "host_store_engine",
+                lambda: engine_copies(engine_store, client, pool, keys, stores, prefix),
+            )
+            timed(
+                "host_load_engine",
+                lambda: engine_copies(engine_load, client, pool, keys, loads, prefix),
+            )
             verify()
         finally:
             pool.close()
