@@ -30,13 +30,13 @@ import numpy as np
 import zmq
 
 from kvoffload import protocol as p
-from kvoffload.blockformat import copy_with_checksum
 from kvoffload.client import KVOffloadClient
 from kvoffload.config import load_config
 from kvoffload.kvcache import SharedKVCache, unique_kv_name
 from kvoffload.logs import configure_logging
 from kvoffload.pool import HostPool
 from kvoffload.protocol import LookupResult
+from kvoffload.slotcopy import shared_copier
 from kvoffload.supervisor import Supervisor
 from kvoffload.tiering import ReqContext, TieringManager
 
@@ -220,14 +220,16 @@ def engine_store(
     wait: bool = False,
 ) -> None:
     """The engine-side store path: prepare_store, copy each row into its slot while taking its
-    xxh3 (``blockformat.copy_with_checksum``), complete_store with the checksums (without
-    waiting for its reply unless ``wait``)."""
+    xxh3 (``SlotCopier.copy_with_checksums``, over the process's shared copier threads),
+    complete_store with the checksums (without waiting for its reply unless ``wait``)."""
     slots = client.prepare_store(req, keys)
     row_of = dict(zip(keys, rows, strict=True))
-    sums = [
-        copy_with_checksum(pool.slot_array(slot), row_of[key])
-        for key, slot in zip(slots.keys, slots.slots, strict=True)
-    ]
+    sums = shared_copier().copy_with_checksums(
+        [
+            (pool.slot_array(slot), row_of[key])
+            for key, slot in zip(slots.keys, slots.slots, strict=True)
+        ]
+    )
     client.complete_store(req, list(slots.keys), checksums=sums, wait=wait)
 
 
@@ -240,8 +242,8 @@ def engine_load(
     wait_ms: int = 0,
     wait: bool = False,
 ) -> int:
-    """The engine-side load path: a pinned lookup, a copy of every HIT slot, complete_load
-    (without waiting for its reply unless ``wait``); keys not ready yet are looked up again
+    """The engine-side load path: a pinned lookup, a copy of every HIT slot (over the process's
+    shared copier threads), complete_load (without waiting for its reply unless ``wait``); keys not ready yet are looked up again
     (held by the manager up to ``wait_ms`` until some of them land, when ``wait_ms`` > 0).
     Returns the number of lookups it took."""
     position = {key: i for i, key in enumerate(keys)}
@@ -252,10 +254,11 @@ def engine_load(
         lookups += 1
         if LookupResult.MISS in outcome.results:
             raise RuntimeError(f"cold load missed: {outcome}")
-        copied = [key for key, slot in zip(remaining, outcome.slots, strict=False) if slot >= 0]
-        for key, slot in zip(remaining, outcome.slots, strict=False):
-            if slot >= 0:
-                np.copyto(out[position[key]], pool.slot_array(slot))
+        hits = [
+            (key, slot) for key, slot in zip(remaining, outcome.slots, strict=False) if slot >= 0
+        ]
+        shared_copier().copy([(out[position[key]], pool.slot_array(slot)) for key, slot in hits])
+        copied = [key for key, _ in hits]
         if copied:
             client.complete_load(req, copied, wait=wait)
         done = set(copied)

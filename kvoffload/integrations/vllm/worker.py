@@ -1,8 +1,10 @@
 """vLLM's ``OffloadingWorker`` for kvoffload (runs in each model-worker process).
 
 The worker maps kvoffload's host pool itself and copies between vLLM's KV tensors and pool
-slots: memcpy (one vectorised gather/scatter per tensor) for CPU tensors, and asynchronous
-copies on a dedicated CUDA stream from the CUDA-registered pool for GPU tensors. It never
+slots: memcpy (one copy per block and tensor, spread over a ``SlotCopier``'s threads) for CPU
+tensors, and asynchronous copies on a dedicated CUDA stream from the CUDA-registered pool for
+GPU tensors. The checksums of stored slots and the checks of loaded ones run on the same
+threads. It never
 talks to the manager: slot numbers arrive in the ``PoolBlocks`` the scheduler side built, and
 completions leave through ``get_finished``.
 
@@ -30,9 +32,9 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvoffload.blockformat import payload_checksum
 from kvoffload.pool import HostPool
 from kvoffload.protocol import FaultSpec
+from kvoffload.slotcopy import SlotCopier
 
 from . import integration_logger
 from .blocks import NO_SLOT, PoolBlocks
@@ -100,6 +102,7 @@ class KVOffloadWorker(OffloadingWorker):
         self._fail_fraction = faults.fail_fraction
         self._verify_loads = verify_loads
         self._rng = random.Random(faults.seed)
+        self._copier = SlotCopier()
 
     # ---- pool -----------------------------------------------------------------------------
 
@@ -229,6 +232,7 @@ class KVOffloadWorker(OffloadingWorker):
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+        self._copier.close()
 
     # ---- failures -------------------------------------------------------------------------
 
@@ -252,13 +256,9 @@ class KVOffloadWorker(OffloadingWorker):
         if self._stream is not None:
             self._stream.synchronize()
         pool = self._pools[spec.pool_name]
-        bad = {
-            i
-            for i in loaded
-            if i < len(spec.checksums)
-            and spec.checksums[i]
-            and payload_checksum(pool.slot_array(spec.slots[i])) != spec.checksums[i]
-        }
+        checked = sorted(i for i in loaded if i < len(spec.checksums) and spec.checksums[i])
+        sums = self._copier.checksums([pool.slot_array(spec.slots[i]) for i in checked])
+        bad = {i for i, got in zip(checked, sums, strict=True) if got != spec.checksums[i]}
         if bad:
             log.error(
                 "kvoffload_load_corrupt req_id=%s blocks=%d: the pool slots do not match their "
@@ -274,8 +274,8 @@ class KVOffloadWorker(OffloadingWorker):
         pool = self._pools.get(spec.pool_name)
         if pool is None:
             return
-        for key, slot in zip(spec.keys, spec.slots, strict=True):
-            self._report.store_checksums[key] = payload_checksum(pool.slot_array(slot))
+        sums = self._copier.checksums([pool.slot_array(slot) for slot in spec.slots])
+        self._report.store_checksums.update(zip(spec.keys, sums, strict=True))
 
     # ---- copies ---------------------------------------------------------------------------
 
@@ -298,18 +298,16 @@ class KVOffloadWorker(OffloadingWorker):
         # One memcpy per (block, tensor) through numpy views: torch's advanced indexing of
         # int8 rows measured 0.36 GB/s here, row slices 4.5 GB/s.
         host = pool.numpy()
-        moved = 0
+        pairs = []
         for row in rows:
             base = self._layout.offset(row.chunk_block)
             slot = host[slots[row.key_index]]
             for array, page, offset in zip(self._arrays, self._pages, self._offsets, strict=True):
                 start = base + offset
-                if to_pool:
-                    slot[start : start + page] = array[row.block_id, :page]
-                else:
-                    array[row.block_id, :page] = slot[start : start + page]
-                moved += page
-        return moved
+                part, block = slot[start : start + page], array[row.block_id, :page]
+                pairs.append((part, block) if to_pool else (block, part))
+        self._copier.copy(pairs)
+        return sum(dst.nbytes for dst, _ in pairs)
 
     def _copy_cuda(
         self, pool: torch.Tensor, rows: list[CopyRow], slots: Sequence[int], to_pool: bool
