@@ -56,11 +56,13 @@ class SlotCopier:
         )
 
     def copy(self, pairs: Sequence[CopyPair]) -> None:
-        """Copy each ``src`` into its ``dst``. Pairs fewer than the threads are cut into parts,
-        so one large block is copied by every thread."""
-        if len(pairs) < self.threads:
+        """Copy each ``src`` into its ``dst``. Pairs fewer than the threads are cut into parts
+        (when they are worth splitting), so one large block is copied by every thread."""
+        sizes = [dst.nbytes for dst, _ in pairs]
+        if len(pairs) < self.threads and sum(sizes) >= PARALLEL_MIN_BYTES:
             pairs = _cut(pairs, self.threads)
-        self._run(pairs, [dst.nbytes for dst, _ in pairs], _copy_share)
+            sizes = [dst.nbytes for dst, _ in pairs]
+        self._run(pairs, sizes, _copy_share)
 
     def copy_with_checksums(self, pairs: Sequence[CopyPair]) -> list[int]:
         """Copy each ``src`` into its ``dst`` and return the xxh3 of each ``dst`` (as
