@@ -138,8 +138,7 @@ def _cut(pairs: Sequence[CopyPair], parts: int) -> list[CopyPair]:
     (flat views, no copy); other pairs are kept whole."""
     out: list[CopyPair] = []
     for dst, src in pairs:
-        if dst.nbytes != src.nbytes:
-            raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+        _check_sizes(dst, src)
         if not (dst.flags.c_contiguous and src.flags.c_contiguous):
             out.append((dst, src))
             continue
@@ -151,10 +150,14 @@ def _cut(pairs: Sequence[CopyPair], parts: int) -> list[CopyPair]:
     return out
 
 
+def _check_sizes(dst: np.ndarray, src: np.ndarray) -> None:
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+
+
 def _copy_share(pairs: Sequence[CopyPair]) -> list[None]:
     for dst, src in pairs:
-        if dst.nbytes != src.nbytes:
-            raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+        _check_sizes(dst, src)
         np.copyto(dst, src if src.shape == dst.shape else src.reshape(dst.shape), casting="no")
     return []
 
@@ -162,8 +165,7 @@ def _copy_share(pairs: Sequence[CopyPair]) -> list[None]:
 def _checksum_copy_share(pairs: Sequence[CopyPair]) -> list[int]:
     out = []
     for dst, src in pairs:
-        if dst.nbytes != src.nbytes:
-            raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+        _check_sizes(dst, src)
         out.append(copy_with_checksum(dst, src))
     return out
 

@@ -243,9 +243,9 @@ def engine_load(
     wait: bool = False,
 ) -> int:
     """The engine-side load path: a pinned lookup, a copy of every HIT slot (over the process's
-    shared copier threads), complete_load (without waiting for its reply unless ``wait``); keys not ready yet are looked up again
-    (held by the manager up to ``wait_ms`` until some of them land, when ``wait_ms`` > 0).
-    Returns the number of lookups it took."""
+    shared copier threads), complete_load (without waiting for its reply unless ``wait``); keys
+    not ready yet are looked up again (held by the manager up to ``wait_ms`` until some of them
+    land, when ``wait_ms`` > 0). Returns the number of lookups it took."""
     position = {key: i for i, key in enumerate(keys)}
     remaining = list(keys)
     lookups = 0

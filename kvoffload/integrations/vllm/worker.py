@@ -4,9 +4,8 @@ The worker maps kvoffload's host pool itself and copies between vLLM's KV tensor
 slots: memcpy (one copy per block and tensor, spread over a ``SlotCopier``'s threads) for CPU
 tensors, and asynchronous copies on a dedicated CUDA stream from the CUDA-registered pool for
 GPU tensors. The checksums of stored slots and the checks of loaded ones run on the same
-threads. It never
-talks to the manager: slot numbers arrive in the ``PoolBlocks`` the scheduler side built, and
-completions leave through ``get_finished``.
+threads. It never talks to the manager: slot numbers arrive in the ``PoolBlocks`` the scheduler
+side built, and completions leave through ``get_finished``.
 
 A transfer that cannot be done in full never fails the job as seen by vLLM (whose offloading
 connector does not support failed jobs). Instead:
