@@ -196,3 +196,44 @@ def test_loads_are_verified_against_the_checksum_taken_at_store(pool):
 
     assert w.take_error_blocks() == {9}
     assert w.take_report().failed_loads == {"req": [b"b" * 16]}
+
+
+def test_large_transfers_split_between_copy_threads_keep_every_byte_and_checksum():
+    from kvoffload.blockformat import payload_checksum
+
+    page, count = 512 * 1024, 6  # 6 blocks of 1 MiB: copied and hashed on several threads
+    gen = torch.Generator().manual_seed(5)
+    tensors = [
+        CanonicalKVCacheTensor(
+            torch.randint(-128, 127, (2 * count, page), dtype=torch.int8, generator=gen), page
+        )
+        for _ in range(LAYERS)
+    ]
+    caches = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(i, page) for i in range(LAYERS)]])
+    big = HostPool.create(f"/kvoffload-test-{os.getpid()}-vllm-big", count, LAYERS * page)
+    w = KVOffloadWorker(caches, BlockLayout((page,) * LAYERS, 1, 0, 1))
+    try:
+        keys, slots = [b"%02d" % i * 8 for i in range(count)], list(range(count))
+        w.submit_store(1, gpu(list(range(count))), blocks(big, keys, slots))
+        w.get_finished()
+        sums = w.take_report().store_checksums
+        assert sums == {
+            k: payload_checksum(big.slot_array(s)) for k, s in zip(keys, slots, strict=True)
+        }
+        for slot in slots:
+            for layer, cache in enumerate(tensors):
+                got = big.slot_array(slot)[layer * page : (layer + 1) * page]
+                assert (torch.from_numpy(got.copy()).view(torch.int8) == cache.tensor[slot]).all()
+
+        big.slot_array(4)[7] ^= 0xFF  # one block changes after it was written
+        spec = blocks(big, keys, slots)
+        spec.checksums = [sums[k] for k in keys]
+        w.submit_load(2, spec, gpu(list(range(count, 2 * count))))
+        assert w.take_error_blocks() == {count + 4}
+        for i in (0, 1, 2, 3, 5):
+            for cache in tensors:
+                assert (cache.tensor[count + i] == cache.tensor[i]).all()
+    finally:
+        w.shutdown()
+        big.close()
+        big.unlink()
