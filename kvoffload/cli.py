@@ -8,10 +8,10 @@ import sys
 
 import msgspec
 
-from .config import Config, ConfigError, load_config
-from .discovery import NoServiceFound, find_endpoint
-from .logs import configure_logging
-from .protocol import ManagerStatus
+from kvoffload.config import Config, ConfigError, load_config
+from kvoffload.logs import configure_logging
+from kvoffload.protocol import ManagerStatus
+from kvoffload.runtime.discovery import NoServiceFound, find_endpoint
 
 
 def _load(args) -> Config:
@@ -23,7 +23,7 @@ def _load(args) -> Config:
 
 
 def cmd_serve(args) -> int:
-    from .supervisor import Supervisor
+    from kvoffload.runtime.supervisor import Supervisor
 
     cfg = _load(args)
     configure_logging("supervisor", cfg.service.log_level)
@@ -33,7 +33,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from .client import KVOffloadClient
+    from kvoffload.client import KVOffloadClient
 
     cfg = _load(args)
     try:
@@ -98,21 +98,21 @@ def format_status(status: ManagerStatus) -> str:
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from kvoffload.demo import run_demo
 
     cfg = _load(args)
     return run_demo(cfg, args)
 
 
 def cmd_soak(args) -> int:
-    from .soak.runner import run_from_args
+    from kvoffload.soak.runner import run_from_args
 
     configure_logging("soak", "error")
     return run_from_args(args)
 
 
 def cmd_bench(args) -> int:
-    from .bench.runner import run_from_args
+    from kvoffload.bench.runner import run_from_args
 
     return run_from_args(args)
 
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json-out", help="write the rows and the verdict as JSON here")
     demo.set_defaults(func=cmd_demo)
 
-    from .soak.runner import add_arguments as add_soak_arguments
+    from kvoffload.soak.runner import add_arguments as add_soak_arguments
 
     soak = sub.add_parser(
         "soak", help="run the service under load and injected faults, check invariants"
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_soak_arguments(soak)
     soak.set_defaults(func=cmd_soak)
 
-    from .bench.runner import add_arguments as add_bench_arguments
+    from kvoffload.bench.runner import add_arguments as add_bench_arguments
 
     bench = sub.add_parser(
         "bench", help="run benchmark suites against their same-run references (JSON, charts)"

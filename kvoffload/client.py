@@ -21,8 +21,8 @@ from typing import Any
 
 import zmq
 
-from . import protocol as p
-from .protocol import ErrorCode, LookupResult, MissReason, must_wait
+from kvoffload import protocol as p
+from kvoffload.protocol import ErrorCode, LookupResult, MissReason, must_wait
 
 
 class KVOffloadError(Exception):

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from kvoffload.blockformat import MAX_KEY_BYTES
+from kvoffload.memory.blockformat import MAX_KEY_BYTES
 from kvoffload.protocol import FaultSpec
 
 ENV_PREFIX = "KVOFFLOAD_"

@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from .client import KVOffloadClient
-from .config import Config
-from .logs import configure_logging
-from .protocol import TierCounters
+from kvoffload.client import KVOffloadClient
+from kvoffload.config import Config
+from kvoffload.logs import configure_logging
+from kvoffload.protocol import TierCounters
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .supervisor import Supervisor
+    from kvoffload.engine import Engine
+    from kvoffload.runtime.supervisor import Supervisor
 
 LOGITS_ATOL = 1e-4
 POOL = frozenset({"pool"})
@@ -119,7 +119,7 @@ class Demo:
     and the digests of every block offloaded in this run."""
 
     def __init__(self, cfg: Config, model, args, seed: int) -> None:
-        from .engine import Engine
+        from kvoffload.engine import Engine
 
         self.cfg = cfg
         self.model = model
@@ -142,8 +142,8 @@ class Demo:
     # ---- service --------------------------------------------------------------------------
 
     def start_service(self) -> None:
-        from .engine import Engine
-        from .supervisor import Supervisor
+        from kvoffload.engine import Engine
+        from kvoffload.runtime.supervisor import Supervisor
 
         self.supervisor = Supervisor(self.cfg, log_path=self.log_file)
         self.endpoint = self.supervisor.start().client_endpoint
@@ -420,7 +420,7 @@ def run_demo(cfg: Config, args) -> int:
     """Run the demo on ``cfg`` (its pool geometry is set to the reference model's); 0 if every
     check passed, 1 otherwise, 2 if torch is missing."""
     try:
-        from .engine import DEMO_MODEL, TinyDecoder
+        from kvoffload.engine import DEMO_MODEL, TinyDecoder
     except ImportError as exc:
         print(
             f"kvoffload demo needs torch (the engine extra): pip install torch==2.13.0 -e '.[engine]' ({exc})",

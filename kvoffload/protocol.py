@@ -17,11 +17,11 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 # re-exported: part of the protocol
-from .vocab import ErrorCode as ErrorCode
-from .vocab import LookupResult as LookupResult
-from .vocab import MissReason as MissReason
-from .vocab import TierCounters as TierCounters
-from .vocab import must_wait as must_wait
+from kvoffload.vocab import ErrorCode as ErrorCode
+from kvoffload.vocab import LookupResult as LookupResult
+from kvoffload.vocab import MissReason as MissReason
+from kvoffload.vocab import TierCounters as TierCounters
+from kvoffload.vocab import must_wait as must_wait
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024

@@ -152,7 +152,7 @@ def test_library_use_logs_nothing_until_asked(tmp_path: Path) -> None:
     code = f"""
         import logging, os, sys
         from kvoffload.client import KVOffloadClient, ServiceUnavailable
-        from kvoffload.kvcache import SharedKVCache
+        from kvoffload.memory.kvcache import SharedKVCache
         from kvoffload.tiering.types import parse_tier_filter
 
         def use_the_library():

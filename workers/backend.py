@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from kvoffload.pool import HostPool
+from kvoffload.memory.pool import HostPool
 from kvoffload.protocol import Job, JobKind, KVHandle, MediumStats
 from workers.faults import FaultInjector
 

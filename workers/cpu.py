@@ -40,12 +40,12 @@ import msgspec
 import numpy as np
 import xxhash
 
-from kvoffload.blockformat import copy_and_hash
 from kvoffload.config import Config
-from kvoffload.cuda_host import cuda_device_count
-from kvoffload.kvcache import SharedKVCache, rebuild_cuda_ipc_tensor
 from kvoffload.logs import get_logger
-from kvoffload.pool import HostPool
+from kvoffload.memory.blockformat import copy_and_hash
+from kvoffload.memory.cuda_host import cuda_device_count
+from kvoffload.memory.kvcache import SharedKVCache, rebuild_cuda_ipc_tensor
+from kvoffload.memory.pool import HostPool
 from kvoffload.protocol import CpuWorkerStats, HandleKind, Job, JobKind, KVHandle
 from workers.backend import AttachRefused, BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector

@@ -43,7 +43,7 @@ import zmq
 
 from kvoffload.config import Config
 from kvoffload.logs import configure_logging, get_logger
-from kvoffload.pool import HostPool
+from kvoffload.memory.pool import HostPool
 from kvoffload.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -67,7 +67,7 @@ from kvoffload.protocol import (
     decode_manager_message,
     encode,
 )
-from kvoffload.runspec import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, RunSpec, load_runspec
+from kvoffload.runtime.runspec import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, RunSpec, load_runspec
 from workers.backend import (
     DEVICE_KINDS,
     SLOT_KINDS,

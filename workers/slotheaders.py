@@ -8,10 +8,10 @@ generation is the job id, so the newest copy of a key wins when a restarted mana
 
 from __future__ import annotations
 
-from kvoffload.blockformat import BlockHeader, deployment_fingerprint, payload_checksum
 from kvoffload.config import Config
-from kvoffload.pool import HostPool
-from kvoffload.slottable import SlotTable
+from kvoffload.memory.blockformat import BlockHeader, deployment_fingerprint, payload_checksum
+from kvoffload.memory.pool import HostPool
+from kvoffload.memory.slottable import SlotTable
 
 
 class SlotHeaders:

@@ -18,11 +18,11 @@ import time
 
 import numpy as np
 
-from kvoffload.blockformat import payload_checksum
 from kvoffload.client import KVOffloadClient, KVOffloadError, LookupOutcome
-from kvoffload.discovery import find_endpoint
-from kvoffload.kvcache import SharedKVCache
-from kvoffload.pool import HostPool
+from kvoffload.memory.blockformat import payload_checksum
+from kvoffload.memory.kvcache import SharedKVCache
+from kvoffload.memory.pool import HostPool
+from kvoffload.runtime.discovery import find_endpoint
 
 TOKENS_PER_BLOCK = 16
 HANDLE = "example-kv"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .cells import Cell
+from kvoffload.bench.cells import Cell
 
 THROUGHPUT_TITLES = {
     "cpu": "cpu worker copies",

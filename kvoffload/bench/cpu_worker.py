@@ -34,9 +34,9 @@ import msgspec
 import numpy as np
 import zmq
 
-from kvoffload.kvcache import SharedKVCache
 from kvoffload.logs import configure_logging
-from kvoffload.pool import HostPool
+from kvoffload.memory.kvcache import SharedKVCache
+from kvoffload.memory.pool import HostPool
 from kvoffload.protocol import (
     PROTOCOL_VERSION,
     AttachKV,
@@ -50,7 +50,7 @@ from kvoffload.protocol import (
     decode_worker_message,
     encode,
 )
-from kvoffload.runspec import RunSpec
+from kvoffload.runtime.runspec import RunSpec
 from workers.cpu import CpuBackend
 from workers.faults import FaultInjector
 

@@ -44,9 +44,9 @@ from pathlib import Path
 
 import structlog
 
-from kvoffload.blockformat import BlockHeader, deployment_fingerprint, payload_checksum
 from kvoffload.config import Config, DiskConfig, PoolConfig
-from kvoffload.pool import HostPool
+from kvoffload.memory.blockformat import BlockHeader, deployment_fingerprint, payload_checksum
+from kvoffload.memory.pool import HostPool
 from kvoffload.protocol import Job, JobKind
 from workers.disk import DiskStore
 from workers.disk.rawio import O_DIRECT, PAGE_SIZE, page_buffer, probe_direct_io

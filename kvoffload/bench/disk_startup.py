@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvoffload.blockformat import deployment_fingerprint
+from kvoffload.memory.blockformat import deployment_fingerprint
 from workers.disk import DiskStore
 
 

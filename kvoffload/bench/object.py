@@ -41,7 +41,7 @@ import obstore
 from botocore.config import Config
 from obstore.store import S3Store
 
-from kvoffload.blockformat import HEADER_SIZE, deployment_fingerprint
+from kvoffload.memory.blockformat import HEADER_SIZE, deployment_fingerprint
 from workers.object import S3BlockStore
 
 SIZES = {"256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}

@@ -44,13 +44,13 @@ from typing import Any
 import numpy as np
 
 from kvoffload.bench.service import engine_load, engine_store
-from kvoffload.blockformat import deployment_fingerprint
 from kvoffload.client import KVOffloadClient
 from kvoffload.config import load_config
-from kvoffload.kvcache import SharedKVCache, unique_kv_name
 from kvoffload.logs import configure_logging
-from kvoffload.pool import HostPool
-from kvoffload.supervisor import Supervisor
+from kvoffload.memory.blockformat import deployment_fingerprint
+from kvoffload.memory.kvcache import SharedKVCache, unique_kv_name
+from kvoffload.memory.pool import HostPool
+from kvoffload.runtime.supervisor import Supervisor
 from workers.disk import DiskStore
 
 SIZES = (256 << 10, 1 << 20, 4 << 20)

@@ -27,7 +27,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .cells import EXTRACTORS, Cell, merge_rounds
+from kvoffload.bench.cells import EXTRACTORS, Cell, merge_rounds
 
 
 class Suite(enum.StrEnum):
@@ -77,7 +77,7 @@ def _object_missing(args: argparse.Namespace) -> str | None:
 
 
 def _peer_missing(args: argparse.Namespace) -> str | None:
-    from .peer import lmcache_missing
+    from kvoffload.bench.peer import lmcache_missing
 
     return lmcache_missing(args.peer_python or sys.executable)
 
@@ -231,7 +231,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from .progress import Progress
+    from kvoffload.bench.progress import Progress
 
     chosen = list(Suite) if "all" in args.suites else [Suite(s) for s in dict.fromkeys(args.suites)]
     results = Path(args.results).resolve()
@@ -262,7 +262,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     out = results / "bench_summary.json"
     out.write_text(json.dumps(summary, indent=2) + "\n")
     if args.plot:
-        from .charts import plot_cells
+        from kvoffload.bench.charts import plot_cells
 
         for path in plot_cells(cells, results):
             print(f"chart: {path}")

@@ -32,12 +32,12 @@ import zmq
 from kvoffload import protocol as p
 from kvoffload.client import KVOffloadClient
 from kvoffload.config import load_config
-from kvoffload.kvcache import SharedKVCache, unique_kv_name
 from kvoffload.logs import configure_logging
-from kvoffload.pool import HostPool
+from kvoffload.memory.kvcache import SharedKVCache, unique_kv_name
+from kvoffload.memory.pool import HostPool
+from kvoffload.memory.slotcopy import shared_copier
 from kvoffload.protocol import LookupResult
-from kvoffload.slotcopy import shared_copier
-from kvoffload.supervisor import Supervisor
+from kvoffload.runtime.supervisor import Supervisor
 from kvoffload.tiering import ReqContext, TieringManager
 
 SECTIONS = ("control", "latency", "data")

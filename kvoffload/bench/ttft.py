@@ -42,7 +42,7 @@ from kvoffload.client import KVOffloadClient
 from kvoffload.config import load_config
 from kvoffload.engine import BENCH_MODEL, Engine, TinyDecoder
 from kvoffload.logs import configure_logging
-from kvoffload.supervisor import Supervisor
+from kvoffload.runtime.supervisor import Supervisor
 
 NEW_TOKENS = 16
 POOL_TARGET = 10.0

@@ -342,7 +342,7 @@ class Service:
         import msgspec
 
         from kvoffload.config import load_config
-        from kvoffload.supervisor import Supervisor
+        from kvoffload.runtime.supervisor import Supervisor
 
         cfg = load_config(
             None,

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 
+from kvoffload.engine.model import MODELS, TinyDecoder
+from kvoffload.engine.scheduler import Engine
 from kvoffload.logs import configure_logging
-
-from .model import MODELS, TinyDecoder
-from .scheduler import Engine
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from .paged_cache import PagedKVCache
+    from kvoffload.engine.paged_cache import PagedKVCache
 
 FLOAT32_BYTES = 4
 

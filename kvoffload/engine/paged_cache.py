@@ -16,10 +16,9 @@ import hashlib
 
 import torch
 
-from kvoffload.kvcache import SharedKVCache
+from kvoffload.engine.model import ModelConfig
+from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.protocol import KVHandle
-
-from .model import ModelConfig
 
 
 class CacheFull(RuntimeError):

@@ -29,11 +29,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvoffload.client import KVOffloadClient, LookupOutcome
+from kvoffload.engine.hashing import block_keys
+from kvoffload.engine.model import TinyDecoder
+from kvoffload.engine.paged_cache import PagedKVCache
 from kvoffload.logs import get_logger
-
-from .hashing import block_keys
-from .model import TinyDecoder
-from .paged_cache import PagedKVCache
 
 log = get_logger()
 

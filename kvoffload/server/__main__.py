@@ -3,9 +3,9 @@
 import argparse
 import sys
 
-from ..logs import configure_logging
-from ..runspec import load_runspec
-from .loop import serve
+from kvoffload.logs import configure_logging
+from kvoffload.runtime.runspec import load_runspec
+from kvoffload.server.loop import serve
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,14 +11,14 @@ from typing import Any
 
 import structlog
 
-from .. import protocol as p
-from ..protocol import ErrorCode
-from ..tiering import LookupResult, ReqContext
-from ..tiering.types import PrefixResult, TieringError
-from .handles import KVHandles
-from .jobs import WorkerChannel
-from .sessions import ClientSession, PendingPoll
-from .state import CPU_WORKER, ManagerState, RequestError, WaitingLookup
+from kvoffload import protocol as p
+from kvoffload.protocol import ErrorCode
+from kvoffload.server.handles import KVHandles
+from kvoffload.server.jobs import WorkerChannel
+from kvoffload.server.sessions import ClientSession, PendingPoll
+from kvoffload.server.state import CPU_WORKER, ManagerState, RequestError, WaitingLookup
+from kvoffload.tiering import LookupResult, ReqContext
+from kvoffload.tiering.types import PrefixResult, TieringError
 
 # (identity, session or None before Connect, request) -> the reply, or None to answer later
 _Handler = Callable[[bytes, Any, Any], "p.ClientReply | None"]

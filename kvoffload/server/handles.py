@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import structlog
 
-from .. import protocol as p
-from ..kvcache import handle_problem, segment_problem
-from ..protocol import ErrorCode
-from ..rundir import is_run_segment
-from ..shmseg import stat_segment
-from .state import CPU_WORKER, ManagerState, RequestError
+from kvoffload import protocol as p
+from kvoffload.memory.kvcache import handle_problem, segment_problem
+from kvoffload.memory.shmseg import stat_segment
+from kvoffload.protocol import ErrorCode
+from kvoffload.runtime.rundir import is_run_segment
+from kvoffload.server.state import CPU_WORKER, ManagerState, RequestError
 
 log = structlog.get_logger()
 

@@ -8,12 +8,12 @@ import time
 
 import structlog
 
-from .. import protocol as p
-from ..tiering import TransferResult
-from ..tiering.types import TieringError
-from .handles import KVHandles
-from .sessions import ClientSession
-from .state import CPU_WORKER, DeviceJob, ManagerState
+from kvoffload import protocol as p
+from kvoffload.server.handles import KVHandles
+from kvoffload.server.sessions import ClientSession
+from kvoffload.server.state import CPU_WORKER, DeviceJob, ManagerState
+from kvoffload.tiering import TransferResult
+from kvoffload.tiering.types import TieringError
 
 log = structlog.get_logger()
 

@@ -17,12 +17,12 @@ import msgspec
 import structlog
 import zmq
 
-from ..config import Config
-from ..runspec import RunSpec
-from .api import ClientApi
-from .handles import KVHandles
-from .jobs import WorkerChannel
-from .state import ManagerState
+from kvoffload.config import Config
+from kvoffload.runtime.runspec import RunSpec
+from kvoffload.server.api import ClientApi
+from kvoffload.server.handles import KVHandles
+from kvoffload.server.jobs import WorkerChannel
+from kvoffload.server.state import ManagerState
 
 log = structlog.get_logger()
 

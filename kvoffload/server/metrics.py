@@ -33,7 +33,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .. import protocol as p
+from kvoffload import protocol as p
 
 PREFIX = "kvoffload_"
 

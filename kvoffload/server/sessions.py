@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from ..protocol import DeviceJobFinished
+from kvoffload.protocol import DeviceJobFinished
 
 
 @dataclass(slots=True)

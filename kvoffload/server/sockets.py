@@ -9,7 +9,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from ..config import ServiceConfig
+from kvoffload.config import ServiceConfig
 
 # Frames a little over the protocol limit still arrive, so the manager can answer them with a
 # typed "bad_message" error; beyond this, ZeroMQ drops the connection of the sender.

@@ -14,22 +14,15 @@ import msgspec
 import structlog
 import zmq
 
-from .. import protocol as p
-from ..config import Config
-from ..runspec import RunSpec
-from ..tiering import (
-    JobKind,
-    Locality,
-    Medium,
-    TieringManager,
-    TierSpec,
-    TransferResult,
-)
-from .metrics import MetricsEndpoint
-from .sessions import ClientSession
-from .sockets import bind_client_socket, bind_job_socket
-from .warmstart import WarmRestart
-from .workers import WorkerRegistry
+from kvoffload import protocol as p
+from kvoffload.config import Config
+from kvoffload.runtime.runspec import RunSpec
+from kvoffload.server.metrics import MetricsEndpoint
+from kvoffload.server.sessions import ClientSession
+from kvoffload.server.sockets import bind_client_socket, bind_job_socket
+from kvoffload.server.warmstart import WarmRestart
+from kvoffload.server.workers import WorkerRegistry
+from kvoffload.tiering import JobKind, Locality, Medium, TieringManager, TierSpec, TransferResult
 
 log = structlog.get_logger()
 

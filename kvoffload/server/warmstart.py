@@ -3,7 +3,7 @@
 Keeping it true: before any slot number leaves the manager (a job to a worker, a reply to a
 client) and once per loop turn, ``clear_invalidated`` clears the header of every slot the
 primary index freed or handed to a new key, so a header never describes a slot being rewritten.
-Workers stamp a slot's header once its bytes are complete (see ``kvoffload.slottable``).
+Workers stamp a slot's header once its bytes are complete (see ``kvoffload.memory.slottable``).
 
 Rebuilding: a restarted manager finds valid headers (a fresh run's table is all zeros). For each
 key the header with the highest generation wins; the winners enter the primary index as
@@ -21,12 +21,12 @@ import time
 
 import structlog
 
-from .. import protocol as p
-from ..blockformat import BlockHeader, deployment_fingerprint
-from ..config import Config
-from ..runspec import RunSpec
-from ..slottable import SlotTable
-from ..tiering import TieringManager
+from kvoffload import protocol as p
+from kvoffload.config import Config
+from kvoffload.memory.blockformat import BlockHeader, deployment_fingerprint
+from kvoffload.memory.slottable import SlotTable
+from kvoffload.runtime.runspec import RunSpec
+from kvoffload.tiering import TieringManager
 
 log = structlog.get_logger()
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ..protocol import WorkerStats
+from kvoffload.protocol import WorkerStats
 
 log = structlog.get_logger()
 

@@ -37,13 +37,13 @@ from typing import Any
 import numpy as np
 import structlog
 
-from ..blockformat import payload_checksum
-from ..client import KVOffloadClient, KVOffloadError, ServiceUnavailable
-from ..kvcache import SharedKVCache
-from ..logs import configure_logging
-from ..pool import HostPool
-from ..protocol import ErrorCode
-from .blocks import POISON, conversation_keys, expected_block, mismatch
+from kvoffload.client import KVOffloadClient, KVOffloadError, ServiceUnavailable
+from kvoffload.logs import configure_logging
+from kvoffload.memory.blockformat import payload_checksum
+from kvoffload.memory.kvcache import SharedKVCache
+from kvoffload.memory.pool import HostPool
+from kvoffload.protocol import ErrorCode
+from kvoffload.soak.blocks import POISON, conversation_keys, expected_block, mismatch
 
 log = structlog.get_logger()
 

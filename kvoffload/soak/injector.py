@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, field
 import psutil
 import structlog
 
-from .clients import EnginePool
-from .service import ServiceHarness
+from kvoffload.soak.clients import EnginePool
+from kvoffload.soak.service import ServiceHarness
 
 log = structlog.get_logger()
 

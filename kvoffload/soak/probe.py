@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import protocol as p
-from ..kvcache import SharedKVCache, unique_kv_name
-from .blocks import POISON, expected_block
-from .service import ServiceHarness
+from kvoffload import protocol as p
+from kvoffload.memory.kvcache import SharedKVCache, unique_kv_name
+from kvoffload.soak.blocks import POISON, expected_block
+from kvoffload.soak.service import ServiceHarness
 
 _names = itertools.count()
 

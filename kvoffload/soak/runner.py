@@ -27,12 +27,12 @@ from typing import Any, TextIO
 
 import psutil
 
-from ..client import KVOffloadError
-from ..config import load_config
-from .clients import EnginePool
-from .engine import EngineOptions, JobLost, Reconnect, SoakEngine
-from .injector import FAULT_KINDS, Injector, plan_faults
-from .invariants import (
+from kvoffload.client import KVOffloadError
+from kvoffload.config import load_config
+from kvoffload.soak.clients import EnginePool
+from kvoffload.soak.engine import EngineOptions, JobLost, Reconnect, SoakEngine
+from kvoffload.soak.injector import FAULT_KINDS, Injector, plan_faults
+from kvoffload.soak.invariants import (
     IncarnationTotals,
     ReportReader,
     Violation,
@@ -47,7 +47,7 @@ from .invariants import (
     is_quiescent,
     judge_engine_events,
 )
-from .service import ServiceHarness
+from kvoffload.soak.service import ServiceHarness
 
 DEFAULT_FAULTS = {
     "fail_fraction": 0.02,
@@ -106,7 +106,7 @@ class SoakOptions:
 
 def _local_s3_server(workdir: Path):
     """A SeaweedFS started in ``workdir`` (imported here: it needs the ``object`` extra)."""
-    from .s3server import S3Server, S3ServerError, find_weed_binary
+    from kvoffload.soak.s3server import S3Server, S3ServerError, find_weed_binary
 
     try:
         find_weed_binary()
@@ -571,7 +571,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..logs import configure_logging
+    from kvoffload.logs import configure_logging
 
     parser = argparse.ArgumentParser(prog="soak", description=__doc__.splitlines()[0])
     add_arguments(parser)

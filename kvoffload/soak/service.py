@@ -42,11 +42,11 @@ import msgspec
 import psutil
 import structlog
 
-from .. import protocol as p
-from ..client import KVOffloadClient, KVOffloadError
-from ..config import Config, load_config
-from ..rundir import live_runs
-from ..supervisor import Supervisor
+from kvoffload import protocol as p
+from kvoffload.client import KVOffloadClient, KVOffloadError
+from kvoffload.config import Config, load_config
+from kvoffload.runtime.rundir import live_runs
+from kvoffload.runtime.supervisor import Supervisor
 
 log = structlog.get_logger()
 

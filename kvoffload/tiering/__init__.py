@@ -1,10 +1,9 @@
 """Tiering semantics as a pure library: no sockets, threads or processes (see TIERING contract)."""
 
-from ..vocab import LookupResult, MissReason
-from .manager import RequestState, TieringManager
-from .primary import PrimaryIndex
-from .secondary import SecondaryTier, TierSpec
-from .types import (
+from kvoffload.tiering.manager import RequestState, TieringManager
+from kvoffload.tiering.primary import PrimaryIndex
+from kvoffload.tiering.secondary import SecondaryTier, TierSpec
+from kvoffload.tiering.types import (
     JobKind,
     Locality,
     Medium,
@@ -19,6 +18,7 @@ from .types import (
     TransferResult,
     parse_tier_filter,
 )
+from kvoffload.vocab import LookupResult, MissReason
 
 __all__ = [
     "JobKind",

@@ -32,12 +32,11 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..logs import get_logger
-from ..vocab import LookupResult, MissReason
-from .primary import PrimaryIndex
-from .secondary import PendingCascade, SecondaryTier, TierSpec
-from .stats import TieringStats
-from .types import (
+from kvoffload.logs import get_logger
+from kvoffload.tiering.primary import PrimaryIndex
+from kvoffload.tiering.secondary import PendingCascade, SecondaryTier, TierSpec
+from kvoffload.tiering.stats import TieringStats
+from kvoffload.tiering.types import (
     Allocation,
     CascadeDrop,
     Evicted,
@@ -56,6 +55,7 @@ from .types import (
     UnknownRequest,
     WrongTier,
 )
+from kvoffload.vocab import LookupResult, MissReason
 
 log = get_logger()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator
 
-from .types import Key
+from kvoffload.tiering.types import Key
 
 RefCount = Callable[[Key], int]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
-from ..vocab import LookupResult
-from .policies import make_policy
-from .types import Allocation, Key, NotReady, ProtocolViolation
+from kvoffload.tiering.policies import make_policy
+from kvoffload.tiering.types import Allocation, Key, NotReady, ProtocolViolation
+from kvoffload.vocab import LookupResult
 
 WRITING = -1
 

@@ -14,9 +14,9 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from ..vocab import LookupResult, MissReason
-from .types import Key, Locality, Medium, OffloadPolicy
-from .verdicts import VerdictCache
+from kvoffload.tiering.types import Key, Locality, Medium, OffloadPolicy
+from kvoffload.tiering.verdicts import VerdictCache
+from kvoffload.vocab import LookupResult, MissReason
 
 
 @dataclass(slots=True)

@@ -7,9 +7,9 @@ from typing import Any
 
 import msgspec
 
-from .. import vocab
-from ..vocab import LookupResult
-from .types import CascadeDrop, JobKind
+from kvoffload import vocab
+from kvoffload.tiering.types import CascadeDrop, JobKind
+from kvoffload.vocab import LookupResult
 
 
 class TierCounters(vocab.TierCounters):

@@ -7,8 +7,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
-from ..logs import get_logger
-from ..vocab import ErrorCode, LookupResult, MissReason, must_wait
+from kvoffload.logs import get_logger
+from kvoffload.vocab import ErrorCode, LookupResult, MissReason, must_wait
 
 log = get_logger()
 

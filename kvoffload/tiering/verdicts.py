@@ -14,7 +14,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .types import Key
+from kvoffload.tiering.types import Key
 
 
 class Phase(enum.Enum):

@@ -17,8 +17,8 @@ from kvoffload.cli import build_parser
 from kvoffload.config import load_config
 from kvoffload.demo import run_demo
 from kvoffload.engine import Engine
-from kvoffload.kvcache import SharedKVCache
-from kvoffload.pool import HostPool
+from kvoffload.memory.kvcache import SharedKVCache
+from kvoffload.memory.pool import HostPool
 
 SMALL = [
     "--conversations",

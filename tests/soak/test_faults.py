@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from kvoffload.blockformat import payload_checksum
 from kvoffload.client import KVOffloadError
-from kvoffload.pool import HostPool
+from kvoffload.memory.blockformat import payload_checksum
+from kvoffload.memory.pool import HostPool
 from kvoffload.protocol import DiskWorkerStats
 from kvoffload.soak.blocks import expected_block
 from kvoffload.soak.probe import ProbeEngine, probe_keys, services, wait_for
@@ -164,7 +164,7 @@ DOOMED_CLIENT = textwrap.dedent(
     """
     import sys, time
     from kvoffload.client import KVOffloadClient
-    from kvoffload.pool import HostPool
+    from kvoffload.memory.pool import HostPool
     from kvoffload.soak.blocks import expected_block
     from kvoffload.soak.probe import probe_keys
 

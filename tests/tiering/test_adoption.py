@@ -5,8 +5,7 @@ import pytest
 
 from kvoffload.tiering import LookupResult, PrimaryIndex, TieringManager
 from kvoffload.tiering.types import NotReady
-
-from .conftest import Harness, k
+from tests.tiering.conftest import Harness, k
 
 HIT, HIT_PENDING, MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
 

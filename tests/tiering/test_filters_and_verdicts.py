@@ -4,8 +4,7 @@ import pytest
 
 from kvoffload.tiering import Locality, Medium, TierFilter, TierMatcher, parse_tier_filter
 from kvoffload.tiering.verdicts import Phase, VerdictCache
-
-from .conftest import k
+from tests.tiering.conftest import k
 
 
 @pytest.mark.parametrize(

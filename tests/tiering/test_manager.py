@@ -21,8 +21,7 @@ from kvoffload.tiering.types import (
     UnknownRequest,
     WrongTier,
 )
-
-from .conftest import Harness, k
+from tests.tiering.conftest import Harness, k
 
 HIT, HIT_PENDING, RETRY, MISS = (
     LookupResult.HIT,

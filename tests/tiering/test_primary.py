@@ -5,8 +5,7 @@ import pytest
 from kvoffload.tiering import LookupResult, PrimaryIndex
 from kvoffload.tiering.policies import ARCPolicy, make_policy
 from kvoffload.tiering.types import NotReady, ProtocolViolation
-
-from .conftest import k
+from tests.tiering.conftest import k
 
 
 def filled(policy, n=4):

@@ -15,8 +15,7 @@ from kvoffload.tiering import (
 )
 from kvoffload.tiering.primary import WRITING
 from kvoffload.tiering.types import RequestFinishedError, UnknownJob
-
-from .conftest import FakeClock, k
+from tests.tiering.conftest import FakeClock, k
 
 KEYS = [k(i) for i in range(12)]
 NUM_SLOTS = 6

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvoffload.pool import HostPool
+from kvoffload.memory.pool import HostPool
 from kvoffload.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -29,7 +29,7 @@ from kvoffload.protocol import (
     decode_worker_message,
     encode,
 )
-from kvoffload.runspec import RunSpec
+from kvoffload.runtime.runspec import RunSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.cuda_host import cuda_device_count
-from kvoffload.kvcache import SharedKVCache
+from kvoffload.memory.cuda_host import cuda_device_count
+from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.protocol import (
     AttachKV,
     CpuWorkerStats,
@@ -329,7 +329,7 @@ def heartbeat_arrivals(manager, seconds: float) -> list[float]:
 CUDA_PRODUCER = textwrap.dedent(
     """
     import sys, time, torch, msgspec
-    from kvoffload.kvcache import cuda_kv_handle
+    from kvoffload.memory.kvcache import cuda_kv_handle
     torch.manual_seed(0)
     k = torch.randint(-100, 100, (16, 8, 4096), dtype=torch.int16, device="cuda")
     v = torch.randn(16, 128, 256, dtype=torch.float16, device="cuda")

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvoffload.config import Config
-from kvoffload.pool import HostPool
+from kvoffload.memory.pool import HostPool
 from kvoffload.protocol import (
     PROTOCOL_VERSION,
     Control,
@@ -32,7 +32,7 @@ from kvoffload.protocol import (
     WorkerHello,
     encode,
 )
-from kvoffload.runspec import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, RunSpec, load_runspec
+from kvoffload.runtime.runspec import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, RunSpec, load_runspec
 from tests.workers.conftest import FakeManager, write_spec
 from workers.backend import Backend, BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault

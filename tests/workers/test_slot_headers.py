@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvoffload.blockformat import deployment_fingerprint, payload_checksum
 from kvoffload.config import Config, DiskConfig, PoolConfig
-from kvoffload.kvcache import SharedKVCache
+from kvoffload.memory.blockformat import deployment_fingerprint, payload_checksum
+from kvoffload.memory.kvcache import SharedKVCache
+from kvoffload.memory.slottable import SlotTable
 from kvoffload.protocol import Job, JobKind
-from kvoffload.slottable import SlotTable
 from workers.cpu import CpuBackend
 from workers.disk.worker import DiskBackend
 from workers.faults import FaultInjector

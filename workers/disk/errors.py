@@ -1,4 +1,4 @@
-"""Exceptions raised by the disk store (``CorruptBlock`` comes from ``kvoffload.blockformat``)."""
+"""Exceptions raised by the disk store (``CorruptBlock`` comes from ``kvoffload.memory.blockformat``)."""
 
 from __future__ import annotations
 

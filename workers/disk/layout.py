@@ -18,7 +18,7 @@ from pathlib import Path
 
 import structlog
 
-from kvoffload.blockformat import FORMAT_VERSION
+from kvoffload.memory.blockformat import FORMAT_VERSION
 from workers.disk.errors import LayoutError
 from workers.disk.rawio import PAGE_SIZE, round_up
 

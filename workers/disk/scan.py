@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvoffload.blockformat import HEADER_SIZE, CorruptBlock, decode_header, payload_checksum
+from kvoffload.memory.blockformat import HEADER_SIZE, CorruptBlock, decode_header, payload_checksum
 from workers.disk.layout import SlabLayout
 from workers.disk.rawio import PAGE_SIZE, preadv_all
 

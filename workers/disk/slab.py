@@ -53,7 +53,7 @@ from typing import Any
 
 import structlog
 
-from kvoffload.blockformat import (
+from kvoffload.memory.blockformat import (
     HEADER_SIZE,
     MAX_KEY_BYTES,
     BlockHeader,

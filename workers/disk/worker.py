@@ -44,10 +44,10 @@ from collections.abc import Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 
-from kvoffload.blockformat import CorruptBlock, deployment_fingerprint
 from kvoffload.config import Config
 from kvoffload.logs import get_logger
-from kvoffload.pool import HostPool
+from kvoffload.memory.blockformat import CorruptBlock, deployment_fingerprint
+from kvoffload.memory.pool import HostPool
 from kvoffload.protocol import DiskWorkerStats, Job, JobKind, KVHandle
 from workers.backend import BackendOutcome
 from workers.disk.errors import StoreFull, TransientIOError

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvoffload.logs import configure_logging, get_logger
-from kvoffload.runspec import EXIT_REFUSED, load_runspec
+from kvoffload.runtime.runspec import EXIT_REFUSED, load_runspec
 from workers.framework import run_worker
 from workers.object.errors import ObjectStoreConfigError
 from workers.object.worker import ObjectBackend

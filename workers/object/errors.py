@@ -1,6 +1,6 @@
 """Exceptions raised by the object tier's storage engine.
 
-``KeyError`` (absent block) and ``kvoffload.blockformat.CorruptBlock`` are raised as well; callers
+``KeyError`` (absent block) and ``kvoffload.memory.blockformat.CorruptBlock`` are raised as well; callers
 treat every ``ObjectStoreError`` as a miss for the block concerned.
 """
 

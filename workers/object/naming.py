@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from kvoffload.blockformat import MAX_KEY_BYTES
+from kvoffload.memory.blockformat import MAX_KEY_BYTES
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*")
 

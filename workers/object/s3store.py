@@ -1,7 +1,7 @@
 """S3BlockStore: fixed-size KV blocks as S3 objects, moved between host-pool slots and a bucket.
 
 Object name: ``{prefix}/{fingerprint_hex}/{key_hex}``; object body: the 128-byte
-``kvoffload.blockformat`` header followed by the block. Client: obstore (measured faster than
+``kvoffload.memory.blockformat`` header followed by the block. Client: obstore (measured faster than
 tuned boto3 against SeaweedFS, see kvoffload/bench/object.py); no other module sees it.
 
 Errors: ``KeyError`` (absent), ``CorruptBlock`` (confirmed on a second read; the object is then
@@ -32,7 +32,7 @@ import structlog
 from obstore.exceptions import BaseError as ObstoreError
 from obstore.store import S3Store
 
-from kvoffload.blockformat import (
+from kvoffload.memory.blockformat import (
     HEADER_SIZE,
     BlockHeader,
     CorruptBlock,

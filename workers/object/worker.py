@@ -32,10 +32,10 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from kvoffload.blockformat import CorruptBlock, deployment_fingerprint
 from kvoffload.config import Config
 from kvoffload.logs import get_logger
-from kvoffload.pool import HostPool
+from kvoffload.memory.blockformat import CorruptBlock, deployment_fingerprint
+from kvoffload.memory.pool import HostPool
 from kvoffload.protocol import Job, JobKind, ObjectWorkerStats
 from workers.backend import BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault

@@ -39,11 +39,11 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from . import integration_logger
-from .keys import hashing_is_seed_dependent
-from .manager import KVOffloadManager
-from .spec import spec_defaults
-from .worker import KVOffloadWorker
+from kvoffload.integrations.vllm import integration_logger
+from kvoffload.integrations.vllm.keys import hashing_is_seed_dependent
+from kvoffload.integrations.vllm.manager import KVOffloadManager
+from kvoffload.integrations.vllm.spec import spec_defaults
+from kvoffload.integrations.vllm.worker import KVOffloadWorker
 
 log = integration_logger(__name__)
 

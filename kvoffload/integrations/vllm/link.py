@@ -21,9 +21,8 @@ from typing import TypeVar
 import zmq
 
 from kvoffload.client import KVOffloadClient, KVOffloadError
+from kvoffload.integrations.vllm import integration_logger
 from kvoffload.protocol import Connected, ErrorCode
-
-from . import integration_logger
 
 log = integration_logger(__name__)
 

@@ -42,12 +42,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.client import KVOffloadClient, KVOffloadError
-
-from . import integration_logger
-from .blocks import NO_SLOT, PoolBlocks
-from .keys import namespaced, offload_key_of
-from .link import ServiceDown, ServiceLink
-from .metrics import Counter, StatsAccumulator
+from kvoffload.integrations.vllm import integration_logger
+from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks
+from kvoffload.integrations.vllm.keys import namespaced, offload_key_of
+from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
+from kvoffload.integrations.vllm.metrics import Counter, StatsAccumulator
 
 log = integration_logger(__name__)
 

@@ -21,17 +21,16 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvoffload.discovery import find_endpoint
+from kvoffload.integrations.vllm import integration_logger
+from kvoffload.integrations.vllm.keys import FINGERPRINT_BYTES, KVIdentity, model_digest
+from kvoffload.integrations.vllm.layout import BlockLayout, GeometryError, check_fits
+from kvoffload.integrations.vllm.link import ServiceLink
+from kvoffload.integrations.vllm.manager import KVOffloadManager
+from kvoffload.integrations.vllm.metrics import metric_definitions
+from kvoffload.integrations.vllm.settings import ConnectorSettings
+from kvoffload.integrations.vllm.worker import KVOffloadWorker
 from kvoffload.protocol import Connected
-
-from . import integration_logger
-from .keys import FINGERPRINT_BYTES, KVIdentity, model_digest
-from .layout import BlockLayout, GeometryError, check_fits
-from .link import ServiceLink
-from .manager import KVOffloadManager
-from .metrics import metric_definitions
-from .settings import ConnectorSettings
-from .worker import KVOffloadWorker
+from kvoffload.runtime.discovery import find_endpoint
 
 log = integration_logger(__name__)
 

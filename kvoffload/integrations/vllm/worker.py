@@ -31,13 +31,12 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvoffload.pool import HostPool
+from kvoffload.integrations.vllm import integration_logger
+from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks
+from kvoffload.integrations.vllm.layout import BlockLayout, CopyRow, load_rows, store_rows
+from kvoffload.memory.pool import HostPool
+from kvoffload.memory.slotcopy import SlotCopier
 from kvoffload.protocol import FaultSpec
-from kvoffload.slotcopy import SlotCopier
-
-from . import integration_logger
-from .blocks import NO_SLOT, PoolBlocks
-from .layout import BlockLayout, CopyRow, load_rows, store_rows
 
 log = integration_logger(__name__)
 

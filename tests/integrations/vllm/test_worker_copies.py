@@ -1,0 +1,239 @@
+"""The vLLM worker side at the library level: a real shared-memory pool, vLLM's own transfer
+specs and canonical KV tensors, two tensor-parallel ranks (vLLM on CPU runs one rank here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+)
+
+from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks  # noqa: E402
+from kvoffload.integrations.vllm.layout import BlockLayout, GeometryError, load_rows, store_rows  # noqa: E402
+from kvoffload.integrations.vllm.worker import KVOffloadWorker  # noqa: E402
+from kvoffload.memory.pool import HostPool  # noqa: E402
+
+LAYERS = 2
+PAGE = 8192  # one vLLM block of one layer (K and V) on one rank
+NUM_BLOCKS = 16
+WORLD = 2
+
+
+def kv_caches(seed: int) -> CanonicalKVCaches:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [
+        CanonicalKVCacheTensor(
+            torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=gen), PAGE
+        )
+        for _ in range(LAYERS)
+    ]
+    return CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(i, PAGE) for i in range(LAYERS)]])
+
+
+def worker(caches: CanonicalKVCaches, rank: int, **kw) -> KVOffloadWorker:
+    layout = BlockLayout((PAGE,) * LAYERS, blocks_per_chunk=1, rank=rank, world_size=WORLD)
+    return KVOffloadWorker(caches, layout, **kw)
+
+
+@pytest.fixture
+def pool():
+    pool = HostPool.create(f"/kvoffload-test-{os.getpid()}-vllm", 8, WORLD * LAYERS * PAGE)
+    yield pool
+    pool.close()
+    pool.unlink()
+
+
+def blocks(
+    pool: HostPool, keys: list[bytes], slots: list[int], manager_pid: int | None = None
+) -> PoolBlocks:
+    pid = os.getpid() if manager_pid is None else manager_pid
+    return PoolBlocks("req", pool.name, pool.num_slots, pool.block_bytes, keys, slots, pid)
+
+
+def gpu(block_ids: list[int], first_index: int = 0) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(block_ids, group_sizes=[len(block_ids)], block_indices=[first_index])
+
+
+def test_two_ranks_share_one_pool_block_at_their_offsets(pool):
+    ranks = [kv_caches(seed=r) for r in range(WORLD)]
+    workers = [worker(c, r) for r, c in enumerate(ranks)]
+    keys, slots, src = [b"k1" * 8, b"k2" * 8], [5, 2], [3, 9]
+    for w in workers:
+        assert w.submit_store(1, gpu(src), blocks(pool, keys, slots))
+        assert [r.job_id for r in w.get_finished()] == [1]
+
+    for rank, caches in enumerate(ranks):
+        for slot, block in zip(slots, src, strict=True):
+            for layer in range(LAYERS):
+                start = rank * LAYERS * PAGE + layer * PAGE
+                got = torch.from_numpy(pool.slot_array(slot)[start : start + PAGE].copy()).view(
+                    torch.int8
+                )
+                assert torch.equal(got, caches.tensors[layer].tensor[block])
+
+    fresh = [kv_caches(seed=10 + r) for r in range(WORLD)]
+    loaders = [worker(c, r) for r, c in enumerate(fresh)]
+    for w in loaders:
+        assert w.submit_load(2, blocks(pool, keys, slots), gpu([0, 1]))
+        assert w.get_finished()[0].success
+        assert w.take_error_blocks() == set()
+    for rank in range(WORLD):
+        for layer in range(LAYERS):
+            want = ranks[rank].tensors[layer].tensor[src]
+            assert torch.equal(fresh[rank].tensors[layer].tensor[[0, 1]], want)
+
+
+def test_a_key_that_could_not_be_pinned_fails_only_its_blocks(pool):
+    caches = kv_caches(seed=0)
+    w = worker(caches, 0)
+    w.submit_store(1, gpu([4, 5]), blocks(pool, [b"a" * 16, b"b" * 16], [0, 1]))
+    target = kv_caches(seed=1)
+    before = target.tensors[0].tensor[7].clone()
+    loader = worker(target, 0)
+
+    loader.submit_load(2, blocks(pool, [b"a" * 16, b"b" * 16], [0, NO_SLOT]), gpu([6, 7]))
+
+    assert loader.get_finished()[0].success  # vLLM's connector cannot take a failed job
+    assert loader.take_error_blocks() == {7}
+    assert loader.take_report().failed_loads == {"req": [b"b" * 16]}
+    assert torch.equal(target.tensors[0].tensor[6], caches.tensors[0].tensor[4])
+    assert torch.equal(target.tensors[0].tensor[7], before)
+
+
+def test_copies_for_a_dead_manager_are_refused(pool):
+    """Slots reserved by a manager that died may be handed to other keys by its successor."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    w = worker(kv_caches(seed=0), 0)
+    w.submit_store(1, gpu([1]), blocks(pool, [b"k" * 16], [3]))  # maps the pool, live manager
+    w.get_finished()
+    w.take_report()
+
+    w.submit_store(2, gpu([2]), blocks(pool, [b"x" * 16], [4], manager_pid=dead.pid))
+    w.submit_load(3, blocks(pool, [b"k" * 16], [3], manager_pid=dead.pid), gpu([5]))
+
+    assert [r.success for r in w.get_finished()] == [True, True]
+    report = w.take_report()
+    assert report.failed_stores == [b"x" * 16]
+    assert report.failed_loads == {"req": [b"k" * 16]}
+    assert w.take_error_blocks() == {5}
+
+
+def test_injected_load_faults_fail_loads():
+    from kvoffload.protocol import FaultSpec
+
+    w = KVOffloadWorker(
+        kv_caches(seed=0),
+        BlockLayout((PAGE,) * LAYERS, 1, 0, 1),
+        FaultSpec(fail_fraction=1.0),
+    )
+    w.submit_load(
+        1, PoolBlocks("r", "/kvoffload-none", 1, 4096, [b"k" * 16], [0], os.getpid()), gpu([3])
+    )
+    assert w.take_error_blocks() == {3}
+
+
+def test_store_checksums_are_reported_for_whole_blocks(pool):
+    from kvoffload.memory.blockformat import payload_checksum
+
+    w = KVOffloadWorker(kv_caches(seed=0), BlockLayout((PAGE,) * LAYERS, 1, 0, 1))
+    w.submit_store(1, gpu([2]), blocks(pool, [b"k" * 16], [6]))
+    w.get_finished()
+    assert w.take_report().store_checksums == {b"k" * 16: payload_checksum(pool.slot_array(6))}
+
+
+def test_geometry_error_names_both_sizes_and_the_settings():
+    layout = BlockLayout((PAGE,) * LAYERS, blocks_per_chunk=2, rank=0, world_size=2)
+    with pytest.raises(GeometryError) as err:
+        layout.check_fits(32768)
+    text = str(err.value)
+    assert "32768" in text and str(2 * 2 * LAYERS * PAGE) in text
+    assert "pool.block_bytes" in text and "blocks_per_chunk" in text
+    layout.check_fits(2 * 2 * LAYERS * PAGE)
+
+
+def test_rows_pair_blocks_with_keys():
+    assert [(r.block_id, r.key_index, r.chunk_block) for r in store_rows(2, [7, 8, 9, 10], 2)] == [
+        (7, 0, 0),
+        (8, 0, 1),
+        (9, 1, 0),
+        (10, 1, 1),
+    ]
+    # a load that starts in the middle of its first chunk
+    assert [(r.block_id, r.key_index, r.chunk_block) for r in load_rows(2, [4, 5, 6], 3, 2)] == [
+        (4, 0, 1),
+        (5, 1, 0),
+        (6, 1, 1),
+    ]
+    with pytest.raises(ValueError):
+        store_rows(2, [1, 2, 3], 2)
+    with pytest.raises(ValueError):
+        load_rows(1, [1, 2, 3], 0, 2)
+
+
+def test_loads_are_verified_against_the_checksum_taken_at_store(pool):
+    from kvoffload.memory.blockformat import payload_checksum
+
+    w = worker(kv_caches(seed=0), 0)
+    w.submit_store(1, gpu([1, 2]), blocks(pool, [b"a" * 16, b"b" * 16], [0, 1]))
+    sums = [payload_checksum(pool.slot_array(s)) for s in (0, 1)]
+    pool.slot_array(1)[100] ^= 0xFF  # the block of "b" changes after it was written
+    spec = blocks(pool, [b"a" * 16, b"b" * 16], [0, 1])
+    spec.checksums = sums
+
+    w.submit_load(2, spec, gpu([8, 9]))
+
+    assert w.take_error_blocks() == {9}
+    assert w.take_report().failed_loads == {"req": [b"b" * 16]}
+
+
+def test_large_transfers_split_between_copy_threads_keep_every_byte_and_checksum():
+    from kvoffload.memory.blockformat import payload_checksum
+
+    page, count = 512 * 1024, 6  # 6 blocks of 1 MiB: copied and hashed on several threads
+    gen = torch.Generator().manual_seed(5)
+    tensors = [
+        CanonicalKVCacheTensor(
+            torch.randint(-128, 127, (2 * count, page), dtype=torch.int8, generator=gen), page
+        )
+        for _ in range(LAYERS)
+    ]
+    caches = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(i, page) for i in range(LAYERS)]])
+    big = HostPool.create(f"/kvoffload-test-{os.getpid()}-vllm-big", count, LAYERS * page)
+    w = KVOffloadWorker(caches, BlockLayout((page,) * LAYERS, 1, 0, 1))
+    try:
+        keys, slots = [b"%02d" % i * 8 for i in range(count)], list(range(count))
+        w.submit_store(1, gpu(list(range(count))), blocks(big, keys, slots))
+        w.get_finished()
+        sums = w.take_report().store_checksums
+        assert sums == {
+            k: payload_checksum(big.slot_array(s)) for k, s in zip(keys, slots, strict=True)
+        }
+        for slot in slots:
+            for layer, cache in enumerate(tensors):
+                got = big.slot_array(slot)[layer * page : (layer + 1) * page]
+                assert (torch.from_numpy(got.copy()).view(torch.int8) == cache.tensor[slot]).all()
+
+        big.slot_array(4)[7] ^= 0xFF  # one block changes after it was written
+        spec = blocks(big, keys, slots)
+        spec.checksums = [sums[k] for k in keys]
+        w.submit_load(2, spec, gpu(list(range(count, 2 * count))))
+        assert w.take_error_blocks() == {count + 4}
+        for i in (0, 1, 2, 3, 5):
+            for cache in tensors:
+                assert (cache.tensor[count + i] == cache.tensor[i]).all()
+    finally:
+        w.shutdown()
+        big.close()
+        big.unlink()

@@ -1,0 +1,87 @@
+import time
+
+import numpy as np
+import pytest
+
+from kvoffload.memory.blockformat import payload_checksum
+from kvoffload.memory.slotcopy import PARALLEL_MIN_BYTES, SlotCopier, _shares
+
+MIB = 1 << 20
+
+
+def blocks(count: int, size: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(count)]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize(("count", "size"), [(1, 4096), (3, 5 * MIB + 3), (17, 256 << 10)])
+def test_copy_with_checksums_copies_every_byte_and_returns_each_blocks_xxh3(threads, count, size):
+    src = blocks(count, size, seed=count)
+    dst = [np.zeros(size, np.uint8) for _ in range(count)]
+    with SlotCopier(threads) as copier:
+        sums = copier.copy_with_checksums(list(zip(dst, src, strict=True)))
+    assert sums == [payload_checksum(block) for block in src]
+    for got, want in zip(dst, src, strict=True):
+        assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize(("count", "size"), [(1, 9 * MIB + 5), (2, 3 * MIB), (9, 300_001)])
+def test_copy_moves_every_byte_also_when_blocks_are_cut_between_threads(threads, count, size):
+    src = blocks(count, size, seed=size)
+    dst = [np.zeros(size, np.uint8) for _ in range(count)]
+    with SlotCopier(threads) as copier:
+        copier.copy(list(zip(dst, src, strict=True)))
+    for got, want in zip(dst, src, strict=True):
+        assert np.array_equal(got, want)
+
+
+def test_copy_writes_through_strided_destinations_and_reshaped_sources():
+    src = blocks(1, 4 * MIB, seed=1)[0]
+    rows = np.zeros((2, 4 * MIB), np.uint8)
+    column_major = np.asfortranarray(np.zeros((2 * MIB, 2), np.uint8))
+    with SlotCopier(4) as copier:
+        copier.copy([(rows[1, :], src), (column_major, src.reshape(2 * MIB, 2))])
+    assert np.array_equal(rows[1], src) and not rows[0].any()
+    assert np.array_equal(column_major.reshape(-1), src)
+
+
+def test_checksums_match_payload_checksum():
+    bufs = blocks(6, MIB, seed=3)
+    with SlotCopier(3) as copier:
+        assert copier.checksums(bufs) == [payload_checksum(buf) for buf in bufs]
+
+
+def test_a_failing_share_raises_only_after_every_other_share_finished():
+    finished: list[int] = []
+
+    def share(items):
+        if items[0] == 0:
+            raise ValueError("the calling thread's share failed")
+        time.sleep(0.2)
+        finished.extend(items)
+        return list(items)
+
+    with SlotCopier(3) as copier:
+        with pytest.raises(ValueError, match="calling thread"):
+            copier._run([0, 1, 2], [MIB] * 3, share)
+        assert finished == [1, 2] or finished == [2, 1]
+
+
+def test_a_size_mismatch_is_a_value_error():
+    with SlotCopier(2) as copier, pytest.raises(ValueError, match="copy of 8 bytes into 9"):
+        copier.copy_with_checksums([(np.zeros(9, np.uint8), np.zeros(8, np.uint8))])
+
+
+def test_small_transfers_stay_on_the_calling_thread_and_large_ones_split_by_bytes():
+    assert _shares([PARALLEL_MIN_BYTES // 4] * 3, threads=4) == [range(3)]
+    assert _shares([MIB] * 8, threads=4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert _shares([4 * MIB, MIB, MIB, MIB, MIB], threads=2) == [range(0, 1), range(1, 5)]
+    assert _shares([MIB] * 3, threads=8) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert _shares([MIB] * 8, threads=1) == [range(8)]
+
+
+def test_a_copier_needs_at_least_the_calling_thread():
+    with pytest.raises(ValueError, match="at least 1"):
+        SlotCopier(0)

@@ -1,0 +1,94 @@
+"""The manager's Prometheus endpoint as an operator sees it: counters that survive worker
+restarts, and the shipped Grafana dashboard querying only exported metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+from kvoffload.memory.kvcache import SharedKVCache
+from tests.server.test_service import BLOCK, keys_for, store_and_wait
+from tests.service_process import free_port, sample_value, scrape_metrics
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "kvoffload.json"
+METRIC_NAME = re.compile(r"\b(?:kvoffload|process)_[a-z0-9_]+\b")
+SAMPLE_SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_count", "_sum"),
+    "gauge": ("",),
+}
+
+
+def test_worker_counters_survive_a_worker_restart(start_service):
+    port = free_port()
+    service = start_service(service_options=f"metrics_port = {port}")
+    stored = "kvoffload_worker_bytes_stored"
+    cache = SharedKVCache.create(None, 4, [BLOCK // 2, BLOCK // 2])
+    try:
+        store_across_a_worker_restart(service, port, cache)
+    finally:
+        cache.close()
+        cache.unlink()
+
+    families = scrape_metrics(port, lambda f: sample_value(f, stored, worker="cpu") == 3 * BLOCK)
+    assert sample_value(families, "kvoffload_worker_restarts") == 1
+    assert sample_value(families, "kvoffload_worker_jobs_done", worker="cpu") == 2
+    assert (
+        sample_value(families, "kvoffload_jobs", worker="cpu", kind="device_store", outcome="ok")
+        == 2
+    )
+
+
+def store_across_a_worker_restart(service, port: int, cache: SharedKVCache) -> None:
+    """Two blocks stored, the cpu worker SIGKILLed and restarted, one more block stored."""
+    stored = "kvoffload_worker_bytes_stored"
+    with service.client("engine") as c:
+        c.register_kv(cache.handle("kv"))
+        c.new_request("r")
+        assert store_and_wait(c, "r", keys_for("before", 2), [0, 1]).success
+        scrape_metrics(port, lambda f: sample_value(f, stored, worker="cpu") == 2 * BLOCK)
+
+        old_pid = service.status().workers["cpu"].pid
+        os.kill(old_pid, signal.SIGKILL)
+        service.wait_workers(["cpu"], exclude_pids=[old_pid])
+        assert store_and_wait(c, "r", keys_for("after", 1), [2]).success
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    panels = list(dashboard["panels"])
+    while panels:
+        panel = panels.pop()
+        panels.extend(panel.get("panels", []))
+        queries.extend(target["expr"] for target in panel.get("targets", []))
+    return queries
+
+
+def exported_names(families: dict) -> set[str]:
+    names = set()
+    for family in families.values():
+        names.update(family.name + suffix for suffix in SAMPLE_SUFFIXES.get(family.type, ("",)))
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+def test_grafana_dashboard_queries_only_exported_metrics(start_service):
+    port = free_port()
+    service = start_service(workers=("cpu", "disk"), service_options=f"metrics_port = {port}")
+    families = scrape_metrics(
+        port,
+        lambda f: "kvoffload_worker_used_bytes" in f and "kvoffload_worker_bytes_stored" in f,
+    )
+    queries = dashboard_queries()
+    assert len(queries) > 20
+    referenced: set[str] = set()
+    for query in queries:
+        names = set(METRIC_NAME.findall(query))
+        assert names, f"query references no kvoffload metric: {query}"
+        referenced |= names
+    assert sorted(referenced - exported_names(families)) == []
+    assert service.status().workers["disk"].alive
