@@ -5,12 +5,13 @@ the job threads, validation, fault settings and the one-result-per-job rule. Thr
 ``run_job`` runs on the framework's job threads (several at once); every other method runs on
 the worker's main thread.
 
-Resource contract (seed 002): ``run_job`` returns a ``BackendOutcome`` whose ``release`` drops
-everything that could still touch the pool (or the engine's KV cache) for that job. The
-framework calls ``release`` on the main thread and publishes the job's ``JobDone`` only after it
-returned; if it raises, the job stays tracked and ``release`` is called again later, so it must
-be safe to call again after a failure. ``cleanup`` is secondary best-effort work run once after
-a successful release; its failures are only logged and never hold back the result.
+Resource contract (a result is never early, docs/design/tiering.md): ``run_job`` returns a
+``BackendOutcome`` whose ``release`` drops everything that could still touch the pool (or the
+engine's KV cache) for that job. The framework calls ``release`` on the main thread and publishes
+the job's ``JobDone`` only after it returned; if it raises, the job stays tracked and ``release`` is
+called again later, so it must be safe to call again after a failure. ``cleanup`` is secondary
+best-effort work run once after a successful release; its failures are only logged and never hold
+back the result.
 
 Per-worker settings (job threads, CPU affinity) come from the backend, which reads its own
 config section; so does the use of slot headers (``use_slot_headers``).

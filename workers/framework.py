@@ -13,11 +13,12 @@ Every worker ``main`` calls ``worker_main`` (or ``run_worker``) with its ``Backe
    ``shutdown`` (drain, then exit; also SIGTERM/SIGINT), ``faults`` (replace the fault spec),
    ``hello`` (a restarted manager asks again: hello, and re-announce the index once acked).
 
-Results (seed 002): a finished job's ``BackendOutcome.release`` is called on the main thread; only
-after it returned is the one ``JobDone`` of that job sent. A release that raises keeps the job
-tracked (logged as ``job_release_failed``) and is retried every ``RELEASE_RETRY_S``. Secondary
-``cleanup`` then runs best effort. Job threads never touch the socket: they push their result
-on a deque and wake the main loop through an eventfd polled next to the DEALER.
+Results (a result is never early, docs/design/tiering.md): a finished job's
+``BackendOutcome.release`` is called on the main thread; only after it returned is the one
+``JobDone`` of that job sent. A release that raises keeps the job tracked (logged as
+``job_release_failed``) and is retried every ``RELEASE_RETRY_S``. Secondary ``cleanup`` then runs
+best effort. Job threads never touch the socket: they push their result on a deque and wake the main
+loop through an eventfd polled next to the DEALER.
 
 Exit codes: 0 after shutdown (control, SIGTERM or SIGINT), 1 on start-up failure or hello
 timeout, 2 when the manager refuses the hello or the run spec is invalid.
@@ -567,7 +568,7 @@ class _Worker:
             self._releasing[item.job.job_id] = item
 
     def _release_finished(self) -> None:
-        """Release every finished job; publish those whose release succeeded (seed 002)."""
+        """Release every finished job; publish those whose release succeeded."""
         for job_id, item in list(self._releasing.items()):
             if not self._release(item):
                 continue

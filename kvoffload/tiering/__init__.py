@@ -1,4 +1,7 @@
-"""Tiering semantics as a pure library: no sockets, threads or processes (see TIERING contract)."""
+"""Tiering semantics as a pure library, with no sockets, threads or processes.
+
+The contract it implements is docs/design/tiering.md.
+"""
 
 from kvoffload.tiering.manager import RequestState, TieringManager
 from kvoffload.tiering.primary import PrimaryIndex

@@ -1,4 +1,4 @@
-"""The tiering manager: the contract of TIERING.md as pure bookkeeping.
+"""The tiering manager: the contract of docs/design/tiering.md as pure bookkeeping.
 
 It owns the primary index, the secondary-tier proxies, the request states and the job table.
 It does no I/O: jobs it creates are queued in an outbox (``take_submissions``) and their outcomes

@@ -1,4 +1,4 @@
-"""One targeted test per production fault, each against a real service (DESIGN.md §6)."""
+"""One targeted test per production fault, each against a real service (docs/operations.md)."""
 
 from __future__ import annotations
 

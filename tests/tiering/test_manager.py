@@ -1,4 +1,4 @@
-"""Semantics of the tiering manager (TIERING.md), restated from vLLM's tiering tests and beyond."""
+"""Semantics of the tiering manager (docs/design/tiering.md): vLLM's tiering tests and more."""
 
 import pytest
 

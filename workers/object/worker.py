@@ -13,11 +13,11 @@ Jobs:
   checksum the store just verified. A PUT stores the checksum of the slot's header when it
   names the key (end to end, and the slot is not hashed again), else one taken of the slot.
 
-Slot release (seed 002): a PUT/GET whose slot views could not be released raises
-``ReleaseFailed``; its data outcome still counts, and its transfer joins the job's pending list.
-The outcome's ``release`` retries every pending transfer and raises while one still fails, so
-the framework publishes the job's result only once nothing touches the pool any more.
-``FaultInjector.take_release_failure`` is the store's release hook: the first N slot releases
+Slot release (a result is never early, docs/design/tiering.md): a PUT/GET whose slot views could not
+be released raises ``ReleaseFailed``; its data outcome still counts, and its transfer joins the
+job's pending list. The outcome's ``release`` retries every pending transfer and raises while one
+still fails, so the framework publishes the job's result only once nothing touches the pool any
+more. ``FaultInjector.take_release_failure`` is the store's release hook: the first N slot releases
 after a ``release_failures`` fault spec fail.
 
 Fault fail/delay fractions apply once per store operation (per key for GET/PUT, per job for a

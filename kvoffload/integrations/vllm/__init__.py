@@ -1,7 +1,7 @@
 """kvoffload as vLLM's KV offload store, loaded out of tree: ``KVOffloadConnector``
 (``kvoffload.integrations.vllm.connector``) selects ``KVOffloadSpec`` (``.spec``), whose
 scheduler side is ``KVOffloadManager`` (``.manager``) and whose model-worker side is
-``KVOffloadWorker`` (``.worker``). See the README's "Use with vLLM".
+``KVOffloadWorker`` (``.worker``). See docs/vllm.md.
 
 This package itself imports nothing of vLLM, so its pure parts (keys, layout, link, settings)
 are usable and testable without it."""

@@ -509,7 +509,7 @@ def test_second_node_hits_blocks_the_first_node_stored(
 def test_blocks_come_back_from_s3_after_reset(
     start_service, s3_server: S3Server, bucket: str, kv, release_failures: int
 ) -> None:
-    """With ``release_failures`` the object worker's first slot release fails (seed 002): the
+    """With ``release_failures`` the object worker's first slot release fails: the
     cascade's result still arrives once, after the retried release, and nothing is lost."""
     prefix = f"e2e/{uuid.uuid4().hex[:8]}"
     service = start_service(
