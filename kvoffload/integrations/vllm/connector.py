@@ -9,11 +9,14 @@ Use it with::
         "kv_load_failure_policy": "recompute",
     }
 
-It selects ``KVOffloadSpec`` by itself and adds what vLLM's own connector lacks: failed loads.
-A worker whose load fails reports the job done to vLLM, hands the destination blocks to
-``get_block_ids_with_load_errors`` (vLLM recomputes them under the ``recompute`` policy) and
-the failed keys, through the worker metadata, to the scheduler side, whose manager then answers
-MISS for them to that request: one recompute, never a load -> fail -> load loop.
+It selects ``KVOffloadSpec`` by itself, refuses at start a model with a KV cache group kvoffload
+cannot serve (``groups``), and adds what vLLM's own connector lacks: failed loads. A worker
+whose load fails reports the job done to vLLM and hands the failure to vLLM in the form it takes
+for the model: the destination blocks through ``get_block_ids_with_load_errors`` for a model
+with one KV cache group, the request through ``get_transfer_results``' ``failed_recving`` for a
+model with several (recomputed under the ``recompute`` policy). The failed keys go, through the
+worker metadata, to the scheduler side, whose manager then answers MISS for them to that
+request: one recompute, never a load -> fail -> load loop.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from dataclasses import dataclass, field
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     PromMetric,
@@ -40,6 +46,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvoffload.integrations.vllm import integration_logger
+from kvoffload.integrations.vllm.groups import check_supported_layout, sliding_windows
 from kvoffload.integrations.vllm.keys import hashing_is_seed_dependent
 from kvoffload.integrations.vllm.manager import KVOffloadManager
 from kvoffload.integrations.vllm.spec import spec_defaults
@@ -107,7 +114,12 @@ class KVOffloadConnector(OffloadingConnector):
                 "will ever hit these blocks; use sha256 or set PYTHONHASHSEED to one shared value",
                 algo,
             )
+        check_supported_layout(kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            manager = self.scheduler.manager
+            if isinstance(manager, KVOffloadManager):
+                manager.set_sliding_windows(sliding_windows(self.scheduler.config.kv_group_configs))
 
     @classmethod
     def build_prom_metrics(
@@ -131,6 +143,16 @@ class KVOffloadConnector(OffloadingConnector):
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self._offload_worker()
         return worker.take_error_blocks() if worker is not None else set()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM's results, plus the requests of a model with several KV cache groups that had
+        a load fail: vLLM recomputes each of them from its first token (its scheduler takes
+        failures of such models only per request)."""
+        results = super().get_transfer_results(finished_req_ids)
+        worker = self._offload_worker()
+        if worker is not None:
+            results.failed_recving |= worker.take_failed_requests(results.finished_recving)
+        return results
 
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
         meta = super().build_connector_worker_meta()
@@ -165,17 +187,22 @@ class KVOffloadConnector(OffloadingConnector):
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def _keys_from(self, request: Request, num_computed_tokens: int) -> list[OffloadKey]:
-        """The request's offload keys from ``num_computed_tokens`` on, read from vLLM's
-        per-request state (the keys vLLM is about to look up); empty when vLLM will not look
-        up this step or its state is not shaped as in the vLLM versions this was built for."""
+        """The request's offload keys of every KV cache group from ``num_computed_tokens`` on,
+        read from vLLM's per-request state (the keys vLLM is about to look up); empty when vLLM
+        will not look up this step or its state is not shaped as in the vLLM versions this was
+        built for."""
         try:
             status = self.scheduler._req_status[request.request_id]
             if status.transfer_jobs or request.skip_reading_prefix_cache:
                 return []
             status.update_offload_keys()
-            (group,) = status.group_states
-            (group_config,) = self.scheduler.config.kv_group_configs
-            return group.offload_keys[num_computed_tokens // group_config.tokens_per_chunk :]
+            return [
+                key
+                for config, group in zip(
+                    self.scheduler.config.kv_group_configs, status.group_states, strict=True
+                )
+                for key in group.offload_keys[num_computed_tokens // config.tokens_per_chunk :]
+            ]
         except (AttributeError, KeyError, ValueError):
             return []
 

@@ -25,7 +25,9 @@ _WEIGHT_SAMPLE_BYTES = 1 << 20
 class KVIdentity:
     """What a block's KV bytes depend on. ``model_digest`` names the model's config and
     weights (see ``model_digest``); ``layout`` is kvoffload's block layout version plus vLLM's
-    KV cache layout name."""
+    KV cache layout name; ``groups`` is vLLM's KV cache groups (group id, tokens per block,
+    layer names), so a key's group index means the same layers in every engine that shares
+    it."""
 
     model: str
     model_digest: str
@@ -39,10 +41,16 @@ class KVIdentity:
     pcp_size: int
     dcp_size: int
     per_rank_bytes: int
+    groups: tuple[tuple[int, int, tuple[str, ...]], ...] = ()
     namespace: str = ""
 
     def fingerprint(self) -> bytes:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        """16 bytes; a model with one KV cache group is named without its group, so its
+        fingerprint is the one it had before groups were part of the identity."""
+        fields = asdict(self)
+        if len(self.groups) <= 1:
+            del fields["groups"]
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.blake2b(blob, digest_size=FINGERPRINT_BYTES).digest()
 
 
@@ -76,6 +84,11 @@ def namespaced(fingerprint: bytes, offload_key: bytes) -> bytes:
 
 def offload_key_of(namespaced_key: bytes) -> bytes:
     return namespaced_key[FINGERPRINT_BYTES:]
+
+
+def group_of(namespaced_key: bytes) -> int:
+    """vLLM's KV cache group index, the last 4 bytes (big-endian) of its offload key."""
+    return int.from_bytes(namespaced_key[-4:], "big")
 
 
 def hashing_is_seed_dependent(hash_algo: str) -> bool:

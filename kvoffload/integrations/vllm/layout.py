@@ -1,15 +1,18 @@
 """Where a vLLM worker's KV bytes live inside one pool block (pure arithmetic, no vLLM, no I/O).
 
-One pool block holds one offload key: ``blocks_per_chunk`` consecutive vLLM blocks of every
-offloaded layer, for every tensor-parallel rank. Rank ``r`` owns the bytes
-``[r * per_rank_bytes, (r + 1) * per_rank_bytes)``; inside them, block ``j`` of the chunk
-(0-based) starts at ``j * rank_block_bytes`` and holds each KV tensor's page in tensor order:
+One pool block holds one offload key. A key names ``blocks_per_chunk`` consecutive vLLM blocks
+of one KV cache group (vLLM's key carries the group index), for every tensor-parallel rank.
+Rank ``r`` owns the bytes ``[r * per_rank_bytes, (r + 1) * per_rank_bytes)``; inside them,
+block ``j`` of the chunk (0-based) starts at ``j * block_stride`` and holds the pages of the
+key's group, in that group's tensor order:
 
     pool block = rank 0 [chunk block 0: t0 page | t1 page | ...][chunk block 1: ...] ...
                  rank 1 [...]
 
-``per_rank_bytes = blocks_per_chunk * sum(page bytes)``. The pool's ``block_bytes`` must be at
-least ``world_size * per_rank_bytes``; the rest of the block is left unused.
+``block_stride`` is the largest group's bytes per block (the sum of its pages), so every group
+fits; a smaller group leaves the rest of each stride unused. ``per_rank_bytes =
+blocks_per_chunk * block_stride``. The pool's ``block_bytes`` must be at least ``world_size *
+per_rank_bytes``; the rest of the block is left unused.
 """
 
 from __future__ import annotations
@@ -24,38 +27,48 @@ class GeometryError(ValueError):
 
 @dataclass(frozen=True)
 class BlockLayout:
-    page_bytes: tuple[int, ...]
+    """``group_pages[g]``: the page bytes of each KV tensor of the ``g``-th offloaded group, in
+    the order of vLLM's offloading config (the order of a transfer's ``group_sizes``)."""
+
+    group_pages: tuple[tuple[int, ...], ...]
     blocks_per_chunk: int
     rank: int
     world_size: int
 
+    def __post_init__(self) -> None:
+        if not self.group_pages or not all(self.group_pages):
+            raise ValueError(f"every KV cache group needs at least one page: {self.group_pages}")
+
     @property
-    def rank_block_bytes(self) -> int:
-        """Bytes of one vLLM block of this rank (all its tensors' pages)."""
-        return sum(self.page_bytes)
+    def block_stride(self) -> int:
+        """Bytes of one vLLM block of this rank in a slot: the largest group's pages."""
+        return max(sum(pages) for pages in self.group_pages)
 
     @property
     def per_rank_bytes(self) -> int:
-        return self.blocks_per_chunk * self.rank_block_bytes
+        return self.blocks_per_chunk * self.block_stride
 
     @property
     def needed_block_bytes(self) -> int:
         return self.world_size * self.per_rank_bytes
 
-    @property
-    def tensor_offsets(self) -> tuple[int, ...]:
+    def unused_fraction(self) -> float:
+        """The share of a slot's per-rank bytes the smallest group leaves unused."""
+        return 1 - min(sum(pages) for pages in self.group_pages) / self.block_stride
+
+    def tensor_offsets(self, group: int) -> tuple[int, ...]:
         offsets, at = [], 0
-        for size in self.page_bytes:
+        for size in self.group_pages[group]:
             offsets.append(at)
             at += size
         return tuple(offsets)
 
     def offset(self, chunk_block: int) -> int:
         """Byte offset, inside a pool block, of this rank's block ``chunk_block`` of the chunk."""
-        return self.rank * self.per_rank_bytes + chunk_block * self.rank_block_bytes
+        return self.rank * self.per_rank_bytes + chunk_block * self.block_stride
 
     def check_fits(self, pool_block_bytes: int) -> None:
-        check_fits(pool_block_bytes, self.world_size, self.blocks_per_chunk, self.rank_block_bytes)
+        check_fits(pool_block_bytes, self.world_size, self.blocks_per_chunk, self.block_stride)
 
 
 def check_fits(
@@ -75,51 +88,64 @@ def check_fits(
 
 @dataclass(frozen=True)
 class CopyRow:
-    """One vLLM block <-> one place in a pool slot."""
+    """One vLLM block <-> one place in a pool slot: ``key_index`` indexes the transfer's keys,
+    ``group`` the offloaded group whose tensors the block belongs to."""
 
     block_id: int
     key_index: int
     chunk_block: int
+    group: int = 0
 
 
-def store_rows(num_keys: int, block_ids: Sequence[int], blocks_per_chunk: int) -> list[CopyRow]:
-    """Pair the vLLM blocks of a store with its keys: each key is ``blocks_per_chunk`` whole
-    blocks, in key order (a store only ever writes whole chunks). ValueError otherwise."""
-    if len(block_ids) != num_keys * blocks_per_chunk:
-        raise ValueError(
-            f"a store of {num_keys} keys needs {num_keys * blocks_per_chunk} blocks, "
-            f"got {len(block_ids)}"
-        )
-    return [
-        CopyRow(block_id, i // blocks_per_chunk, i % blocks_per_chunk)
-        for i, block_id in enumerate(block_ids)
-    ]
-
-
-def load_rows(
+def transfer_rows(
     num_keys: int,
     block_ids: Sequence[int],
-    first_block_index: int,
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
     blocks_per_chunk: int,
 ) -> list[CopyRow]:
-    """Pair the vLLM blocks of a load with the keys they belong to.
+    """Pair the vLLM blocks of one transfer with its keys, group by group.
 
-    ``block_ids`` are consecutive blocks of one request starting at request block index
-    ``first_block_index``; ``num_keys`` keys cover the chunks from the one holding that block
-    on. A load may start in the middle of a chunk (the blocks before it are already computed);
-    the rows say which chunk block each vLLM block is. ValueError if the blocks run past the
-    keys."""
-    first_chunk = first_block_index // blocks_per_chunk
-    rows = []
-    for i, block_id in enumerate(block_ids):
-        index = first_block_index + i
-        key_index = index // blocks_per_chunk - first_chunk
-        if key_index >= num_keys:
+    ``block_ids`` holds the blocks of every group, concatenated in group order, ``group_sizes[g]``
+    of them for group ``g``; the transfer's keys are in the same group order. A group's blocks are
+    consecutive blocks of one request starting at request block index ``block_indices[g]``, so
+    they cover the chunks from the one holding that block on: a transfer may start in the middle
+    of a chunk (the blocks before it are already computed, or outside a sliding window), and ends
+    at the end of one. ValueError when the blocks and the keys do not pair up exactly."""
+    if len(group_sizes) != len(block_indices) or sum(group_sizes) != len(block_ids):
+        raise ValueError(
+            f"{len(block_ids)} blocks do not match group sizes {list(group_sizes)} "
+            f"and first block indexes {list(block_indices)}"
+        )
+    rows: list[CopyRow] = []
+    first_key = first_block = 0
+    for group, (size, start) in enumerate(zip(group_sizes, block_indices, strict=True)):
+        if size == 0:
+            continue
+        if (start + size) % blocks_per_chunk:
             raise ValueError(
-                f"{len(block_ids)} blocks from index {first_block_index} need more than "
-                f"{num_keys} keys of {blocks_per_chunk} blocks"
+                f"group {group}: {size} blocks from index {start} end inside a chunk of "
+                f"{blocks_per_chunk} blocks (a key names whole chunks)"
             )
-        rows.append(CopyRow(block_id, key_index, index % blocks_per_chunk))
+        first_chunk = start // blocks_per_chunk
+        for i in range(size):
+            index = start + i
+            rows.append(
+                CopyRow(
+                    block_ids[first_block + i],
+                    first_key + index // blocks_per_chunk - first_chunk,
+                    index % blocks_per_chunk,
+                    group,
+                )
+            )
+        first_block += size
+        first_key = rows[-1].key_index + 1
+    if first_key != num_keys:
+        raise ValueError(
+            f"{len(block_ids)} blocks in groups {list(group_sizes)} from indexes "
+            f"{list(block_indices)} cover {first_key} keys of {blocks_per_chunk} blocks, "
+            f"the transfer has {num_keys}"
+        )
     return rows
 
 

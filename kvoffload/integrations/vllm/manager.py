@@ -21,6 +21,7 @@ raises into vLLM's scheduler loop; requests are registered again with a restarte
 
 from __future__ import annotations
 
+import math
 from collections import Counter as Multiset
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -41,11 +42,12 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvoffload.client import KVOffloadClient, KVOffloadError
+from kvoffload.client import KVOffloadClient, KVOffloadError, LookupOutcome
 from kvoffload.integrations.vllm import integration_logger
 from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks
-from kvoffload.integrations.vllm.keys import namespaced, offload_key_of
+from kvoffload.integrations.vllm.keys import group_of, namespaced, offload_key_of
 from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
+from kvoffload.integrations.vllm.lookups import ask_by_group
 from kvoffload.integrations.vllm.metrics import Counter, StatsAccumulator
 
 log = integration_logger(__name__)
@@ -92,6 +94,12 @@ class KVOffloadManager(OffloadingManager):
         self.stats = StatsAccumulator()
         self._outages_seen = 0
         self._generation_seen = link.generation
+        self._windows: dict[int, int | None] = {}
+
+    def set_sliding_windows(self, windows: dict[int, int | None]) -> None:
+        """vLLM's KV cache group index -> the chunks of it a resumed request reads (None: full
+        attention). Lookups of a group absent here are those of full attention."""
+        self._windows = dict(windows)
 
     def set_secondary_source(self, source: CacheHitSource) -> None:
         self._secondary_source = source
@@ -232,31 +240,59 @@ class KVOffloadManager(OffloadingManager):
         self._count_outage()
 
     def _lookup_batch(self, state: _Request) -> None:
+        """Ask the service for the request's queued keys, group by group (``lookups``)."""
         keys = list(state.queued)
         state.queued.clear()
         req_id = state.ctx.req_id
+        unanswered = dict.fromkeys(keys)
 
-        def call(client: KVOffloadClient):
-            self._ensure_registered(client, state)
-            return client.lookup(req_id, keys, pin=True)
+        def ask(batch: list[bytes]) -> list[LookupResult]:
+            def call(client: KVOffloadClient):
+                self._ensure_registered(client, state)
+                return client.lookup(req_id, batch, pin=True)
+
+            outcome = self._link.call(call)
+            self._sync_generation()
+            results = self._apply_lookup(state, batch, outcome)
+            for key in batch[: len(results)]:
+                unanswered.pop(key, None)
+            return results
 
         try:
-            outcome = self._link.call(call)
+            not_asked = ask_by_group(
+                keys,
+                group_of,
+                lambda key: self._position(state, key),
+                self._windows,
+                ask,
+                self._full_miss_position(state),
+            )
         except (ServiceDown, KVOffloadError) as exc:
             log.debug("kvoffload_lookup_failed req_id=%s error=%s", req_id, exc)
-            state.missed.update(keys)
+            state.missed.update(unanswered)
             state.uncertain.clear()
-            self.stats.add(Counter.MISS_BLOCKS, len(keys))
+            self.stats.add(Counter.MISS_BLOCKS, len(unanswered))
             return
-        self._sync_generation()
-        results = outcome.results
-        answered = len(results)
-        if len(outcome.slots) != answered:
-            log.error("kvoffload_lookup_without_pins req_id=%s: the service ignored pin", req_id)
+        for key in not_asked:
+            if key in unanswered:
+                state.missed.add(key)
+                state.uncertain.pop(key, None)
+        self.stats.add(Counter.MISS_BLOCKS, len(not_asked.intersection(unanswered)))
+
+    def _apply_lookup(
+        self, state: _Request, keys: list[bytes], outcome: LookupOutcome
+    ) -> list[LookupResult]:
+        """Record the service's answers for ``keys`` (a prefix of them: up to the first MISS);
+        every HIT is pinned for this engine. Returns the answers."""
+        if len(outcome.slots) != len(outcome.results):
+            log.error(
+                "kvoffload_lookup_without_pins req_id=%s: the service ignored pin",
+                state.ctx.req_id,
+            )
             state.missed.update(keys)
-            return
-        for i, (key, code) in enumerate(zip(keys, results, strict=False)):
-            result = LookupResult[code.name]
+            return [LookupResult.MISS] * len(keys)
+        results = [LookupResult[code.name] for code in outcome.results]
+        for i, (key, result) in enumerate(zip(keys, results, strict=False)):
             if result is LookupResult.HIT:
                 checksum = outcome.checksums[i] if i < len(outcome.checksums) else 0
                 state.pinned[key] = (outcome.slots[i], checksum)
@@ -271,10 +307,20 @@ class KVOffloadManager(OffloadingManager):
                 self.stats.add(Counter.MISS_BLOCKS)
             else:
                 state.uncertain[key] = result
-        for key in keys[answered:]:
-            state.missed.add(key)
-            state.uncertain.pop(key, None)
-        self.stats.add(Counter.MISS_BLOCKS, len(keys) - answered)
+        return results
+
+    def _position(self, state: _Request, key: bytes) -> int | None:
+        """The key's end token in its request, as vLLM's scheduler recorded it."""
+        return state.ctx.get_offload_key_position(OffloadKey(offload_key_of(key)))
+
+    def _full_miss_position(self, state: _Request) -> float:
+        """The lowest end token at which a full-attention group of the request is MISS."""
+        positions = [
+            self._position(state, key)
+            for key in (*state.missed, *state.failed)
+            if self._windows.get(group_of(key)) is None
+        ]
+        return min((p for p in positions if p is not None), default=math.inf)
 
     # ---- loads ----------------------------------------------------------------------------
 
@@ -287,6 +333,7 @@ class KVOffloadManager(OffloadingManager):
         slots = [slot for slot, _ in pinned]
         state.loading.update(k for k, s in zip(nkeys, slots, strict=True) if s != NO_SLOT)
         state.load_generation = self._link.generation
+        self._release_unloaded_pins(state)
         info = self._link.info
         return PoolBlocks(
             req_id=req_context.req_id,
@@ -298,6 +345,19 @@ class KVOffloadManager(OffloadingManager):
             manager_pid=info.manager_pid if info is not None else 0,
             checksums=[checksum for _, checksum in pinned],
         )
+
+    def _release_unloaded_pins(self, state: _Request) -> None:
+        """Once vLLM has chosen what a request loads, the request's other hits will not be
+        read (a sliding-window group's lookups pin every hit they scan, and only the window is
+        loaded): release their pins now instead of when the request finishes. Should vLLM
+        look them up again (a preempted request), they are asked again."""
+        unused = list(state.pinned)
+        state.pinned.clear()
+        if unused and state.generation == self._link.generation and self._link.up:
+            try:
+                self._link.call(lambda c: c.complete_load(state.ctx.req_id, unused, wait=False))
+            except (ServiceDown, KVOffloadError) as exc:
+                log.debug("kvoffload_unpin_failed req_id=%s error=%s", state.ctx.req_id, exc)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         state = self._requests.get(req_context.req_id)

@@ -63,6 +63,7 @@ class KVOffloadSpec(OffloadingSpec):
             pcp_size=parallel.pcp_size,
             dcp_size=parallel.dcp_size,
             per_rank_bytes=self.blocks_per_chunk * self.rank_block_bytes,
+            groups=tuple((g.group_id, g.tokens_per_block, g.layer_names) for g in config.groups),
             namespace=self.settings.namespace,
         )
         self.fingerprint = self.identity.fingerprint()
@@ -114,17 +115,25 @@ class KVOffloadSpec(OffloadingSpec):
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> KVOffloadWorker:
-        refs = kv_caches.group_data_refs[0] if kv_caches.group_data_refs else []
         layout = BlockLayout(
-            page_bytes=tuple(r.page_size_bytes for r in refs),
+            group_pages=tuple(
+                tuple(r.page_size_bytes for r in refs) for refs in kv_caches.group_data_refs
+            ),
             blocks_per_chunk=self.blocks_per_chunk,
             rank=self.config.parallel.rank,
             world_size=self.config.parallel.world_size,
         )
-        if layout.rank_block_bytes != self.rank_block_bytes:
+        if layout.block_stride > self.rank_block_bytes:
             raise ValueError(
-                f"KV pages of this worker sum to {layout.rank_block_bytes} bytes per block, "
-                f"vLLM reports {self.rank_block_bytes}"
+                f"the KV pages of this worker's largest group sum to {layout.block_stride} "
+                f"bytes per block, more than the {self.rank_block_bytes} vLLM reports"
+            )
+        if len(layout.group_pages) > 1:
+            log.info(
+                "kvoffload_kv_groups groups=%d bytes_per_block=%s unused_in_smallest=%.1f%%",
+                len(layout.group_pages),
+                [sum(pages) for pages in layout.group_pages],
+                100 * layout.unused_fraction(),
             )
         return KVOffloadWorker(kv_caches, layout, self.settings.faults, self.settings.verify_loads)
 

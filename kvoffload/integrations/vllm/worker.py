@@ -7,10 +7,16 @@ GPU tensors. The checksums of stored slots and the checks of loaded ones run on 
 threads. It never talks to the manager: slot numbers arrive in the ``PoolBlocks`` the scheduler
 side built, and completions leave through ``get_finished``.
 
+Every KV cache group of the model is served: a key's slot holds that group's blocks (see
+``layout``), and a transfer's blocks are paired with its keys group by group.
+
 A transfer that cannot be done in full never fails the job as seen by vLLM (whose offloading
 connector does not support failed jobs). Instead:
-- a failed load's destination blocks are kept for ``get_block_ids_with_load_errors`` (vLLM then
-  recomputes them) and its keys for the scheduler side, which answers MISS for them;
+- a failed load's keys are kept for the scheduler side, which answers MISS for them to that
+  request; vLLM recomputes what they held. With one KV cache group the destination blocks go
+  to ``get_block_ids_with_load_errors`` (vLLM recomputes from the first bad block); with
+  several, vLLM takes failures only per request, so the request goes to
+  ``take_failed_requests`` and is recomputed from its first token;
 - a failed store's keys are kept for the scheduler side, which completes the store as failed.
 """
 
@@ -33,7 +39,7 @@ from vllm.v1.kv_offload.base import (
 
 from kvoffload.integrations.vllm import integration_logger
 from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks
-from kvoffload.integrations.vllm.layout import BlockLayout, CopyRow, load_rows, store_rows
+from kvoffload.integrations.vllm.layout import BlockLayout, CopyRow, transfer_rows
 from kvoffload.memory.pool import HostPool
 from kvoffload.memory.slotcopy import SlotCopier
 from kvoffload.protocol import FaultSpec
@@ -75,18 +81,19 @@ class KVOffloadWorker(OffloadingWorker):
         """``faults.fail_fraction``: fraction of loaded keys to fail on purpose (tests and
         soaks of the recompute path). ``verify_loads``: check each loaded slot against the
         checksum recorded when it was written; a mismatch fails that key's load."""
-        if len(kv_caches.group_data_refs) != 1:
-            raise ValueError(
-                "kvoffload supports models with one KV cache group; this model has "
-                f"{len(kv_caches.group_data_refs)}"
-            )
-        refs = kv_caches.group_data_refs[0]
-        self._tensors = [kv_caches.tensors[r.tensor_idx].tensor for r in refs]
-        self._pages = [r.page_size_bytes for r in refs]
-        if tuple(self._pages) != layout.page_bytes:
-            raise ValueError(f"KV pages {self._pages} differ from the layout {layout.page_bytes}")
+        groups = kv_caches.group_data_refs
+        pages = tuple(tuple(r.page_size_bytes for r in refs) for refs in groups)
+        if pages != layout.group_pages:
+            raise ValueError(f"KV pages {pages} differ from the layout {layout.group_pages}")
+        self._tensors = [t.tensor for t in kv_caches.tensors]
+        self._group_refs = [
+            [
+                (r.tensor_idx, r.page_size_bytes, offset)
+                for r, offset in zip(refs, layout.tensor_offsets(g), strict=True)
+            ]
+            for g, refs in enumerate(groups)
+        ]
         self._layout = layout
-        self._offsets = layout.tensor_offsets
         self._device = self._tensors[0].device
         self._arrays = [t.numpy() for t in self._tensors] if self._device.type == "cpu" else []
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
@@ -95,6 +102,8 @@ class KVOffloadWorker(OffloadingWorker):
         self._pool_views: dict[str, torch.Tensor] = {}
         self._pending: list[_Pending] = []
         self._error_blocks: set[int] = set()
+        self._failed_requests: set[str] = set()
+        self._request_level_failures = len(groups) > 1
         self._report = TransferReport()
         faults = faults or FaultSpec()
         self._fail_fraction = faults.fail_fraction
@@ -142,9 +151,7 @@ class KVOffloadWorker(OffloadingWorker):
         start = time.perf_counter()
         moved = 0
         try:
-            rows = store_rows(
-                len(dst_spec.keys), src_spec.block_ids.tolist(), self._layout.blocks_per_chunk
-            )
+            rows = self._rows(len(dst_spec.keys), src_spec)
             pool = self._pool_view(dst_spec)
             if not self._manager_alive(dst_spec.manager_pid):
                 raise ProcessLookupError(
@@ -171,12 +178,7 @@ class KVOffloadWorker(OffloadingWorker):
         moved = 0
         keys = src_spec.keys
         try:
-            rows = load_rows(
-                len(keys),
-                dst_spec.block_ids.tolist(),
-                int(dst_spec.block_indices[0]) if len(dst_spec.block_indices) else 0,
-                self._layout.blocks_per_chunk,
-            )
+            rows = self._rows(len(keys), dst_spec)
         except ValueError as exc:
             log.error("kvoffload_load_spec_invalid req_id=%s error=%s", src_spec.req_id, exc)
             self._fail_load(src_spec.req_id, keys, dst_spec.block_ids.tolist())
@@ -207,6 +209,15 @@ class KVOffloadWorker(OffloadingWorker):
         self._finish(job_id, moved, start)
         return True
 
+    def _rows(self, num_keys: int, spec: GPULoadStoreSpec) -> list[CopyRow]:
+        return transfer_rows(
+            num_keys,
+            spec.block_ids.tolist(),
+            [int(n) for n in spec.group_sizes],
+            [int(i) for i in spec.block_indices],
+            self._layout.blocks_per_chunk,
+        )
+
     def get_finished(self) -> list[TransferResult]:
         done: list[_Pending] = []
         waiting: list[_Pending] = []
@@ -235,12 +246,26 @@ class KVOffloadWorker(OffloadingWorker):
     # ---- failures -------------------------------------------------------------------------
 
     def _fail_load(self, req_id: str, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        self._error_blocks.update(block_ids)
+        if self._request_level_failures:
+            self._failed_requests.add(req_id)
+        else:
+            self._error_blocks.update(block_ids)
         self._report.failed_loads.setdefault(req_id, []).extend(keys)
 
     def take_error_blocks(self) -> set[int]:
-        """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
+        """vLLM blocks whose load failed since the last call (vLLM recomputes them). Always
+        empty for a model with several KV cache groups: vLLM's block ids are unique only within
+        a group, so its scheduler takes failures of such models per request
+        (``take_failed_requests``)."""
         out, self._error_blocks = self._error_blocks, set()
+        return out
+
+    def take_failed_requests(self, finished: set[str]) -> set[str]:
+        """The vLLM requests among ``finished`` (requests whose loads just finished) that had a
+        load fail, for a model with several KV cache groups: vLLM recomputes each of them from
+        its first token. Failed requests not yet finished are kept for a later call."""
+        out = self._failed_requests & finished
+        self._failed_requests -= out
         return out
 
     def take_report(self) -> TransferReport:
@@ -296,13 +321,14 @@ class KVOffloadWorker(OffloadingWorker):
         # One memcpy per (block, tensor) through numpy views: torch's advanced indexing of
         # int8 rows measured 0.36 GB/s here, row slices 4.5 GB/s.
         host = pool.numpy()
+        arrays = self._arrays
         pairs = []
         for row in rows:
             base = self._layout.offset(row.chunk_block)
             slot = host[slots[row.key_index]]
-            for array, page, offset in zip(self._arrays, self._pages, self._offsets, strict=True):
+            for tensor, page, offset in self._group_refs[row.group]:
                 start = base + offset
-                part, block = slot[start : start + page], array[row.block_id, :page]
+                part, block = slot[start : start + page], arrays[tensor][row.block_id, :page]
                 pairs.append((part, block) if to_pool else (block, part))
         self._copier.copy(pairs)
         return sum(dst.nbytes for dst, _ in pairs)
@@ -319,11 +345,9 @@ class KVOffloadWorker(OffloadingWorker):
             for row in rows:
                 base = self._layout.offset(row.chunk_block)
                 slot = slots[row.key_index]
-                for tensor, page, offset in zip(
-                    self._tensors, self._pages, self._offsets, strict=True
-                ):
+                for tensor, page, offset in self._group_refs[row.group]:
                     host = pool[slot, base + offset : base + offset + page]
-                    device = tensor[row.block_id, :page]
+                    device = self._tensors[tensor][row.block_id, :page]
                     if to_pool:
                         host.copy_(device, non_blocking=True)
                     else:

@@ -47,9 +47,18 @@ def test_fingerprint_separates_everything_that_changes_kv_bytes():
         replace(IDENTITY, tp_size=2),
         replace(IDENTITY, pp_size=2),
         replace(IDENTITY, namespace="tenant-a"),
+        replace(IDENTITY, groups=((0, 32, ("l0", "l2")), (1, 32, ("l1", "l3")))),
+        replace(IDENTITY, groups=((0, 32, ("l0",)), (1, 32, ("l1", "l2", "l3")))),
     ]
     prints = {v.fingerprint() for v in variants}
     assert len(prints) == len(variants) and IDENTITY.fingerprint() not in prints
+
+
+def test_a_model_with_one_kv_cache_group_keeps_its_fingerprint():
+    """Blocks stored before groups were part of the identity stay reachable."""
+    assert replace(IDENTITY, groups=((0, 32, ("l0", "l1")),)).fingerprint() == (
+        IDENTITY.fingerprint()
+    )
 
 
 def test_model_digest_sees_other_weights_with_the_same_config(tmp_path: Path):

@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 
 from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks  # noqa: E402
-from kvoffload.integrations.vllm.layout import BlockLayout, GeometryError, load_rows, store_rows  # noqa: E402
+from kvoffload.integrations.vllm.layout import BlockLayout, GeometryError, transfer_rows  # noqa: E402
 from kvoffload.integrations.vllm.worker import KVOffloadWorker  # noqa: E402
 from kvoffload.memory.pool import HostPool  # noqa: E402
 
@@ -42,7 +42,7 @@ def kv_caches(seed: int) -> CanonicalKVCaches:
 
 
 def worker(caches: CanonicalKVCaches, rank: int, **kw) -> KVOffloadWorker:
-    layout = BlockLayout((PAGE,) * LAYERS, blocks_per_chunk=1, rank=rank, world_size=WORLD)
+    layout = BlockLayout(((PAGE,) * LAYERS,), blocks_per_chunk=1, rank=rank, world_size=WORLD)
     return KVOffloadWorker(caches, layout, **kw)
 
 
@@ -135,7 +135,7 @@ def test_injected_load_faults_fail_loads():
 
     w = KVOffloadWorker(
         kv_caches(seed=0),
-        BlockLayout((PAGE,) * LAYERS, 1, 0, 1),
+        BlockLayout(((PAGE,) * LAYERS,), 1, 0, 1),
         FaultSpec(fail_fraction=1.0),
     )
     w.submit_load(
@@ -147,14 +147,14 @@ def test_injected_load_faults_fail_loads():
 def test_store_checksums_are_reported_for_whole_blocks(pool):
     from kvoffload.memory.blockformat import payload_checksum
 
-    w = KVOffloadWorker(kv_caches(seed=0), BlockLayout((PAGE,) * LAYERS, 1, 0, 1))
+    w = KVOffloadWorker(kv_caches(seed=0), BlockLayout(((PAGE,) * LAYERS,), 1, 0, 1))
     w.submit_store(1, gpu([2]), blocks(pool, [b"k" * 16], [6]))
     w.get_finished()
     assert w.take_report().store_checksums == {b"k" * 16: payload_checksum(pool.slot_array(6))}
 
 
 def test_geometry_error_names_both_sizes_and_the_settings():
-    layout = BlockLayout((PAGE,) * LAYERS, blocks_per_chunk=2, rank=0, world_size=2)
+    layout = BlockLayout(((PAGE,) * LAYERS,), blocks_per_chunk=2, rank=0, world_size=2)
     with pytest.raises(GeometryError) as err:
         layout.check_fits(32768)
     text = str(err.value)
@@ -164,22 +164,36 @@ def test_geometry_error_names_both_sizes_and_the_settings():
 
 
 def test_rows_pair_blocks_with_keys():
-    assert [(r.block_id, r.key_index, r.chunk_block) for r in store_rows(2, [7, 8, 9, 10], 2)] == [
-        (7, 0, 0),
-        (8, 0, 1),
-        (9, 1, 0),
-        (10, 1, 1),
+    def rows(num_keys, block_ids, sizes, starts):
+        return [
+            (r.block_id, r.key_index, r.chunk_block, r.group)
+            for r in transfer_rows(num_keys, block_ids, sizes, starts, 2)
+        ]
+
+    assert rows(2, [7, 8, 9, 10], [4], [0]) == [
+        (7, 0, 0, 0),
+        (8, 0, 1, 0),
+        (9, 1, 0, 0),
+        (10, 1, 1, 0),
     ]
     # a load that starts in the middle of its first chunk
-    assert [(r.block_id, r.key_index, r.chunk_block) for r in load_rows(2, [4, 5, 6], 3, 2)] == [
-        (4, 0, 1),
-        (5, 1, 0),
-        (6, 1, 1),
+    assert rows(2, [4, 5, 6], [3], [3]) == [(4, 0, 1, 0), (5, 1, 0, 0), (6, 1, 1, 0)]
+    # two groups: a sliding window's last chunk and a full group's whole prefix, keys in group
+    # order; an empty group takes no key
+    assert rows(3, [20, 21, 1, 2, 3, 4], [2, 0, 4], [4, 9, 0]) == [
+        (20, 0, 0, 0),
+        (21, 0, 1, 0),
+        (1, 1, 0, 2),
+        (2, 1, 1, 2),
+        (3, 2, 0, 2),
+        (4, 2, 1, 2),
     ]
     with pytest.raises(ValueError):
-        store_rows(2, [1, 2, 3], 2)
+        transfer_rows(2, [1, 2, 3], [3], [0], 2)  # 3 blocks from index 0 make 2 keys only half full
     with pytest.raises(ValueError):
-        load_rows(1, [1, 2, 3], 0, 2)
+        transfer_rows(1, [1, 2, 3], [3], [0], 2)  # they need two keys
+    with pytest.raises(ValueError):
+        transfer_rows(2, [1, 2, 3, 4], [2, 1], [0, 0], 2)  # the group sizes miss a block
 
 
 def test_loads_are_verified_against_the_checksum_taken_at_store(pool):
@@ -211,7 +225,7 @@ def test_large_transfers_split_between_copy_threads_keep_every_byte_and_checksum
     ]
     caches = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(i, page) for i in range(LAYERS)]])
     big = HostPool.create(f"/kvoffload-test-{os.getpid()}-vllm-big", count, LAYERS * page)
-    w = KVOffloadWorker(caches, BlockLayout((page,) * LAYERS, 1, 0, 1))
+    w = KVOffloadWorker(caches, BlockLayout(((page,) * LAYERS,), 1, 0, 1))
     try:
         keys, slots = [b"%02d" % i * 8 for i in range(count)], list(range(count))
         w.submit_store(1, gpu(list(range(count))), blocks(big, keys, slots))
@@ -237,3 +251,80 @@ def test_large_transfers_split_between_copy_threads_keep_every_byte_and_checksum
         w.shutdown()
         big.close()
         big.unlink()
+
+
+def hybrid_caches(seed: int) -> CanonicalKVCaches:
+    """Two groups over two layer tensors, as vLLM lays out a hybrid model: group 0 (a sliding
+    window) has layers 0 and 1, group 1 (full attention) only layer 0's tensor: the layers
+    of the groups alias the same tensors, and group 1 has fewer bytes per block."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [
+        CanonicalKVCacheTensor(
+            torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=gen), PAGE
+        )
+        for _ in range(2)
+    ]
+    refs = [
+        [CanonicalKVCacheRef(0, PAGE), CanonicalKVCacheRef(1, PAGE)],
+        [CanonicalKVCacheRef(0, PAGE)],
+    ]
+    return CanonicalKVCaches(tensors, refs)
+
+
+def hybrid_worker(caches: CanonicalKVCaches, **kw) -> KVOffloadWorker:
+    return KVOffloadWorker(caches, BlockLayout(((PAGE, PAGE), (PAGE,)), 1, 0, 1), **kw)
+
+
+def hybrid_gpu(sliding: list[int], full: list[int]) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(
+        sliding + full, group_sizes=[len(sliding), len(full)], block_indices=[5, 0]
+    )
+
+
+def test_each_group_copies_its_own_layers_into_its_keys_slots(pool):
+    src = hybrid_caches(seed=3)
+    keys = [b"s5" * 8, b"s6" * 8, b"f0" * 8, b"f1" * 8]
+    slots = [0, 1, 2, 3]
+    w = hybrid_worker(src)
+    assert w.submit_store(1, hybrid_gpu([10, 11], [1, 2]), blocks(pool, keys, slots))
+    w.get_finished()
+    assert set(w.take_report().store_checksums) == set(keys)
+
+    def slot_bytes(slot: int, start: int) -> torch.Tensor:
+        return torch.from_numpy(pool.slot_array(slot)[start : start + PAGE].copy()).view(torch.int8)
+
+    for slot, block in ((0, 10), (1, 11)):  # sliding group: both layers
+        assert torch.equal(slot_bytes(slot, 0), src.tensors[0].tensor[block])
+        assert torch.equal(slot_bytes(slot, PAGE), src.tensors[1].tensor[block])
+    for slot, block in ((2, 1), (3, 2)):  # full group: its one layer
+        assert torch.equal(slot_bytes(slot, 0), src.tensors[0].tensor[block])
+
+    dst = hybrid_caches(seed=4)
+    loader = hybrid_worker(dst)
+    assert loader.submit_load(2, blocks(pool, keys, slots), hybrid_gpu([7, 8], [3, 4]))
+    assert loader.get_finished()[0].success
+    for got, want in ((7, 10), (8, 11)):
+        for layer in range(2):
+            assert torch.equal(dst.tensors[layer].tensor[got], src.tensors[layer].tensor[want])
+    for got, want in ((3, 1), (4, 2)):
+        assert torch.equal(dst.tensors[0].tensor[got], src.tensors[0].tensor[want])
+    assert loader.take_failed_requests({"req"}) == set()
+
+
+def test_a_failed_load_of_a_hybrid_model_fails_its_request_not_blocks(pool):
+    """vLLM's block ids are unique only within a group: with several groups its scheduler
+    takes failures per request and recomputes it from its first token."""
+    keys = [b"s5" * 8, b"s6" * 8, b"f0" * 8, b"f1" * 8]
+    hybrid_worker(hybrid_caches(seed=3)).submit_store(
+        1, hybrid_gpu([10, 11], [1, 2]), blocks(pool, keys, [0, 1, 2, 3])
+    )
+    loader = hybrid_worker(hybrid_caches(seed=4))
+
+    loader.submit_load(2, blocks(pool, keys, [0, 1, NO_SLOT, 3]), hybrid_gpu([7, 8], [3, 4]))
+
+    assert loader.get_finished()[0].success
+    assert loader.take_error_blocks() == set()
+    assert loader.take_report().failed_loads == {"req": [b"f0" * 8]}
+    assert loader.take_failed_requests(set()) == set()  # kept until its load is reported done
+    assert loader.take_failed_requests({"req", "other"}) == {"req"}
+    assert loader.take_failed_requests({"req"}) == set()
