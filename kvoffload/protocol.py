@@ -18,12 +18,13 @@ import msgspec
 
 # re-exported: part of the protocol
 from kvoffload.vocab import ErrorCode as ErrorCode
+from kvoffload.vocab import JobKind as JobKind
 from kvoffload.vocab import LookupResult as LookupResult
 from kvoffload.vocab import MissReason as MissReason
 from kvoffload.vocab import TierCounters as TierCounters
 from kvoffload.vocab import must_wait as must_wait
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
@@ -36,17 +37,6 @@ class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, omit_defau
 
 
 # ---- vocabulary ---------------------------------------------------------------------------------
-
-
-class JobKind(enum.StrEnum):
-    """What a ``Job`` asks of a worker."""
-
-    DEVICE_STORE = "device_store"  # engine KV cache -> pool slots (cpu worker)
-    DEVICE_LOAD = "device_load"  # pool slots -> engine KV cache (cpu worker)
-    PROMOTE = "promote"  # tier -> pool slots
-    CASCADE = "cascade"  # pool slots -> tier
-    PROBE = "probe"  # does the tier hold these keys (no slots)
-    VERIFY = "verify"  # check stamped slots against their bytes (cpu worker, warm restart)
 
 
 class DeviceJobKind(enum.StrEnum):

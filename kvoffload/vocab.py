@@ -1,7 +1,8 @@
 """Closed vocabularies shared by the wire protocol and the tiering library.
 
-A leaf module (standard library only): the tiering library imports it without importing the
-protocol, and the protocol re-exports it, so clients never import the tiering library.
+A leaf module (the standard library and msgspec only): the tiering library imports it without
+importing the protocol, and the protocol re-exports it, so clients never import the tiering
+library.
 """
 
 from __future__ import annotations
@@ -17,6 +18,22 @@ class LookupResult(enum.IntEnum):
     HIT = 1
     HIT_PENDING = 2
     RETRY = 3
+
+
+class JobKind(enum.StrEnum):
+    """What a job asks of a worker. The tiering library creates the tier jobs (promotion,
+    cascade, probe); the manager adds the cpu worker's (device store and load, verify)."""
+
+    DEVICE_STORE = "device_store"  # engine KV cache -> pool slots (cpu worker)
+    DEVICE_LOAD = "device_load"  # pool slots -> engine KV cache (cpu worker)
+    PROMOTION = "promotion"  # secondary tier -> pool slots (reserved, written by the job)
+    CASCADE = "cascade"  # pool slots (pinned while the job runs) -> secondary tier
+    PROBE = "probe"  # does the tier hold these keys (no slots)
+    VERIFY = "verify"  # check stamped slots against their bytes (cpu worker, warm restart)
+
+
+TIER_JOB_KINDS = (JobKind.PROMOTION, JobKind.CASCADE, JobKind.PROBE)
+"""The kinds of job the tiering library creates for the secondary tiers."""
 
 
 class MissReason(enum.IntEnum):

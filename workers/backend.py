@@ -35,7 +35,7 @@ SLOT_KINDS = frozenset(JobKind) - {JobKind.PROBE}
 """Kinds whose ``Job.slots`` are co-indexed with ``Job.keys``."""
 DEVICE_KINDS = frozenset({JobKind.DEVICE_STORE, JobKind.DEVICE_LOAD})
 """Kinds whose ``Job.device_blocks`` are co-indexed with ``Job.keys`` and need ``handle_id``."""
-URGENT_KINDS = frozenset({JobKind.DEVICE_LOAD, JobKind.PROMOTE, JobKind.PROBE, JobKind.VERIFY})
+URGENT_KINDS = frozenset({JobKind.DEVICE_LOAD, JobKind.PROMOTION, JobKind.PROBE, JobKind.VERIFY})
 """Kinds on the engine's critical path: run before stores and cascades when both are queued."""
 
 

@@ -215,7 +215,7 @@ def worker_round(
         )
         evicting_s += flush_and_evict(root, evict=True)
         load_s = run_jobs(
-            backend, JobKind.PROMOTE, count, count, in_flight, jobs_in_flight, keys_per_job
+            backend, JobKind.PROMOTION, count, count, in_flight, jobs_in_flight, keys_per_job
         )
     finally:
         backend.close()

@@ -34,6 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvoffload import protocol as p
+from kvoffload.tiering.types import CascadeDrop
+from kvoffload.vocab import TIER_JOB_KINDS
 
 PREFIX = "kvoffload_"
 
@@ -45,8 +47,7 @@ MAX_TRACKED_JOBS = 16384
 and the manager failed them)."""
 
 LOOKUP_RESULTS = ("hit", "hit_pending", "retry", "miss")
-TIER_JOB_KINDS = ("promotion", "cascade", "probe")
-CASCADE_DROP_REASONS = ("evicted", "tier_full", "retry_bound")
+CASCADE_DROP_REASONS = tuple(reason.value for reason in CascadeDrop)
 POOL_GAUGES = {
     "slots": "Slots of the host pool.",
     "used_slots": "Host pool slots holding a block or being written.",
@@ -225,8 +226,8 @@ def _tier_families(tiering: Mapping[str, Any]) -> Iterator[Metric]:
         for result in LOOKUP_RESULTS:
             lookups.add_metric([tier, result], c[f"lookups_{result}"])
         for kind in TIER_JOB_KINDS:
-            jobs.add_metric([tier, kind], c[f"{kind}_jobs"])
-            jobs_failed.add_metric([tier, kind], c[f"{kind}_jobs_failed"])
+            jobs.add_metric([tier, kind.value], c[f"{kind.value}_jobs"])
+            jobs_failed.add_metric([tier, kind.value], c[f"{kind.value}_jobs_failed"])
         for reason in CASCADE_DROP_REASONS:
             dropped.add_metric([tier, reason], c[f"cascade_dropped_{reason}"])
         promoted.add_metric([tier], c["promoted_keys_ok"])

@@ -22,18 +22,11 @@ from kvoffload.server.sessions import ClientSession
 from kvoffload.server.sockets import bind_client_socket, bind_job_socket
 from kvoffload.server.warmstart import WarmRestart
 from kvoffload.server.workers import WorkerRegistry
-from kvoffload.tiering import JobKind, Locality, Medium, TieringManager, TierSpec, TransferResult
+from kvoffload.tiering import Locality, Medium, TieringManager, TierSpec, TransferResult
 
 log = structlog.get_logger()
 
 CPU_WORKER = "cpu"
-WIRE_JOB_KIND = {
-    JobKind.PROMOTION: p.JobKind.PROMOTE,
-    JobKind.CASCADE: p.JobKind.CASCADE,
-    JobKind.PROBE: p.JobKind.PROBE,
-}
-"""The job kind on the wire of each tiering-library job kind."""
-
 CASCADE_PIN_SHARE = 0.25
 """Share of the pool's slots that cascades in flight may pin, all tiers together; the other
 keys to cascade wait unpinned, so the pool never fills with them."""
@@ -149,7 +142,7 @@ class ManagerState:
                 log.warning("tier_job_failed_no_worker", tier=tier, job_id=job.job_id)
                 self.tiering.apply_result(tier, TransferResult(job.job_id, False))
                 continue
-            msg = p.Job(job.job_id, WIRE_JOB_KIND[job.kind], job.keys, job.slots)
+            msg = p.Job(job.job_id, job.kind, job.keys, job.slots)
             if self.send_worker(tier, msg):
                 worker.jobs.add(job.job_id)
             else:

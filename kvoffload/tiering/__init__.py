@@ -7,7 +7,6 @@ from kvoffload.tiering.manager import RequestState, TieringManager
 from kvoffload.tiering.primary import PrimaryIndex
 from kvoffload.tiering.secondary import SecondaryTier, TierSpec
 from kvoffload.tiering.types import (
-    JobKind,
     Locality,
     Medium,
     OffloadPolicy,
@@ -21,7 +20,7 @@ from kvoffload.tiering.types import (
     TransferResult,
     parse_tier_filter,
 )
-from kvoffload.vocab import LookupResult, MissReason
+from kvoffload.vocab import JobKind, LookupResult, MissReason
 
 __all__ = [
     "JobKind",

@@ -40,7 +40,6 @@ from kvoffload.tiering.types import (
     Allocation,
     CascadeDrop,
     Evicted,
-    JobKind,
     JobsInFlight,
     Key,
     OffloadPolicy,
@@ -55,7 +54,7 @@ from kvoffload.tiering.types import (
     UnknownRequest,
     WrongTier,
 )
-from kvoffload.vocab import LookupResult, MissReason
+from kvoffload.vocab import JobKind, LookupResult, MissReason
 
 log = get_logger()
 

@@ -8,8 +8,8 @@ from typing import Any
 import msgspec
 
 from kvoffload import vocab
-from kvoffload.tiering.types import CascadeDrop, JobKind
-from kvoffload.vocab import LookupResult
+from kvoffload.tiering.types import CascadeDrop
+from kvoffload.vocab import JobKind, LookupResult
 
 
 class TierCounters(vocab.TierCounters):

@@ -8,18 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from kvoffload.logs import get_logger
-from kvoffload.vocab import ErrorCode, LookupResult, MissReason, must_wait
+from kvoffload.vocab import ErrorCode, JobKind, LookupResult, MissReason, must_wait
 
 log = get_logger()
 
 Key = bytes
 _E = TypeVar("_E", bound=enum.Enum)
-
-
-class JobKind(enum.IntEnum):
-    PROMOTION = 1  # secondary -> primary slots (slots reserved, ref_cnt -1)
-    CASCADE = 2  # primary slots (pinned) -> secondary
-    PROBE = 3  # existence check, no slots
 
 
 class CascadeDrop(enum.Enum):
@@ -119,7 +113,8 @@ def _parse_enum(kind: type[_E], raw: Any) -> _E | None:
 
 @dataclass(slots=True)
 class TransferJob:
-    """One asynchronous job for one secondary tier. ``slots`` is co-indexed with ``keys``."""
+    """One asynchronous job for one secondary tier (``kind`` is one of ``TIER_JOB_KINDS``).
+    ``slots`` is co-indexed with ``keys``."""
 
     job_id: int
     tier: int

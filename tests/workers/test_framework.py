@@ -298,7 +298,7 @@ def test_exactly_one_result_per_job_under_concurrency(manager, make_pool, spawn,
             for i in range(n)
         ]
         slots = [rng.randrange(SLOTS) for _ in range(n)]
-        jobs[job_id] = store(job_id, keys, slots, kind=rng.choice(["cascade", "promote"]))
+        jobs[job_id] = store(job_id, keys, slots, kind=rng.choice(["cascade", "promotion"]))
         manager.send(IDENTITY, jobs[job_id])
     dones = manager.wait_job_dones(list(jobs), timeout_s=20)
     manager.pump(0.3)
@@ -350,7 +350,7 @@ def test_landed_keys_are_reported_while_the_job_runs_and_before_its_result(
 ):
     pool, worker = start_worker(manager, make_pool, spawn, short_dir)
     keys = [b"land" + bytes([i]) * 12 for i in range(3)]
-    manager.send(IDENTITY, store(1, keys, [3, 4, 5], kind="promote"))
+    manager.send(IDENTITY, store(1, keys, [3, 4, 5], kind="promotion"))
     first = manager.wait_for(JobProgress, lambda m: m.job_id == 1)
     assert first.keys == [keys[0]]
     assert bytes(pool.slot_array(3)[:16]) == keys[0]
@@ -431,7 +431,7 @@ def test_loads_and_promotions_run_before_queued_stores(manager, make_pool, spawn
     # wait until job 1 occupies the only thread, so the rest queue behind it
     manager.wait_for(Heartbeat, lambda m: m.inflight == 1 and m.stats.loop.queued == 0)
     manager.send(IDENTITY, store(2, [b"a" * 16], [1], kind="cascade"))
-    manager.send(IDENTITY, store(3, [b"b" * 16], [2], kind="promote"))
+    manager.send(IDENTITY, store(3, [b"b" * 16], [2], kind="promotion"))
     manager.send(IDENTITY, store(4, [b"c" * 16], [3], kind="cascade"))
     manager.send(IDENTITY, Job(job_id=5, kind="probe", keys=[b"d" * 16]))
     manager.wait_job_dones([1, 2, 3, 4, 5])

@@ -124,7 +124,7 @@ def test_disk_promotion_stamps_the_slot_with_the_verified_checksum(
         ).ok_keys == [key]
         assert table.read_all(FP) == [], "a cascade only reads its slot"
         outcome = backend.run_job(
-            Job(job_id=77, kind=JobKind.PROMOTE, keys=[key, absent], slots=[3, 4])
+            Job(job_id=77, kind=JobKind.PROMOTION, keys=[key, absent], slots=[3, 4])
         )
         assert outcome.ok_keys == [key]
         [(slot, header)] = table.read_all(FP)
@@ -166,7 +166,12 @@ def test_disk_cascade_stores_the_stamped_checksum_so_later_changes_are_caught(
         assert backend.run_job(cascade).ok_keys == [stamped, changed, unstamped]
         wanted = [payload_checksum(pool.slot_array(s)) for s in (0, 2)]
         outcome = backend.run_job(
-            Job(job_id=3, kind=JobKind.PROMOTE, keys=[stamped, changed, unstamped], slots=[4, 5, 6])
+            Job(
+                job_id=3,
+                kind=JobKind.PROMOTION,
+                keys=[stamped, changed, unstamped],
+                slots=[4, 5, 6],
+            )
         )
         assert outcome.ok_keys == [stamped, unstamped]
         assert outcome.absent_keys == [changed], "the changed block is dropped as corrupt"

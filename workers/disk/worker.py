@@ -2,7 +2,7 @@
 
 Jobs (``slots[i]`` co-indexed with ``keys[i]``):
 
-- ``promote``: ``store.get(key, slot)``. Bytes land only in the job's own slots (reserved by
+- ``promotion``: ``store.get(key, slot)``. Bytes land only in the job's own slots (reserved by
   the manager, not readable until the result arrives); a failed key may leave garbage there,
   which the manager never serves since it frees that slot. A key that landed has its slot
   header stamped (when slot headers are on) with the checksum the store just verified; every
@@ -96,7 +96,7 @@ class DiskBackend:
     medium = "storage"
 
     def __init__(self, cfg: Config) -> None:
-        self.capabilities = [JobKind.PROMOTE, JobKind.CASCADE]
+        self.capabilities = [JobKind.PROMOTION, JobKind.CASCADE]
         self._cfg = cfg
         self._pool: HostPool | None = None
         self._headers: SlotHeaders | None = None
@@ -168,9 +168,9 @@ class DiskBackend:
     # ---- jobs ------------------------------------------------------------------------------
 
     def run_job(self, job: Job) -> BackendOutcome:
-        if job.kind not in (JobKind.PROMOTE, JobKind.CASCADE):
+        if job.kind not in (JobKind.PROMOTION, JobKind.CASCADE):
             return BackendOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
-        promote = job.kind == JobKind.PROMOTE
+        promote = job.kind == JobKind.PROMOTION
         pool = self._require_pool()
         ok: list[bytes] = []
         absent: list[bytes] = []
@@ -206,8 +206,8 @@ class DiskBackend:
         finally:
             self._count("keys_evicted", len(evicted))
         nbytes = len(ok) * pool.block_bytes
-        self._count("bytes_read" if job.kind == JobKind.PROMOTE else "bytes_written", nbytes)
-        self._count("keys_promoted" if job.kind == JobKind.PROMOTE else "keys_cascaded", len(ok))
+        self._count("bytes_read" if job.kind == JobKind.PROMOTION else "bytes_written", nbytes)
+        self._count("keys_promoted" if job.kind == JobKind.PROMOTION else "keys_cascaded", len(ok))
         error = ""
         if failures:
             error = f"{sum(failures.values())} of {len(job.keys)} keys failed ({dict(failures)}), first: {first_error}"

@@ -5,7 +5,7 @@ Jobs:
   the keys found, its ``absent_keys`` the others. Any store error (server down, breaker open,
   credentials revoked) fails the whole probe with no key found and none confirmed absent, so
   the manager resolves those verdicts to MISS only for the requests waiting on them.
-- ``promote``: GET of ``keys[i]`` into pool slot ``slots[i]``; ``cascade``: PUT of slot
+- ``promotion``: GET of ``keys[i]`` into pool slot ``slots[i]``; ``cascade``: PUT of slot
   ``slots[i]`` under ``keys[i]``. Keys run concurrently on ``io_threads`` threads and fail one
   by one (absent, corrupt, transient, breaker open); the others still succeed. An absent or
   corrupt (and deleted) key is reported in ``absent_keys``. A GET that
@@ -118,7 +118,7 @@ class ObjectBackend(NoIndexBackend):
     medium = "storage"
 
     def __init__(self, cfg: Config, *, breaker: CircuitBreaker | None = None) -> None:
-        self.capabilities = [JobKind.PROBE, JobKind.PROMOTE, JobKind.CASCADE]
+        self.capabilities = [JobKind.PROBE, JobKind.PROMOTION, JobKind.CASCADE]
         self._faults = FaultInjector()
         self._store = store_from_config(cfg, breaker=breaker, release_hook=self._release_hook)
         self._io = ThreadPoolExecutor(
@@ -175,7 +175,7 @@ class ObjectBackend(NoIndexBackend):
     def run_job(self, job: Job) -> BackendOutcome:
         if job.kind == JobKind.PROBE:
             return self._probe(job)
-        if job.kind in (JobKind.PROMOTE, JobKind.CASCADE):
+        if job.kind in (JobKind.PROMOTION, JobKind.CASCADE):
             return self._transfer(job)
         return BackendOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
 
@@ -209,7 +209,7 @@ class ObjectBackend(NoIndexBackend):
         )
 
     def _transfer(self, job: Job) -> BackendOutcome:
-        promote = job.kind == JobKind.PROMOTE
+        promote = job.kind == JobKind.PROMOTION
         pairs = list(zip(job.keys, job.slots, strict=True))
         results = list(self._io.map(lambda pair: self._one(job, promote, *pair), pairs))
         ok = [key for (key, _), (moved, _, _) in zip(pairs, results, strict=True) if moved]

@@ -105,7 +105,7 @@ def test_a_cascade_writes_its_keys_in_parallel_and_reports_in_job_order(
     assert faults.most == 4, f"{faults.most} writes at once, not the job thread and 3 writers"
     assert backend.take_index_changes() == (keys, [])
     assert backend._require_store().keys() == keys, "recency follows job order"
-    done = run(backend, JobKind.PROMOTE, keys, list(range(8, 14)))
+    done = run(backend, JobKind.PROMOTION, keys, list(range(8, 14)))
     assert done.ok_keys == keys
     for slot, key in enumerate(keys, start=8):
         assert pool.slot(slot).tobytes() == payload_for(key, 1)
@@ -122,7 +122,7 @@ def test_a_promotion_reads_its_keys_in_parallel_and_reports_in_job_order(
     assert run(backend, JobKind.CASCADE, keys, list(range(6))).ok_keys == keys
     backend.take_index_changes()
     backend._require_store().delete(keys[4])
-    done = run(backend, JobKind.PROMOTE, keys, list(range(8, 14)))
+    done = run(backend, JobKind.PROMOTION, keys, list(range(8, 14)))
     assert faults.most == 4, f"{faults.most} reads at once, not the job thread and 3 readers"
     assert done.ok_keys == keys[:4] + keys[5:] and done.absent_keys == [keys[4]]
     assert backend.take_index_changes() == ([], [keys[4]])
@@ -152,7 +152,7 @@ def test_parallel_writers_keep_every_record_correct_under_concurrent_jobs_and_ev
                 done = run(backend, JobKind.CASCADE, keys, sources)
                 assert set(done.ok_keys) <= set(keys)
                 assert done.ok_keys == [k for k in keys if k in done.ok_keys], "job order"
-                done = run(backend, JobKind.PROMOTE, keys, dests)
+                done = run(backend, JobKind.PROMOTION, keys, dests)
                 for slot, key in zip(dests, keys, strict=True):
                     if key in done.ok_keys:
                         assert_self_consistent(key, pool.slot(slot).tobytes())
@@ -177,7 +177,7 @@ def test_parallel_writers_keep_every_record_correct_under_concurrent_jobs_and_ev
     for start in range(0, len(stored), 4):
         keys = stored[start : start + 4]
         dests = list(range(len(keys)))
-        assert run(backend, JobKind.PROMOTE, keys, dests).ok_keys == keys
+        assert run(backend, JobKind.PROMOTION, keys, dests).ok_keys == keys
         for slot, key in zip(dests, keys, strict=True):
             assert_self_consistent(key, pool.slot(slot).tobytes())
 
