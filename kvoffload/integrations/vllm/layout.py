@@ -11,8 +11,12 @@ key's group, in that group's tensor order:
 
 ``block_stride`` is the largest group's bytes per block (the sum of its pages), so every group
 fits; a smaller group leaves the rest of each stride unused. ``per_rank_bytes =
-blocks_per_chunk * block_stride``. The pool's ``block_bytes`` must be at least ``world_size *
+blocks_per_chunk * block_stride``. The pool's ``block_bytes`` must be at least ``copies *
 per_rank_bytes``; the rest of the block is left unused.
+
+A replicated layout (vLLM's, for models whose every rank holds the same KV bytes, such as MLA
+under tensor parallelism) keeps one copy: rank 0 writes it at offset 0 and every rank reads it
+from there, so ``copies`` is 1 whatever the number of ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class BlockLayout:
     blocks_per_chunk: int
     rank: int
     world_size: int
+    replicated: bool = False
 
     def __post_init__(self) -> None:
         if not self.group_pages or not all(self.group_pages):
@@ -49,8 +54,25 @@ class BlockLayout:
         return self.blocks_per_chunk * self.block_stride
 
     @property
+    def copies(self) -> int:
+        """Copies of a block's bytes in its slot: one per rank, or one for all (replicated)."""
+        return 1 if self.replicated else self.world_size
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes its bytes to the pool (in a replicated layout rank 0 alone
+        does, for every rank)."""
+        return not self.replicated or self.rank == 0
+
+    @property
+    def writes_whole_block(self) -> bool:
+        """Whether this rank's store writes every byte a key's block holds, so it can take
+        the block's checksum."""
+        return self.copies == 1 and self.writes
+
+    @property
     def needed_block_bytes(self) -> int:
-        return self.world_size * self.per_rank_bytes
+        return self.copies * self.per_rank_bytes
 
     def unused_fraction(self) -> float:
         """The share of a slot's per-rank bytes the smallest group leaves unused."""
@@ -65,21 +87,23 @@ class BlockLayout:
 
     def offset(self, chunk_block: int) -> int:
         """Byte offset, inside a pool block, of this rank's block ``chunk_block`` of the chunk."""
-        return self.rank * self.per_rank_bytes + chunk_block * self.block_stride
+        rank = 0 if self.replicated else self.rank
+        return rank * self.per_rank_bytes + chunk_block * self.block_stride
 
     def check_fits(self, pool_block_bytes: int) -> None:
-        check_fits(pool_block_bytes, self.world_size, self.blocks_per_chunk, self.block_stride)
+        check_fits(pool_block_bytes, self.copies, self.blocks_per_chunk, self.block_stride)
 
 
 def check_fits(
-    pool_block_bytes: int, world_size: int, blocks_per_chunk: int, rank_block_bytes: int
+    pool_block_bytes: int, copies: int, blocks_per_chunk: int, rank_block_bytes: int
 ) -> None:
-    """GeometryError unless a pool block holds one offload key of every rank."""
-    needed = world_size * blocks_per_chunk * rank_block_bytes
+    """GeometryError unless a pool block holds ``copies`` copies (one per rank, or one for all
+    ranks in a replicated layout) of one offload key."""
+    needed = copies * blocks_per_chunk * rank_block_bytes
     if pool_block_bytes < needed:
         raise GeometryError(
             f"the kvoffload pool's block_bytes is {pool_block_bytes}, but one vLLM offload "
-            f"block needs {needed} bytes ({world_size} rank(s) x {blocks_per_chunk} "
+            f"block needs {needed} bytes ({copies} rank cop(ies) x {blocks_per_chunk} "
             f"block(s) per chunk x {rank_block_bytes} bytes). Set pool.block_bytes "
             f"(KVOFFLOAD_POOL__BLOCK_BYTES) to {_round_up(needed)} in the kvoffload config, "
             f"or lower 'blocks_per_chunk' / 'block_size' in kv_connector_extra_config."

@@ -48,6 +48,7 @@ class KVOffloadSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.settings = ConnectorSettings.from_extra_config(self.extra_config)
+        self.replicated_layout = config.replicated_layout
         parallel = config.parallel
         self.rank_block_bytes = config.worker_kv_bytes_per_block
         self.identity = KVIdentity(
@@ -73,7 +74,7 @@ class KVOffloadSpec(OffloadingSpec):
         """GeometryError if the service's pool or key limits cannot hold this engine's blocks."""
         check_fits(
             info.block_bytes,
-            self.config.parallel.world_size,
+            1 if self.replicated_layout else self.config.parallel.world_size,
             self.blocks_per_chunk,
             self.rank_block_bytes,
         )
@@ -122,6 +123,7 @@ class KVOffloadSpec(OffloadingSpec):
             blocks_per_chunk=self.blocks_per_chunk,
             rank=self.config.parallel.rank,
             world_size=self.config.parallel.world_size,
+            replicated=self.replicated_layout,
         )
         if layout.block_stride > self.rank_block_bytes:
             raise ValueError(

@@ -51,7 +51,8 @@ log = integration_logger(__name__)
 class TransferReport:
     """For the scheduler side, since the last ``take_report``: keys whose loads failed (per
     vLLM request id), keys whose stores failed, and the xxh3 of each slot a store wrote in
-    full (only when this worker writes whole blocks, i.e. without tensor parallelism)."""
+    full (only when this worker writes whole blocks: one rank, or rank 0 of a replicated
+    layout)."""
 
     failed_loads: dict[str, list[bytes]] = field(default_factory=dict)
     failed_stores: list[bytes] = field(default_factory=list)
@@ -150,6 +151,9 @@ class KVOffloadWorker(OffloadingWorker):
         assert isinstance(dst_spec, PoolBlocks)
         start = time.perf_counter()
         moved = 0
+        if not self._layout.writes:
+            self._finish(job_id, 0, start)  # rank 0 writes the one copy every rank reads
+            return True
         try:
             rows = self._rows(len(dst_spec.keys), src_spec)
             pool = self._pool_view(dst_spec)
@@ -163,7 +167,7 @@ class KVOffloadWorker(OffloadingWorker):
             self._report.failed_stores.extend(dst_spec.keys)
             self._finish(job_id, 0, start)
             return True
-        self._finish(job_id, moved, start, dst_spec if self._layout.world_size == 1 else None)
+        self._finish(job_id, moved, start, dst_spec if self._layout.writes_whole_block else None)
         return True
 
     def submit_load(

@@ -328,3 +328,34 @@ def test_a_failed_load_of_a_hybrid_model_fails_its_request_not_blocks(pool):
     assert loader.take_failed_requests(set()) == set()  # kept until its load is reported done
     assert loader.take_failed_requests({"req", "other"}) == {"req"}
     assert loader.take_failed_requests({"req"}) == set()
+
+
+def test_a_replicated_layout_keeps_one_copy_that_every_rank_reads(pool):
+    """MLA under tensor parallelism: every rank holds the same latent KV, so rank 0 writes one
+    copy (and its checksum) and both ranks load it from the same bytes."""
+    caches = kv_caches(seed=7)
+    layouts = [BlockLayout(((PAGE,) * LAYERS,), 1, r, WORLD, replicated=True) for r in range(WORLD)]
+    assert layouts[0].needed_block_bytes == LAYERS * PAGE  # one copy, not one per rank
+    writers = [KVOffloadWorker(caches, layout) for layout in layouts]
+    keys, slots = [b"m1" * 8, b"m2" * 8], [3, 4]
+    before = pool.slot_array(4).copy()
+    assert writers[1].submit_store(1, gpu([2, 3]), blocks(pool, keys, slots))
+    writers[1].get_finished()
+    assert (pool.slot_array(4) == before).all()  # rank 1 wrote nothing
+    assert writers[1].take_report().store_checksums == {}
+    writers[0].submit_store(1, gpu([2, 3]), blocks(pool, keys, slots))
+    writers[0].get_finished()
+    sums = writers[0].take_report().store_checksums
+    assert set(sums) == set(keys)
+
+    for layout in layouts:
+        fresh = kv_caches(seed=8)
+        reader = KVOffloadWorker(fresh, layout)
+        spec = blocks(pool, keys, slots)
+        spec.checksums = [sums[k] for k in keys]
+        reader.submit_load(2, spec, gpu([9, 10]))
+        assert reader.get_finished()[0].success and reader.take_error_blocks() == set()
+        for layer in range(LAYERS):
+            assert torch.equal(
+                fresh.tensors[layer].tensor[[9, 10]], caches.tensors[layer].tensor[[2, 3]]
+            )
