@@ -3,7 +3,7 @@
 The contract it implements is docs/design/tiering.md.
 """
 
-from kvoffload.tiering.manager import RequestState, TieringManager
+from kvoffload.tiering.manager import TieringManager
 from kvoffload.tiering.primary import PrimaryIndex
 from kvoffload.tiering.secondary import SecondaryTier, TierSpec
 from kvoffload.tiering.types import (
@@ -13,6 +13,7 @@ from kvoffload.tiering.types import (
     PrefixResult,
     PrepareStoreOutput,
     ReqContext,
+    RequestState,
     TierFilter,
     TieringError,
     TierMatcher,

@@ -196,6 +196,15 @@ class PrimaryIndex:
         self.policy.clear()
         self.recently_evicted.clear()
 
+    def gauges(self) -> dict[str, int]:
+        """Its levels for status and metrics."""
+        return {
+            "slots": self.num_slots,
+            "used_slots": len(self),
+            "pinned_slots": self.pinned_count(),
+            "writing_slots": self.writing_count(),
+        }
+
     def pinned_count(self) -> int:
         return sum(1 for r in self._refs.values() if r > 0)
 

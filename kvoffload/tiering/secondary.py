@@ -5,7 +5,8 @@ evictions). A *probed* tier (object store, shared by many machines) answers from
 cache and asks its worker when a key is unknown (RETRY until the answer arrives).
 A failed transfer or probe turns a key into a miss only for the requests that waited on it;
 only the tier's confirmation that it does not hold a key is shared with every request.
-No I/O here: the tiering manager turns what the proxy asks for into jobs.
+No I/O here: the tiering library turns what the proxy asks for into jobs (the cascades to
+the tier, and their backlog, are ``cascades.Cascades``' to keep).
 """
 
 from __future__ import annotations
@@ -19,22 +20,13 @@ from kvoffload.tiering.verdicts import VerdictCache
 from kvoffload.vocab import LookupResult, MissReason
 
 
-@dataclass(slots=True)
-class PendingCascade:
-    """A key waiting in a tier's cascade backlog: ``attempts`` failed so far; not submitted
-    again before ``not_before``; ``in_flight`` while a retry of it runs."""
-
-    attempts: int = 0
-    not_before: float = 0.0
-    in_flight: bool = False
-
-
 @dataclass(frozen=True, slots=True)
 class TierSpec:
     """Static description of a secondary tier.
 
     ``max_inflight_cascade_keys``: the most keys this tier's cascades in flight may pin; the
-    keys beyond it wait in the tier's backlog, unpinned (no job id consumed). 0: unbounded.
+    keys beyond it wait in the tier's cascade backlog, unpinned (no job id consumed).
+    0: unbounded.
     ``request_level``: the tier wants every block of every request, prefix hits included."""
 
     name: str
@@ -52,10 +44,8 @@ class SecondaryTier:
         self.verdicts = VerdictCache()
         self._failed: dict[str, dict[Key, MissReason]] = {}
         self._touched: OrderedDict[Key, None] = OrderedDict()
-        self.inflight_cascade_keys = 0
         self.online = True
-        self.backlog: OrderedDict[Key, PendingCascade] = OrderedDict()
-        self.backlog_due_at = 0.0
+        """The tier's worker is connected and its index announced (cascades wait while not)."""
 
     @property
     def name(self) -> str:
@@ -133,6 +123,15 @@ class SecondaryTier:
         """Requests this tier keeps state for (failed loads, verdict references)."""
         return len(self._failed.keys() | self.verdicts.requests())
 
+    def gauges(self) -> dict[str, int | bool]:
+        """Its levels for status and metrics."""
+        return {
+            "indexed_keys": len(self.index),
+            "verdicts": len(self.verdicts),
+            "tracked_requests": self.tracked_requests(),
+            "online": self.online,
+        }
+
     def touch(self, keys: Iterable[Key]) -> None:
         for key in keys:
             self._touched[key] = None
@@ -142,15 +141,6 @@ class SecondaryTier:
         keys = list(self._touched)
         self._touched.clear()
         return keys
-
-    def cascade_room(self, wanted: int) -> int:
-        """How many of ``wanted`` keys a cascade may pin now (0 while the tier is offline)."""
-        if not self.online:
-            return 0
-        bound = self.spec.max_inflight_cascade_keys
-        if bound <= 0:
-            return wanted
-        return max(0, min(wanted, bound - self.inflight_cascade_keys))
 
     def has_queued_probes(self) -> bool:
         return self.verdicts.has_queued()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, TypeVar
@@ -203,6 +204,22 @@ class ReqContext:
     def from_params(cls, req_id: str, params: Mapping[str, Any] | None = None) -> ReqContext:
         params = dict(params or {})
         return cls(req_id, parse_tier_filter(params.get("kv_load_tiers")), params)
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the tiering library keeps of one request: its stores still being written, whether
+    it finished, the tiers that want all its blocks, the keys parked for their cascade, its
+    HIT_PENDING deadlines (and the keys past theirs), and its promoted keys not yet read."""
+
+    ctx: ReqContext
+    pending_primary_stores: int = 0
+    is_finished: bool = False
+    request_level_tiers: set[int] = field(default_factory=set)
+    parked_cascade_keys: OrderedDict[Key, None] = field(default_factory=OrderedDict)
+    pending_deadlines: dict[Key, float] = field(default_factory=dict)
+    expired: set[Key] = field(default_factory=set)
+    unread: set[Key] = field(default_factory=set)
 
 
 class TieringError(Exception):

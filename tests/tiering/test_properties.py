@@ -200,8 +200,8 @@ class TieringMachine(RuleBasedStateMachine):
             if ref >= 0:
                 assert key in self.ready, "HIT for a key whose write did not complete"
         assert len(slots) + self.m.primary.free_slots == NUM_SLOTS
-        for tier in self.m.tiers:
-            assert tier.inflight_cascade_keys >= 0
+        for tier in self.m.cascades.per_tier:
+            assert tier.inflight_keys >= 0
             for key, entry in tier.backlog.items():
                 assert entry.in_flight or self.m.primary.lookup(key).name == "HIT", (
                     "backlog keys are ready"

@@ -1,0 +1,291 @@
+"""Durable cascades: every key that lands in the primary tier reaches every secondary tier.
+
+Every key that lands in the primary tier (a store, or an adopted block) is cascaded to every
+secondary tier that does not hold it. Keys a tier cannot take now (its worker is offline, see
+``TieringManager.set_tier_online``, or its cascades in flight already pin
+``max_inflight_cascade_keys``) and keys whose cascade failed wait in the tier's backlog, unpinned;
+a failed key is retried with exponential backoff. A key is given up only for a ``CascadeDrop``
+reason (it was evicted first, the tier is full, or ``max_attempts`` failed), each counted per
+tier and logged (``cascade_dropped``) with its keys.
+
+Request-level tiers also get the keys of a store that were already present: ready ones at once,
+the ones still being written parked on their request until their write lands.
+
+Pure bookkeeping like the rest of the tiering library: cascades leave as ``TransferJob``s handed
+to ``submit``, and come back through ``done``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvoffload.logs import get_logger
+from kvoffload.tiering.primary import PrimaryIndex
+from kvoffload.tiering.secondary import SecondaryTier
+from kvoffload.tiering.stats import TieringStats
+from kvoffload.tiering.types import CascadeDrop, Key, RequestState, TransferJob
+from kvoffload.vocab import JobKind, LookupResult
+
+log = get_logger()
+
+HIT, HIT_PENDING, MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
+
+
+@dataclass(slots=True)
+class PendingCascade:
+    """A key waiting in a tier's cascade backlog: ``attempts`` failed so far; not submitted
+    again before ``not_before``; ``in_flight`` while a retry of it runs."""
+
+    attempts: int = 0
+    not_before: float = 0.0
+    in_flight: bool = False
+
+
+@dataclass(slots=True)
+class TierCascades:
+    """One tier's cascade state: the keys waiting for a cascade (``backlog``), when the backlog
+    is worth looking at again (``due_at``), and the keys its cascades in flight pin."""
+
+    backlog: OrderedDict[Key, PendingCascade] = field(default_factory=OrderedDict)
+    due_at: float = 0.0
+    inflight_keys: int = 0
+
+
+class Cascades:
+    def __init__(
+        self,
+        tiers: Sequence[SecondaryTier],
+        primary: PrimaryIndex,
+        stats: TieringStats,
+        clock: Callable[[], float],
+        submit: Callable[[TransferJob], None],
+        *,
+        max_attempts: int,
+        backoff_s: float,
+        backoff_max_s: float,
+    ) -> None:
+        """A failed key is retried after ``backoff_s``, doubling up to ``backoff_max_s``, and
+        given up after ``max_attempts`` failures. ``submit`` takes each new cascade job."""
+        self.tiers = tiers
+        self.primary = primary
+        self.stats = stats
+        self.max_attempts = max_attempts
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self._clock = clock
+        self._submit = submit
+        self.per_tier = [TierCascades() for _ in tiers]
+        self._parked_requests: set[str] = set()
+
+    # ---- submission -----------------------------------------------------------------------
+
+    def submit(self, tier_idx: int, keys: list[Key], req_id: str | None) -> None:
+        """Cascade the ready keys the tier does not hold: as many as it has room for now, the
+        others into its backlog."""
+        tier, state = self.tiers[tier_idx], self.per_tier[tier_idx]
+        keys = [k for k in dict.fromkeys(keys) if not tier.knows(k) and k not in state.backlog]
+        if not keys:
+            return
+        room = self.room(tier_idx, len(keys))
+        if room < len(keys):
+            now = self._clock()
+            for key in keys[room:]:
+                state.backlog[key] = PendingCascade(not_before=now)
+            state.due_at = min(state.due_at, now)
+            self.stats.tier(tier_idx + 1).cascade_keys_deferred += len(keys) - room
+        if room:
+            self._send(tier_idx, keys[:room], req_id)
+
+    def submit_everywhere(self, keys: list[Key], req_id: str | None) -> None:
+        """Cascade keys that just became ready to every secondary tier."""
+        for tier_idx in range(len(self.tiers)):
+            self.submit(tier_idx, keys, req_id)
+
+    def room(self, tier_idx: int, wanted: int) -> int:
+        """How many of ``wanted`` keys a cascade may pin now (0 while the tier is offline)."""
+        tier = self.tiers[tier_idx]
+        if not tier.online:
+            return 0
+        bound = tier.spec.max_inflight_cascade_keys
+        if bound <= 0:
+            return wanted
+        return max(0, min(wanted, bound - self.per_tier[tier_idx].inflight_keys))
+
+    def _send(self, tier_idx: int, keys: list[Key], req_id: str | None) -> None:
+        slots = self.primary.pin(keys)
+        self.per_tier[tier_idx].inflight_keys += len(keys)
+        self._submit(TransferJob(0, tier_idx, JobKind.CASCADE, keys, slots, req_id))
+
+    # ---- request-level tiers: keys already present ----------------------------------------
+
+    def cascade_existing(self, state: RequestState, keys: list[Key]) -> None:
+        """Cascade the ready keys to the request-level tiers now; park the ones still being
+        written (they are retried at each step end); drop the absent ones."""
+        ready = []
+        for key in keys:
+            result = self.primary.lookup(key)
+            if result is HIT:
+                ready.append(key)
+            elif result is HIT_PENDING:
+                state.parked_cascade_keys[key] = None
+                self._parked_requests.add(state.ctx.req_id)
+        if ready:
+            for i in sorted(state.request_level_tiers):
+                self.submit(i, ready, state.ctx.req_id)
+
+    def retry_parked(
+        self, requests: Mapping[str, RequestState], finalize: Callable[[str], None]
+    ) -> None:
+        """Try the parked keys of every request again; ``finalize`` follows each request's."""
+        for req_id in list(self._parked_requests):
+            state = requests[req_id]
+            parked = list(state.parked_cascade_keys)
+            state.parked_cascade_keys.clear()
+            self._parked_requests.discard(req_id)
+            self.cascade_existing(state, parked)
+            finalize(req_id)
+
+    def unpark(self, req_id: str) -> None:
+        """The request's parked keys were dropped (cache reset)."""
+        self._parked_requests.discard(req_id)
+
+    # ---- results --------------------------------------------------------------------------
+
+    def done(self, job: TransferJob, ok: list[Key], failed: list[Key], full: set[Key]) -> None:
+        """A cascade's result: its slots are unpinned, stored keys leave the backlog; failed
+        ones wait there for their backoff, or are given up (tier full, retry bound)."""
+        tier_idx = job.tier
+        tier, state = self.tiers[tier_idx], self.per_tier[tier_idx]
+        state.inflight_keys -= len(job.keys)
+        self.primary.unpin(job.keys)
+        tier.stored(ok)
+        for key in ok:
+            state.backlog.pop(key, None)
+        now = self._clock()
+        retry_bound: list[Key] = []
+        for key in failed:
+            if key in full:
+                state.backlog.pop(key, None)
+                continue
+            entry = state.backlog.get(key)
+            if entry is None:
+                entry = state.backlog[key] = PendingCascade()
+            entry.in_flight = False
+            entry.attempts += 1
+            if entry.attempts >= self.max_attempts:
+                del state.backlog[key]
+                retry_bound.append(key)
+                continue
+            backoff = self.backoff_s * 2 ** (entry.attempts - 1)
+            entry.not_before = now + min(backoff, self.backoff_max_s)
+        if state.backlog:
+            state.due_at = 0.0  # room was freed and retries were scheduled: look again
+        self._drop(tier_idx, [k for k in failed if k in full], CascadeDrop.TIER_FULL)
+        self._drop(tier_idx, retry_bound, CascadeDrop.RETRY_BOUND)
+
+    # ---- backlogs -------------------------------------------------------------------------
+
+    def retry_due(self) -> None:
+        """Submit what is due in the backlog of every online tier."""
+        now = self._clock()
+        for tier_idx, tier in enumerate(self.tiers):
+            state = self.per_tier[tier_idx]
+            if tier.online and state.backlog and now >= state.due_at:
+                self._retry(tier_idx, now)
+
+    def _retry(self, tier_idx: int, now: float) -> None:
+        """Submit the backlog keys that are due, ready and within the tier's room; forget the
+        ones the tier now holds; give up the ones evicted meanwhile."""
+        tier, state = self.tiers[tier_idx], self.per_tier[tier_idx]
+        room = self.room(tier_idx, len(state.backlog))
+        batch: list[Key] = []
+        settled: list[Key] = []
+        evicted: list[Key] = []
+        due_at = math.inf
+        for key, entry in state.backlog.items():
+            if entry.in_flight:
+                continue
+            if tier.knows(key):
+                settled.append(key)
+                continue
+            result = self.primary.lookup(key)
+            if result is MISS:
+                evicted.append(key)
+            elif entry.not_before > now:
+                due_at = min(due_at, entry.not_before)
+            elif result is HIT_PENDING:
+                due_at = min(due_at, now + self.backoff_s)
+            elif len(batch) < room:
+                batch.append(key)
+        for key in settled + evicted:
+            del state.backlog[key]
+        state.due_at = due_at
+        self._drop(tier_idx, evicted, CascadeDrop.EVICTED)
+        if batch:
+            for key in batch:
+                state.backlog[key].in_flight = True
+            self.stats.tier(tier_idx + 1).cascade_keys_resubmitted += len(batch)
+            self._send(tier_idx, batch, None)
+
+    def has_due(self) -> bool:
+        """Some online tier's backlog is worth looking at now."""
+        now = self._clock()
+        return any(
+            tier.online and state.backlog and now >= state.due_at
+            for tier, state in zip(self.tiers, self.per_tier, strict=True)
+        )
+
+    def tier_online(self, tier_idx: int) -> None:
+        """The tier's worker is back: look at its backlog at once."""
+        self.per_tier[tier_idx].due_at = 0.0
+
+    def waiting_keys(self) -> list[Key]:
+        """Keys in any backlog (evicted to make room only when nothing else can)."""
+        return [k for state in self.per_tier for k in state.backlog]
+
+    def evicted(self, keys: Iterable[Key]) -> None:
+        """Keys left the primary tier: those still waiting for a cascade are given up."""
+        keys = list(keys)
+        for tier_idx, state in enumerate(self.per_tier):
+            gone = [k for k in keys if state.backlog.pop(k, None) is not None]
+            self._drop(tier_idx, gone, CascadeDrop.EVICTED)
+
+    def give_up_all(self) -> None:
+        """The primary tier is emptied: every key still in a backlog is given up as evicted."""
+        for tier_idx, state in enumerate(self.per_tier):
+            left = list(state.backlog)
+            state.backlog.clear()
+            self._drop(tier_idx, left, CascadeDrop.EVICTED)
+
+    def flush(self) -> None:
+        """Make every backlog key due now, backoff or not."""
+        for state in self.per_tier:
+            for entry in state.backlog.values():
+                entry.not_before = 0.0
+            state.due_at = 0.0
+
+    def backlog(self, online_only: bool = False) -> int:
+        """Keys waiting in the backlogs (of the online tiers only, if asked)."""
+        return sum(
+            len(state.backlog)
+            for tier, state in zip(self.tiers, self.per_tier, strict=True)
+            if tier.online or not online_only
+        )
+
+    def has_parked(self) -> bool:
+        return bool(self._parked_requests)
+
+    def _drop(self, tier_idx: int, keys: list[Key], reason: CascadeDrop) -> None:
+        if not keys:
+            return
+        self.stats.tier(tier_idx + 1).cascade_dropped(reason, len(keys))
+        log.warning(
+            "cascade_dropped",
+            tier=self.tiers[tier_idx].name,
+            reason=reason.value,
+            count=len(keys),
+            keys=[k.hex() for k in keys],
+        )
