@@ -22,7 +22,7 @@ from kvoffload.server.sessions import ClientSession
 from kvoffload.server.sockets import bind_client_socket, bind_job_socket
 from kvoffload.server.warmstart import WarmRestart
 from kvoffload.server.workers import WorkerRegistry
-from kvoffload.tiering import Locality, Medium, TieringManager, TierSpec, TransferResult
+from kvoffload.tiering import Locality, Medium, TieringLedger, TierSpec, TransferResult
 
 log = structlog.get_logger()
 
@@ -77,7 +77,7 @@ class ManagerState:
         self.zctx = zmq.Context()
         self.client_sock, self.auth = bind_client_socket(self.zctx, spec.client_endpoint, svc)
         self.job_sock = bind_job_socket(self.zctx, spec.job_endpoint, svc.max_message_bytes)
-        self.tiering = TieringManager(
+        self.tiering = TieringLedger(
             cfg.pool.num_slots,
             tier_specs(cfg),
             policy=cfg.pool.eviction_policy,

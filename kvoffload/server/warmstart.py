@@ -26,7 +26,7 @@ from kvoffload.config import Config
 from kvoffload.memory.blockformat import BlockHeader, deployment_fingerprint
 from kvoffload.memory.slottable import SlotTable
 from kvoffload.runtime.runspec import RunSpec
-from kvoffload.tiering import TieringManager
+from kvoffload.tiering import TieringLedger
 
 log = structlog.get_logger()
 
@@ -58,7 +58,7 @@ class WarmRestart:
     """Slot header bookkeeping of one manager process. Build it with ``open``."""
 
     def __init__(
-        self, table: SlotTable, fingerprint: bytes, tiering: TieringManager, block_bytes: int
+        self, table: SlotTable, fingerprint: bytes, tiering: TieringLedger, block_bytes: int
     ) -> None:
         self._table = table
         self._fingerprint = fingerprint
@@ -76,7 +76,7 @@ class WarmRestart:
         }
 
     @classmethod
-    def open(cls, spec: RunSpec, cfg: Config, tiering: TieringManager) -> WarmRestart | None:
+    def open(cls, spec: RunSpec, cfg: Config, tiering: TieringLedger) -> WarmRestart | None:
         """Attach the run's slot table and rebuild from it; None when slot headers are off.
         ``tiering`` must be unused and track slot invalidations."""
         if not spec.slot_table_name:

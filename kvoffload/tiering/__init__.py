@@ -3,7 +3,7 @@
 The contract it implements is docs/design/tiering.md.
 """
 
-from kvoffload.tiering.manager import TieringManager
+from kvoffload.tiering.ledger import TieringLedger
 from kvoffload.tiering.primary import PrimaryIndex
 from kvoffload.tiering.secondary import SecondaryTier, TierSpec
 from kvoffload.tiering.types import (
@@ -40,7 +40,7 @@ __all__ = [
     "TierMatcher",
     "TierSpec",
     "TieringError",
-    "TieringManager",
+    "TieringLedger",
     "TransferJob",
     "TransferResult",
     "parse_tier_filter",

@@ -2,7 +2,7 @@
 
 Every key that lands in the primary tier (a store, or an adopted block) is cascaded to every
 secondary tier that does not hold it. Keys a tier cannot take now (its worker is offline, see
-``TieringManager.set_tier_online``, or its cascades in flight already pin
+``TieringLedger.set_tier_online``, or its cascades in flight already pin
 ``max_inflight_cascade_keys``) and keys whose cascade failed wait in the tier's backlog, unpinned;
 a failed key is retried with exponential backoff. A key is given up only for a ``CascadeDrop``
 reason (it was evicted first, the tier is full, or ``max_attempts`` failed), each counted per

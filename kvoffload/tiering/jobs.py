@@ -1,7 +1,7 @@
 """Tier jobs in flight, from their submission to the one result each gets.
 
 Every job gets its id from one increasing counter (device jobs of the service included, see
-``TieringManager.next_job_id``) and stays in the table until its one result is applied: from
+``TieringLedger.next_job_id``) and stays in the table until its one result is applied: from
 its tier (``apply``, with ``progress`` reports of a promotion before), from ``fail_tier`` when
 the tier's worker dies, or from ``expire_probes``. A result goes to the part that made the job:
 probes to their tier's verdicts, cascades to ``Cascades``, promotions to ``Promotions``.

@@ -2,7 +2,7 @@
 
 A lookup queues the key with the slot reserved for it; at step end (or when the request
 finishes) the queue becomes one ``TransferJob`` per (tier, request). Keys land early
-(``TieringManager.apply_progress``) or with the job's result; a failed key's slot is freed. A
+(``TieringLedger.apply_progress``) or with the job's result; a failed key's slot is freed. A
 landed key stays pinned for its request until the request loads it or finishes, within
 ``unread_cap`` slots over all requests, so a promotion is not evicted before it is read.
 """

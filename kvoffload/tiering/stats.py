@@ -45,8 +45,8 @@ class TierCounters(vocab.TierCounters):
     def job_finished(
         self, kind: JobKind, success: bool, ok_keys: int, seconds: float | None
     ) -> None:
-        """A job's result. A promotion's keys are counted in ``promoted_keys_ok`` by the
-        manager as they land, which may be before the result."""
+        """A job's result. A promotion's keys are counted in ``promoted_keys_ok`` by
+        ``Promotions`` as they land, which may be before the result."""
         self.active_jobs -= 1
         self.transfer_time_s += seconds or 0.0
         if kind is JobKind.PROMOTION:

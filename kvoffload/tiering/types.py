@@ -125,7 +125,7 @@ class TransferJob:
     req_id: str | None
     submitted_at: float = 0.0
     landed: set[Key] = field(default_factory=set)
-    """Keys of a promotion already made ready by ``TieringManager.apply_progress``."""
+    """Keys of a promotion already made ready by ``TieringLedger.apply_progress``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +161,7 @@ class Allocation(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Evicted:
-    """Keys that left the primary tier (``TieringManager.take_events``)."""
+    """Keys that left the primary tier (``TieringLedger.take_events``)."""
 
     keys: list[Key]
 

@@ -8,7 +8,7 @@ from kvoffload.tiering import (
     Locality,
     Medium,
     ReqContext,
-    TieringManager,
+    TieringLedger,
     TierSpec,
     TransferResult,
 )
@@ -27,7 +27,7 @@ class FakeClock:
 
 
 class Harness:
-    """A TieringManager with tiers "disk" (indexed, storage/local) and "mem2" (indexed, cpu/remote)
+    """A TieringLedger with tiers "disk" (indexed, storage/local) and "mem2" (indexed, cpu/remote)
     and an optional probed "object" tier, plus helpers that answer jobs like workers would."""
 
     def __init__(self, num_slots=5, probed=False, request_level=(), **kw):
@@ -38,7 +38,7 @@ class Harness:
         if probed:
             specs.append(TierSpec("object", Medium.STORAGE, Locality.REMOTE, indexed=False))
         self.clock = FakeClock()
-        self.m = TieringManager(num_slots, specs, clock=self.clock, **kw)
+        self.m = TieringLedger(num_slots, specs, clock=self.clock, **kw)
         self.sent = []
 
     def new(self, req_id="r1", **params):

@@ -3,7 +3,7 @@ hook that reports every slot freed or handed to a new key."""
 
 import pytest
 
-from kvoffload.tiering import LookupResult, PrimaryIndex, TieringManager
+from kvoffload.tiering import LookupResult, PrimaryIndex, TieringLedger
 from kvoffload.tiering.types import NotReady
 from tests.tiering.conftest import Harness, k
 
@@ -89,7 +89,7 @@ def test_every_freed_or_reassigned_slot_is_reported_once_per_event():
 
 
 def test_without_tracking_nothing_is_recorded():
-    m = TieringManager(2)
+    m = TieringLedger(2)
     m.adopt([(k(1), 0)])
     m.complete_adoption([k(1)], [])
     assert m.take_invalidated_slots() == []

@@ -1,4 +1,4 @@
-"""Random call sequences against the tiering manager, with invariants checked after every step."""
+"""Random call sequences against the tiering ledger, with invariants checked after every step."""
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -9,7 +9,7 @@ from kvoffload.tiering import (
     Locality,
     Medium,
     ReqContext,
-    TieringManager,
+    TieringLedger,
     TierSpec,
     TransferResult,
 )
@@ -35,7 +35,7 @@ class TieringMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.clock = FakeClock()
-        self.m = TieringManager(
+        self.m = TieringLedger(
             NUM_SLOTS,
             [
                 TierSpec("disk", Medium.STORAGE, Locality.LOCAL, request_level=True),

@@ -1,4 +1,4 @@
-"""Semantics of the tiering manager (docs/design/tiering.md): vLLM's tiering tests and more."""
+"""Semantics of the tiering ledger (docs/design/tiering.md): vLLM's tiering tests and more."""
 
 import pytest
 
@@ -8,7 +8,7 @@ from kvoffload.tiering import (
     MissReason,
     OffloadPolicy,
     ReqContext,
-    TieringManager,
+    TieringLedger,
     TransferResult,
 )
 from kvoffload.tiering.types import (
@@ -133,7 +133,7 @@ def test_cascade_skips_keys_tier_already_holds(h):
 def test_cascade_over_the_pin_bound_waits_unpinned_and_uses_no_job_id():
     from kvoffload.tiering import Locality, Medium, TierSpec
 
-    m = TieringManager(
+    m = TieringLedger(
         5, [TierSpec("disk", Medium.STORAGE, Locality.LOCAL, max_inflight_cascade_keys=2)]
     )
     m.on_new_request(ReqContext("r"))
@@ -1095,7 +1095,7 @@ def test_tier_filter_on_lookup(tiers, expected):
 
 
 def test_works_without_secondary_tiers():
-    m = TieringManager(3)
+    m = TieringLedger(3)
     m.on_new_request(ReqContext("r"))
     out = m.prepare_store("r", [k(1), k(2), k(3)])
     m.complete_store("r", out.keys_to_store)

@@ -1,4 +1,4 @@
-"""The tiering manager: the contract of docs/design/tiering.md as pure bookkeeping.
+"""The tiering ledger: the contract of docs/design/tiering.md as pure bookkeeping.
 
 It owns the primary index, the secondary-tier proxies, the request states and the job table.
 It does no I/O: jobs it creates are queued in an outbox (``take_submissions``) and their outcomes
@@ -58,7 +58,7 @@ from kvoffload.vocab import JobKind
 log = get_logger()
 
 
-class TieringManager:
+class TieringLedger:
     def __init__(
         self,
         num_slots: int,
@@ -143,7 +143,7 @@ class TieringManager:
         return req_id in self._requests
 
     def set_tier_online(self, tier_name: str, online: bool) -> None:
-        """Whether the tier's worker is connected and its index announced (a new manager starts
+        """Whether the tier's worker is connected and its index announced (a new ledger starts
         with every tier online). Cascades for an offline tier wait in its backlog, unpinned,
         and go out once it is back."""
         tier_idx = self.tier_index(tier_name)
