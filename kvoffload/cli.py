@@ -10,8 +10,8 @@ import msgspec
 
 from kvoffload.config import Config, ConfigError, load_config
 from kvoffload.logs import configure_logging
-from kvoffload.protocol import ManagerStatus
 from kvoffload.runtime.discovery import NoServiceFound, find_endpoint
+from kvoffload.status import ManagerStatus
 
 
 def _load(args) -> Config:

@@ -23,6 +23,7 @@ import zmq
 
 from kvoffload import protocol as p
 from kvoffload.protocol import ErrorCode, LookupResult, MissReason, must_wait
+from kvoffload.status import ManagerStatus
 
 
 class KVOffloadError(Exception):
@@ -349,7 +350,7 @@ class KVOffloadClient:
     def reset_cache(self, timeout_s: float = 60.0) -> None:
         self._call(p.ResetCache, timeout_s=timeout_s)
 
-    def status(self) -> p.ManagerStatus:
+    def status(self) -> ManagerStatus:
         return self._call(p.Status).status
 
     def poll(self, wait_ms: int = 0) -> list[p.DeviceJobFinished]:

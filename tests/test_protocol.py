@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from kvoffload import protocol as p
+from kvoffload.status import BreakerStats, ObjectWorkerStats, WorkerLoopStats, WorkerStats
 
 CLIENT_REQUESTS = [
     p.Connect(rid=1, version=p.PROTOCOL_VERSION, client_name="e"),
@@ -25,9 +26,9 @@ WORKER_MESSAGES = [
     p.Heartbeat(
         inflight=2,
         degraded=True,
-        stats=p.WorkerStats(
-            loop=p.WorkerLoopStats(jobs_done=4, queued=1),
-            medium=p.ObjectWorkerStats(puts=2, breaker=p.BreakerStats(state="open")),
+        stats=WorkerStats(
+            loop=WorkerLoopStats(jobs_done=4, queued=1),
+            medium=ObjectWorkerStats(puts=2, breaker=BreakerStats(state="open")),
         ),
     ),
 ]

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import Job, JobKind, KVHandle, MediumStats
+from kvoffload.protocol import Job, JobKind, KVHandle
+from kvoffload.status import MediumStats
 from workers.faults import FaultInjector
 
 if TYPE_CHECKING:

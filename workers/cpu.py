@@ -46,7 +46,8 @@ from kvoffload.memory.blockformat import copy_and_hash
 from kvoffload.memory.cuda_host import cuda_device_count
 from kvoffload.memory.kvcache import SharedKVCache, rebuild_cuda_ipc_tensor
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import CpuWorkerStats, HandleKind, Job, JobKind, KVHandle
+from kvoffload.protocol import HandleKind, Job, JobKind, KVHandle
+from kvoffload.status import CpuWorkerStats
 from workers.backend import AttachRefused, BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector
 from workers.framework import worker_main

@@ -59,16 +59,14 @@ from kvoffload.protocol import (
     Job,
     JobDone,
     JobProgress,
-    MediumStats,
     ProtocolError,
     TouchKeys,
     WorkerHello,
-    WorkerLoopStats,
-    WorkerStats,
     decode_manager_message,
     encode,
 )
 from kvoffload.runtime.runspec import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, RunSpec, load_runspec
+from kvoffload.status import MediumStats, WorkerLoopStats, WorkerStats
 from workers.backend import (
     DEVICE_KINDS,
     SLOT_KINDS,

@@ -22,6 +22,7 @@ from kvoffload.server.sessions import ClientSession
 from kvoffload.server.sockets import bind_client_socket, bind_job_socket
 from kvoffload.server.warmstart import WarmRestart
 from kvoffload.server.workers import WorkerRegistry
+from kvoffload.status import ManagerStatus
 from kvoffload.tiering import Locality, Medium, TieringLedger, TierSpec, TransferResult
 
 log = structlog.get_logger()
@@ -193,9 +194,9 @@ class ManagerState:
         session.pending_poll = None
         self.reply(session.identity, p.Events(poll.rid, events))
 
-    def status(self, now: float) -> p.ManagerStatus:
+    def status(self, now: float) -> ManagerStatus:
         """The manager's status; converting the parts' snapshots checks them field by field."""
-        return msgspec.convert(self._status_fields(now), p.ManagerStatus)
+        return msgspec.convert(self._status_fields(now), ManagerStatus)
 
     def _status_fields(self, now: float) -> dict:
         return {

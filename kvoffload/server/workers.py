@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from kvoffload.protocol import WorkerStats
+from kvoffload.status import WorkerStats
 
 log = structlog.get_logger()
 

@@ -21,7 +21,6 @@ from kvoffload.memory.pool import HostPool
 from kvoffload.protocol import (
     PROTOCOL_VERSION,
     Control,
-    DiskWorkerStats,
     FaultSpec,
     Heartbeat,
     IndexUpdate,
@@ -33,6 +32,7 @@ from kvoffload.protocol import (
     encode,
 )
 from kvoffload.runtime.runspec import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, RunSpec, load_runspec
+from kvoffload.status import DiskWorkerStats
 from tests.workers.conftest import FakeManager, write_spec
 from workers.backend import Backend, BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault

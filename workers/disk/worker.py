@@ -48,7 +48,8 @@ from kvoffload.config import Config
 from kvoffload.logs import get_logger
 from kvoffload.memory.blockformat import CorruptBlock, deployment_fingerprint
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import DiskWorkerStats, Job, JobKind, KVHandle
+from kvoffload.protocol import Job, JobKind, KVHandle
+from kvoffload.status import DiskWorkerStats
 from workers.backend import BackendOutcome
 from workers.disk.errors import StoreFull, TransientIOError
 from workers.disk.fanout import fan_out

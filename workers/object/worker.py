@@ -36,7 +36,8 @@ from kvoffload.config import Config
 from kvoffload.logs import get_logger
 from kvoffload.memory.blockformat import CorruptBlock, deployment_fingerprint
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import Job, JobKind, ObjectWorkerStats
+from kvoffload.protocol import Job, JobKind
+from kvoffload.status import ObjectWorkerStats
 from workers.backend import BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault
 from workers.object.breaker import CLOSED, BreakerOpen, CircuitBreaker

@@ -1,0 +1,187 @@
+"""The status schemas: what the manager reports of itself, and what workers report of theirs.
+
+``ManagerStatus`` is the body of the client channel's ``StatusReply`` (and what the metrics
+endpoint publishes); ``WorkerStats`` rides on each worker's ``Heartbeat``. Typed msgspec
+Structs, decoded as strictly as every message (unknown fields are refused). A leaf like
+``protocol``: it imports only msgspec and ``vocab``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+# re-exported: the tiering library counts them, the status reports them
+from kvoffload.vocab import TierCounters as TierCounters
+
+
+class _Status(msgspec.Struct, forbid_unknown_fields=True):
+    pass
+
+
+class TierState(_Status):
+    """What the manager knows of one secondary tier now."""
+
+    indexed_keys: int
+    verdicts: int
+    tracked_requests: int
+    online: bool
+    cascade_backlog: int
+
+
+class TieringStatus(_Status):
+    slots: int
+    used_slots: int
+    pinned_slots: int
+    writing_slots: int
+    unverified_slots: int
+    unread_promotion_pins: int
+    jobs_in_flight: int
+    cascade_backlog: int
+    requests: int
+    tiers: dict[str, TierState]
+    hit_pending_expired: int
+    promotion_allocation_failures: int
+    store_allocation_failures: int
+    promoted_keys: int
+    promoted_keys_consumed: int
+    promotion_amplification: float | None
+    per_tier: dict[str, TierCounters]
+
+
+class PoolStatus(_Status):
+    name: str
+    block_bytes: int
+
+
+class WorkerLoopStats(_Status):
+    """The worker framework's own counters and levels, the same for every worker kind."""
+
+    jobs_done: int = 0
+    jobs_failed: int = 0
+    jobs_refused: int = 0
+    release_failures: int = 0
+    cleanup_failures: int = 0
+    bad_messages: int = 0
+    queued: int = 0
+    releasing: int = 0
+
+
+class _MediumStats(_Status, tag_field="backend"):
+    pass
+
+
+class CpuWorkerStats(_MediumStats, tag="cpu"):
+    """The cpu worker's copy counters; ``kv_handles`` is the number of engine caches attached."""
+
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    keys_failed: int = 0
+    slots_verified: int = 0
+    slots_verify_failed: int = 0
+    kv_handles: int = 0
+
+
+class DiskWorkerStats(_MediumStats, tag="disk"):
+    """The disk worker's counters, with its store's fill level and I/O mode."""
+
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+    direct_io: bool = False
+    degraded: bool = False
+    bytes_read: int = 0
+    bytes_written: int = 0
+    keys_promoted: int = 0
+    keys_cascaded: int = 0
+    corrupt_blocks: int = 0
+    absent_keys: int = 0
+    transient_errors: int = 0
+    enospc_errors: int = 0
+    store_full: int = 0
+    write_errors: int = 0
+    injected_corruptions: int = 0
+    keys_evicted: int = 0
+
+
+BreakerState = Literal["closed", "open", "half_open"]
+
+
+class BreakerStats(_Status):
+    """A circuit breaker's state; ``retry_in_s`` is 0 unless the breaker is open."""
+
+    state: BreakerState = "closed"
+    consecutive_failures: int = 0
+    failures_total: int = 0
+    rejected_total: int = 0
+    opened_total: int = 0
+    cooldown_s: float = 0.0
+    retry_in_s: float = 0.0
+
+
+class ObjectWorkerStats(_MediumStats, tag="object"):
+    """The object worker's request counters and its store's circuit breaker."""
+
+    probes: int = 0
+    probe_failures: int = 0
+    keys_probed: int = 0
+    keys_found: int = 0
+    gets: int = 0
+    get_failures: int = 0
+    puts: int = 0
+    put_failures: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    slot_release_failures: int = 0
+    injected_corruptions: int = 0
+    pending_releases: int = 0
+    breaker: BreakerStats = msgspec.field(default_factory=BreakerStats)
+
+
+MediumStats = CpuWorkerStats | DiskWorkerStats | ObjectWorkerStats
+
+
+class WorkerStats(_Status):
+    """What a heartbeat reports: the framework's counters and the backend's own.
+    ``medium`` is None when the backend could not report this time (logged by the worker)."""
+
+    loop: WorkerLoopStats = msgspec.field(default_factory=WorkerLoopStats)
+    medium: MediumStats | None = None
+
+
+class WorkerStatus(_Status):
+    """A connected worker; ``stats`` are its own counters, as its last heartbeat said."""
+
+    pid: int
+    medium: str
+    alive: bool
+    last_heartbeat_s: float
+    degraded: bool
+    index_complete: bool
+    inflight: int
+    incarnation: int
+    stats: WorkerStats
+
+
+class WarmRestartStatus(_Status):
+    """Blocks adopted from the slot headers after a manager restart, and their verification."""
+
+    headers_found: int
+    adopted: int
+    duplicates: int
+    verified: int
+    dropped: int
+    unverified: int
+
+
+class ManagerStatus(_Status):
+    pid: int
+    uptime_s: float
+    draining: bool
+    pool: PoolStatus
+    tiering: TieringStatus
+    device_jobs_in_flight: int
+    workers: dict[str, WorkerStatus]
+    worker_restarts_seen: int
+    clients: int
+    warm_restart: WarmRestartStatus | None
