@@ -7,8 +7,10 @@ concatenation, in tensor order, of each tensor's row for that block.
 KV caches arrive with ``AttachKV``:
 - ``shm``: the engine's ``SharedKVCache`` segment is mapped; rows are copied with ``np.copyto``
   straight between the engine's row and the slot (no staging buffer; the GIL is released).
-- ``cuda_ipc``: the CUDA tensors are opened through CUDA IPC and copied with ``non_blocking``
-  on a stream per job thread, synchronized before the job's outcome is returned. Only a worker
+- ``cuda_ipc``: the CUDA tensors are opened through CUDA IPC and copied on a stream per job
+  thread, batched (``kvoffload.memory.cudacopy``: per tensor one gather or scatter through a
+  staging buffer on the GPU, one DMA per run of consecutive slots), synchronized before the
+  job's outcome is returned. Only a worker
   that sees a CUDA device (asked through libcuda at start, without torch) advertises
   ``cuda_ipc`` in its hello; any other refuses such a handle at once. The opening (importing
   torch, opening the IPC memory, registering the pool with ``cudaHostRegister``) runs on a
@@ -87,6 +89,18 @@ class _AttachedKV:
     def load(self, slot: int, block: int) -> None:
         """Copy pool slot -> device block (may complete only at ``finish``)."""
         raise NotImplementedError
+
+    batched = False
+    """Whether copies go through ``copy_many`` (one batched copy for a job's keys)."""
+
+    def copy_many(self, blocks: list[int], slots: list[int], store: bool) -> None:
+        """Copy device block ``blocks[i]`` to (``store``) or from pool slot ``slots[i]``, for
+        every ``i`` at once (may complete only at ``finish``)."""
+        for block, slot in zip(blocks, slots, strict=True):
+            if store:
+                self.store(block, slot)
+            else:
+                self.load(slot, block)
 
     def wait_ready(self) -> None:
         """Return once copies can start; raise AttachRefused when they never can."""
@@ -224,6 +238,31 @@ class _CudaKV(_AttachedKV):
             for rows, size in zip(self._rows, self.row_bytes, strict=True):
                 rows[block].copy_(src[offset : offset + size], non_blocking=True)
                 offset += size
+
+    batched = True
+
+    def copy_many(self, blocks: list[int], slots: list[int], store: bool) -> None:
+        from kvoffload.memory.cudacopy import Part, SlotRegion, copy_slots  # imports torch
+
+        parts, offset = [], 0
+        for rows, size in zip(self._rows, self.row_bytes, strict=True):
+            parts.append(Part(rows, blocks, range(len(blocks)), offset, size))
+            offset += size
+        region = SlotRegion(0, offset, offset)
+        with self._torch.cuda.stream(self._stream()):
+            copy_slots(self._pool, slots, region, parts, store, self._stage())
+
+    def _stage(self) -> Any:
+        """This thread's staging buffer on the tensors' device (``cudacopy.StageBuffer``)."""
+        from kvoffload.memory.cudacopy import StageBuffer
+
+        stages = getattr(self._streams, "stages", None)
+        if stages is None:
+            stages = self._streams.stages = {}
+        stage = stages.get(self._device)
+        if stage is None:
+            stage = stages[self._device] = StageBuffer(self._device)
+        return stage
 
     def finish(self) -> None:
         self._stream().synchronize()
@@ -454,6 +493,7 @@ class CpuBackend(NoIndexBackend):
         ok_slots: list[int] = []
         ok_checksums: list[int | None] = []
         failures: list[str] = []
+        queued: list[int] = []  # device blocks of the ok keys, for a batched copy
         for i in indices:
             key, slot, block = job.keys[i], job.slots[i], job.device_blocks[i]
             try:
@@ -464,7 +504,9 @@ class CpuBackend(NoIndexBackend):
                 if faults.active:
                     faults.on_op(job.kind, key)
                 checksum = None
-                if hashed:
+                if kv.batched:
+                    queued.append(block)
+                elif hashed:
                     checksum = kv.store_checksummed(block, slot)
                 elif store:
                     kv.store(block, slot)
@@ -486,6 +528,8 @@ class CpuBackend(NoIndexBackend):
             ok_slots.append(slot)
             ok_checksums.append(checksum)
         try:
+            if queued:
+                kv.copy_many(queued, ok_slots, store)
             kv.finish()
         except Exception as exc:
             log.error("device_copy_sync_failed", job_id=job.job_id, kind=job.kind, error=repr(exc))

@@ -2,9 +2,13 @@
 
 The worker maps kvoffload's host pool itself and copies between vLLM's KV tensors and pool
 slots: memcpy (one copy per block and tensor, spread over a ``SlotCopier``'s threads) for CPU
-tensors, and asynchronous copies on a dedicated CUDA stream from the CUDA-registered pool for
-GPU tensors. The checksums of stored slots and the checks of loaded ones run on the same
-threads. It never talks to the manager: slot numbers arrive in the ``PoolBlocks`` the scheduler
+tensors, and for GPU tensors batched asynchronous copies (``kvoffload.memory.cudacopy``: per
+tensor one gather or scatter through a staging buffer on the GPU, per run of slots one DMA)
+from the CUDA-registered pool, on a stream of the worker's (expedited loads, which vLLM 0.33
+waits for within the step, on a second one, so they do not queue behind stores). The checksums
+of stored slots and the checks of loaded ones run on the ``SlotCopier``'s threads: on CPU
+inside the submission (the copy is done by then), on CUDA once the copy's event completed
+(``get_finished`` / ``wait``), so a submission never blocks. It never talks to the manager: slot numbers arrive in the ``PoolBlocks`` the scheduler
 side built, and completions leave through ``get_finished``.
 
 Every KV cache group of the model is served: a key's slot holds that group's blocks (see
@@ -40,6 +44,7 @@ from vllm.v1.kv_offload.base import (
 from kvoffload.integrations.vllm import integration_logger
 from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks
 from kvoffload.integrations.vllm.layout import BlockLayout, CopyRow, transfer_rows
+from kvoffload.memory.cudacopy import Part, SlotRegion, StageBuffer, copy_slots
 from kvoffload.memory.pool import HostPool
 from kvoffload.memory.slotcopy import SlotCopier
 from kvoffload.protocol import FaultSpec
@@ -63,12 +68,24 @@ class TransferReport:
 
 
 @dataclass
+class _LoadCheck:
+    """What a CUDA load checks once its copy completed: the loaded key indexes of ``spec`` and
+    the destination blocks of each key."""
+
+    spec: PoolBlocks
+    loaded: set[int]
+    blocks: dict[int, list[int]]
+
+
+@dataclass
 class _Pending:
-    """A submitted job; ``stored`` is a store whose slots get checksummed once it is done."""
+    """A submitted job; ``stored`` is a store whose slots get checksummed once it is done,
+    ``check`` a CUDA load verified then."""
 
     result: TransferResult
     event: torch.cuda.Event | None = None
     stored: PoolBlocks | None = None
+    check: _LoadCheck | None = None
 
 
 class KVOffloadWorker(OffloadingWorker):
@@ -86,7 +103,7 @@ class KVOffloadWorker(OffloadingWorker):
         pages = tuple(tuple(r.page_size_bytes for r in refs) for refs in groups)
         if pages != layout.group_pages:
             raise ValueError(f"KV pages {pages} differ from the layout {layout.group_pages}")
-        self._tensors = [t.tensor for t in kv_caches.tensors]
+        self._tensors = [t.tensor.view(t.tensor.shape[0], -1) for t in kv_caches.tensors]
         self._group_refs = [
             [
                 (r.tensor_idx, r.page_size_bytes, offset)
@@ -97,7 +114,14 @@ class KVOffloadWorker(OffloadingWorker):
         self._layout = layout
         self._device = self._tensors[0].device
         self._arrays = [t.numpy() for t in self._tensors] if self._device.type == "cpu" else []
-        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        cuda = self._device.type == "cuda"
+        self._stream = torch.cuda.Stream(self._device) if cuda else None
+        self._expedited = torch.cuda.Stream(self._device) if cuda else None
+        self._stages = {
+            False: StageBuffer(self._device),
+            True: StageBuffer(self._device),
+        }
+        self._registered = True
         self._pools: dict[str, HostPool] = {}
         self._fenced = True
         self._pool_views: dict[str, torch.Tensor] = {}
@@ -143,6 +167,26 @@ class KVOffloadWorker(OffloadingWorker):
     def _manager_alive(self, pid: int) -> bool:
         return not self._fenced or _alive(pid)
 
+    # ---- sleep mode -----------------------------------------------------------------------
+
+    def unregister(self) -> None:
+        """Wait for every copy in flight, then refuse copies until ``restore`` (the KV
+        tensors' memory is released while vLLM sleeps). Idempotent."""
+        self._sync_streams()
+        self._registered = False
+
+    def restore(self) -> None:
+        """Take the KV tensors' memory again (vLLM maps it back at the same addresses; the
+        CPU views are rebuilt all the same). Idempotent."""
+        if self._device.type == "cpu":
+            self._arrays = [t.numpy() for t in self._tensors]
+        self._registered = True
+
+    def _sync_streams(self) -> None:
+        for stream in (self._stream, self._expedited):
+            if stream is not None:
+                stream.synchronize()
+
     # ---- OffloadingWorker -----------------------------------------------------------------
 
     def submit_store(
@@ -155,6 +199,8 @@ class KVOffloadWorker(OffloadingWorker):
             self._finish(job_id, 0, start)  # rank 0 writes the one copy every rank reads
             return True
         try:
+            if not self._registered:
+                raise ValueError("the KV caches are unregistered (vLLM sleeps)")
             rows = self._rows(len(dst_spec.keys), src_spec)
             pool = self._pool_view(dst_spec)
             if not self._manager_alive(dst_spec.manager_pid):
@@ -191,27 +237,55 @@ class KVOffloadWorker(OffloadingWorker):
         failed = {i for i, slot in enumerate(src_spec.slots) if slot == NO_SLOT}
         if self._fail_fraction:
             failed.update(i for i in range(len(keys)) if self._rng.random() < self._fail_fraction)
+        if not self._registered:
+            log.warning("kvoffload_load_refused req_id=%s: vLLM sleeps", src_spec.req_id)
+            failed = set(range(len(keys)))
         try:
             pool = self._pool_view(src_spec) if len(failed) < len(keys) else None
         except (OSError, ValueError) as exc:
             log.warning("kvoffload_pool_unavailable pool=%s error=%s", src_spec.pool_name, exc)
             pool, failed = None, set(range(len(keys)))
         good = [r for r in rows if r.key_index not in failed]
+        check = None
         if pool is not None and good:
-            moved = self._copy(pool, good, src_spec.slots, to_pool=False)
-            if self._verify_loads:
-                failed |= self._corrupt_slots(src_spec, {r.key_index for r in good})
-            if not self._manager_alive(src_spec.manager_pid):
-                log.warning("kvoffload_manager_gone_during_load pid=%d", src_spec.manager_pid)
-                failed = set(range(len(keys)))
+            moved = self._copy(pool, good, src_spec.slots, to_pool=False, expedited=expedited)
+            blocks: dict[int, list[int]] = {}
+            for row in good:
+                blocks.setdefault(row.key_index, []).append(row.block_id)
+            check = _LoadCheck(src_spec, set(blocks), blocks)
+            if self._stream is None:  # CPU: the copy is done, check it now
+                failed |= self._check_load(check)
+                check = None
         if failed:
             self._fail_load(
                 src_spec.req_id,
                 [keys[i] for i in sorted(failed)],
                 [r.block_id for r in rows if r.key_index in failed],
             )
-        self._finish(job_id, moved, start)
+        self._finish(job_id, moved, start, check=check, expedited=expedited)
         return True
+
+    def _check_load(self, check: _LoadCheck) -> set[int]:
+        """Indexes of the loaded keys to fail once their copy is complete: all when the
+        manager that pinned their slots is gone, else those whose slot does not match its
+        checksum (``verify_loads``)."""
+        spec = check.spec
+        if not self._manager_alive(spec.manager_pid):
+            log.warning("kvoffload_manager_gone_during_load pid=%d", spec.manager_pid)
+            return set(check.loaded)
+        if self._verify_loads:
+            return self._corrupt_slots(spec, check.loaded)
+        return set()
+
+    def _finish_check(self, check: _LoadCheck) -> None:
+        """Run a CUDA load's check (its copy is complete) and fail the keys it finds."""
+        bad = self._check_load(check)
+        if bad:
+            self._fail_load(
+                check.spec.req_id,
+                [check.spec.keys[i] for i in sorted(bad)],
+                [block for i in sorted(bad) for block in check.blocks[i]],
+            )
 
     def _rows(self, num_keys: int, spec: GPULoadStoreSpec) -> list[CopyRow]:
         return transfer_rows(
@@ -229,18 +303,30 @@ class KVOffloadWorker(OffloadingWorker):
             (done if pending.event is None or pending.event.query() else waiting).append(pending)
         self._pending = waiting
         for pending in done:
-            if pending.stored is not None:
-                self._checksum(pending.stored)
+            self._completed(pending)
         return [p.result for p in done]
 
+    def _completed(self, pending: _Pending) -> None:
+        """A job's copies are complete: checksum what it stored, check what it loaded."""
+        if pending.stored is not None:
+            self._checksum(pending.stored)
+            pending.stored = None
+        if pending.check is not None:
+            self._finish_check(pending.check)
+            pending.check = None
+
     def wait(self, job_ids: set[int]) -> None:
+        """Return once the jobs' copies are complete (and checked: a failed key of a load is
+        reported by then)."""
         for pending in self._pending:
             if pending.event is not None and pending.result.job_id in job_ids:
                 pending.event.synchronize()
+                if pending.check is not None:
+                    self._finish_check(pending.check)
+                    pending.check = None
 
     def shutdown(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
+        self._sync_streams()
         self._pool_views.clear()
         for pool in self._pools.values():
             pool.close()
@@ -280,8 +366,6 @@ class KVOffloadWorker(OffloadingWorker):
         """Indexes of the loaded keys whose slot no longer has the checksum recorded when it
         was written. The slots stay pinned while this runs, so a match proves the copied bytes
         are the ones written."""
-        if self._stream is not None:
-            self._stream.synchronize()
         pool = self._pools[spec.pool_name]
         checked = sorted(i for i in loaded if i < len(spec.checksums) and spec.checksums[i])
         sums = self._copier.checksums([pool.slot_array(spec.slots[i]) for i in checked])
@@ -307,21 +391,33 @@ class KVOffloadWorker(OffloadingWorker):
     # ---- copies ---------------------------------------------------------------------------
 
     def _finish(
-        self, job_id: int, moved: int, start: float, stored: PoolBlocks | None = None
+        self,
+        job_id: int,
+        moved: int,
+        start: float,
+        stored: PoolBlocks | None = None,
+        check: _LoadCheck | None = None,
+        expedited: bool = False,
     ) -> None:
         result = TransferResult(job_id, True, moved, time.perf_counter() - start)
         event = None
-        if self._stream is not None:
+        stream = self._expedited if expedited else self._stream
+        if stream is not None:
             event = torch.cuda.Event()
-            event.record(self._stream)
-        self._pending.append(_Pending(result, event, stored))
+            event.record(stream)
+        self._pending.append(_Pending(result, event, stored, check))
 
     def _copy(
-        self, pool: torch.Tensor, rows: list[CopyRow], slots: Sequence[int], to_pool: bool
+        self,
+        pool: torch.Tensor,
+        rows: list[CopyRow],
+        slots: Sequence[int],
+        to_pool: bool,
+        expedited: bool = False,
     ) -> int:
         """Copy ``rows`` between the KV tensors and their keys' slots; returns bytes moved."""
         if self._stream is not None:
-            return self._copy_cuda(pool, rows, slots, to_pool)
+            return self._copy_cuda(pool, rows, slots, to_pool, expedited)
         # One memcpy per (block, tensor) through numpy views: torch's advanced indexing of
         # int8 rows measured 0.36 GB/s here, row slices 4.5 GB/s.
         host = pool.numpy()
@@ -338,26 +434,53 @@ class KVOffloadWorker(OffloadingWorker):
         return sum(dst.nbytes for dst, _ in pairs)
 
     def _copy_cuda(
-        self, pool: torch.Tensor, rows: list[CopyRow], slots: Sequence[int], to_pool: bool
+        self,
+        pool: torch.Tensor,
+        rows: list[CopyRow],
+        slots: Sequence[int],
+        to_pool: bool,
+        expedited: bool = False,
     ) -> int:
-        """One asynchronous copy per (block, tensor) on the worker's stream, straight between
-        device memory and the page-locked pool."""
-        assert self._stream is not None
-        moved = 0
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(self._stream):
-            for row in rows:
-                base = self._layout.offset(row.chunk_block)
-                slot = slots[row.key_index]
-                for tensor, page, offset in self._group_refs[row.group]:
-                    host = pool[slot, base + offset : base + offset + page]
-                    device = self._tensors[tensor][row.block_id, :page]
-                    if to_pool:
-                        host.copy_(device, non_blocking=True)
-                    else:
-                        device.copy_(host, non_blocking=True)
-                    moved += page
-        return moved
+        """Queue the copy of ``rows`` on the worker's stream (its expedited one for an
+        expedited load), after the work vLLM queued so far: batched (``copy_plan``)."""
+        stream = self._expedited if expedited else self._stream
+        assert stream is not None
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        region, used_slots, parts = copy_plan(
+            self._layout, self._group_refs, self._tensors, rows, slots
+        )
+        with torch.cuda.stream(stream):
+            return copy_slots(pool, used_slots, region, parts, to_pool, self._stages[expedited])
+
+
+def copy_plan(
+    layout: BlockLayout,
+    group_refs: Sequence[Sequence[tuple[int, int, int]]],
+    tensors: Sequence[torch.Tensor],
+    rows: Sequence[CopyRow],
+    slots: Sequence[int],
+) -> tuple[SlotRegion, list[int], list[Part]]:
+    """The batched copy of ``rows`` (``kvoffload.memory.cudacopy``): this rank's region of each
+    slot cut into block strides, the slots of the keys the rows name (in first-use order), and
+    per (group, tensor) the blocks with their stride in the staging buffer.
+    ``group_refs[g]``: (tensor index, page bytes, offset in the stride) of each tensor of
+    group ``g``."""
+    region = SlotRegion(layout.offset(0), layout.per_rank_bytes, layout.block_stride)
+    index: dict[int, int] = {}
+    for row in rows:
+        index.setdefault(row.key_index, len(index))
+    used_slots = [slots[key] for key in index]
+    per_slot = layout.blocks_per_chunk
+    parts: list[Part] = []
+    for group, refs in enumerate(group_refs):
+        mine = [r for r in rows if r.group == group]
+        if not mine:
+            continue
+        blocks = [r.block_id for r in mine]
+        fine = [index[r.key_index] * per_slot + r.chunk_block for r in mine]
+        for tensor, page, offset in refs:
+            parts.append(Part(tensors[tensor], blocks, fine, offset, page))
+    return region, used_slots, parts
 
 
 def _alive(pid: int) -> bool:

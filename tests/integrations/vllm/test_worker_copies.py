@@ -359,3 +359,81 @@ def test_a_replicated_layout_keeps_one_copy_that_every_rank_reads(pool):
             assert torch.equal(
                 fresh.tensors[layer].tensor[[9, 10]], caches.tensors[layer].tensor[[2, 3]]
             )
+
+
+def test_the_batched_gpu_copy_plan_writes_what_the_cpu_copies_write(pool):
+    """The CUDA path (``copy_plan`` + ``cudacopy.copy_slots``), run on CPU tensors, against the
+    CPU path: two groups, two blocks per chunk, rank 1 of 2, a load from the middle of a chunk.
+    Every byte a block occupies is the same; the rest of the rank's region is zero."""
+    from kvoffload.integrations.vllm.worker import copy_plan
+    from kvoffload.memory.cudacopy import StageBuffer, copy_slots
+
+    layout = BlockLayout(((PAGE, PAGE), (PAGE,)), 2, rank=1, world_size=2)
+    big = HostPool.create(f"/kvoffload-test-{os.getpid()}-vllm-plan", 6, layout.needed_block_bytes)
+    try:
+        src = hybrid_caches(seed=11)
+        w = KVOffloadWorker(src, layout)
+        keys = [b"s%d" % i * 8 for i in range(2)] + [b"f%d" % i * 8 for i in range(2)]
+        spec = GPULoadStoreSpec([3, 4, 5, 6, 1, 2, 8, 9], group_sizes=[4, 4], block_indices=[4, 0])
+        w.submit_store(1, spec, blocks(big, keys, [0, 1, 2, 3]))
+        want = big.as_numpy().copy()
+
+        big.as_numpy()[:] = 0
+        rows = w._rows(len(keys), spec)
+        tensors = [t.tensor for t in src.tensors]
+        region, used, parts = copy_plan(layout, w._group_refs, tensors, rows, [0, 1, 2, 3])
+        pool_t = torch.from_numpy(big.as_numpy()).view(torch.int8)
+        copy_slots(pool_t, used, region, parts, True, StageBuffer(torch.device("cpu"), 2 * 4096))
+        got = big.as_numpy()
+        mine = slice(layout.offset(0), layout.offset(0) + layout.per_rank_bytes)
+        for slot, rows_of in ((0, (0, 1)), (1, (0, 1))):  # sliding group: both layers per block
+            for b in rows_of:
+                start = layout.offset(b)
+                assert (
+                    got[slot, start : start + 2 * PAGE] == want[slot, start : start + 2 * PAGE]
+                ).all()
+        for slot in (2, 3):  # full group: one layer per block, the stride's rest is zero
+            for b in (0, 1):
+                start = layout.offset(b)
+                assert (got[slot, start : start + PAGE] == want[slot, start : start + PAGE]).all()
+                assert not got[slot, start + PAGE : start + 2 * PAGE].any()
+        assert not got[:, : mine.start].any()  # rank 0's bytes are not this rank's to write
+
+        dst = hybrid_caches(seed=12)
+        load = GPULoadStoreSpec([10, 7, 8, 9], group_sizes=[1, 3], block_indices=[5, 1])
+        rows = transfer_rows(3, load.block_ids.tolist(), [1, 3], [5, 1], 2)
+        region, used, parts = copy_plan(
+            layout, w._group_refs, [t.tensor for t in dst.tensors], rows, [0, 2, 3]
+        )
+        copy_slots(pool_t, used, region, parts, False, StageBuffer(torch.device("cpu")))
+        for layer in (0, 1):  # key 0 = slot 0: its second block (request block 5) was block 4
+            assert torch.equal(dst.tensors[layer].tensor[10], src.tensors[layer].tensor[4])
+        for got_b, want_b in ((7, 2), (8, 8), (9, 9)):  # the full group from its block 1
+            assert torch.equal(dst.tensors[0].tensor[got_b], src.tensors[0].tensor[want_b])
+    finally:
+        big.close()
+        big.unlink()
+
+
+def test_an_unregistered_worker_copies_nothing_until_restored(pool):
+    """vLLM 0.33's sleep mode releases the KV tensors' memory between ``unregister_kv_caches``
+    and ``restore_kv_caches``: a copy then would touch freed memory, so loads fail their keys
+    (recomputed) and stores are dropped, and copies resume once restored."""
+    caches = kv_caches(seed=0)
+    w = worker(caches, 0)
+    w.unregister()
+    w.unregister()  # idempotent
+    w.submit_store(1, gpu([1]), blocks(pool, [b"a" * 16], [0]))
+    w.submit_load(2, blocks(pool, [b"a" * 16], [0]), gpu([2]))
+    assert [r.success for r in w.get_finished()] == [True, True]
+    report = w.take_report()
+    assert report.failed_stores == [b"a" * 16] and report.failed_loads == {"req": [b"a" * 16]}
+    assert w.take_error_blocks() == {2}
+
+    w.restore()
+    w.restore()
+    w.submit_store(3, gpu([1]), blocks(pool, [b"a" * 16], [0]))
+    w.submit_load(4, blocks(pool, [b"a" * 16], [0]), gpu([2]))
+    w.get_finished()
+    assert not w.take_report().failed_loads and w.take_error_blocks() == set()
+    assert torch.equal(caches.tensors[0].tensor[2], caches.tensors[0].tensor[1])
