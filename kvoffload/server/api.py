@@ -1,5 +1,10 @@
 """The manager's client API: one handler per request type, the checks they share, long polls,
-cache resets and client leases. Transport and the poll loop live in ``loop``."""
+cache resets and client leases. Transport and the poll loop live in ``loop``.
+
+Each handler takes the client's identity, its session and the request of its own type, and
+returns the reply (None: it answers later). ``Handlers.add`` pairs a request type with its
+handler, so mypy checks that every handler accepts the message it is registered for.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,9 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar, cast
 
+import msgspec
 import structlog
 
 from kvoffload import protocol as p
@@ -20,10 +26,29 @@ from kvoffload.server.state import CPU_WORKER, ManagerState, RequestError, Waiti
 from kvoffload.tiering import LookupResult, ReqContext
 from kvoffload.tiering.types import PrefixResult, TieringError
 
-# (identity, session or None before Connect, request) -> the reply, or None to answer later
-_Handler = Callable[[bytes, Any, Any], "p.ClientReply | None"]
-
 log = structlog.get_logger()
+
+Reply = p.ClientReply | None
+"""A handler's reply; None when it answers later (a long poll, a held lookup, a cache reset)."""
+
+_M = TypeVar("_M", bound=p.ClientRequest)
+Handler = Callable[[bytes, ClientSession, _M], Reply]
+"""(client identity, its session, the request) -> the reply."""
+
+
+class Handlers:
+    """One handler per request type, looked up by the request's exact type."""
+
+    def __init__(self) -> None:
+        self._by_type: dict[type[msgspec.Struct], Handler[p.ClientRequest]] = {}
+
+    def add(self, kind: type[_M], handler: Handler[_M]) -> None:
+        # a handler only ever receives requests of its own kind (looked up by type below)
+        self._by_type[kind] = cast("Handler[p.ClientRequest]", handler)
+
+    def __call__(self, identity: bytes, session: ClientSession, msg: p.ClientRequest) -> Reply:
+        return self._by_type[type(msg)](identity, session, msg)
+
 
 MAX_KEYS_PER_CALL = 65536
 
@@ -35,25 +60,23 @@ class ClientApi:
         self.handles = handles
         self.workers = workers
         self._next_client = 1
-        self._handlers: dict[type, _Handler] = {
-            p.Connect: self._on_connect,
-            p.RegisterKV: self._on_register_kv,
-            p.NewRequest: self._on_new_request,
-            p.Lookup: self._on_lookup,
-            p.Load: self._on_load,
-            p.Store: self._on_store,
-            p.PrepareStore: self._on_prepare_store,
-            p.CompleteStore: self._on_complete_store,
-            p.PrepareLoad: self._on_prepare_load,
-            p.CompleteLoad: self._on_complete_load,
-            p.Touch: self._on_touch,
-            p.FinishRequest: self._on_finish_request,
-            p.EndStep: self._on_end_step,
-            p.ResetCache: self._on_reset_cache,
-            p.Poll: self._on_poll,
-            p.Status: self._on_status,
-            p.Disconnect: self._on_disconnect,
-        }
+        handlers = self._handlers = Handlers()  # Connect, which may come first, is served apart
+        handlers.add(p.RegisterKV, self._on_register_kv)
+        handlers.add(p.NewRequest, self._on_new_request)
+        handlers.add(p.Lookup, self._on_lookup)
+        handlers.add(p.Load, self._on_load)
+        handlers.add(p.Store, self._on_store)
+        handlers.add(p.PrepareStore, self._on_prepare_store)
+        handlers.add(p.CompleteStore, self._on_complete_store)
+        handlers.add(p.PrepareLoad, self._on_prepare_load)
+        handlers.add(p.CompleteLoad, self._on_complete_load)
+        handlers.add(p.Touch, self._on_touch)
+        handlers.add(p.FinishRequest, self._on_finish_request)
+        handlers.add(p.EndStep, self._on_end_step)
+        handlers.add(p.ResetCache, self._on_reset_cache)
+        handlers.add(p.Poll, self._on_poll)
+        handlers.add(p.Status, self._on_status)
+        handlers.add(p.Disconnect, self._on_disconnect)
 
     def on_frames(self, frames: list[bytes]) -> None:
         """Decode one client request, run its handler and send the reply (a handler that returns
@@ -85,8 +108,9 @@ class ClientApi:
         if session is not None:
             session.last_seen = time.monotonic()
         started = time.perf_counter()
+        reply: Reply
         try:
-            reply = self._handlers[type(msg)](identity, session, msg)
+            reply = self._dispatch(identity, session, msg)
         except (RequestError, TieringError) as exc:
             reply = p.Error(msg.rid, exc.code, str(exc))
         except Exception as exc:
@@ -96,6 +120,16 @@ class ClientApi:
             state.reply(identity, reply)
         if state.metrics is not None:
             state.metrics.client_call(msg, time.perf_counter() - started)
+
+    def _dispatch(
+        self, identity: bytes, session: ClientSession | None, msg: p.ClientRequest
+    ) -> Reply:
+        """Connect may come before the client has a session; every other request needs one."""
+        if isinstance(msg, p.Connect):
+            return self._on_connect(identity, session, msg)
+        if session is None:
+            raise RequestError(ErrorCode.NOT_CONNECTED, "send Connect first")
+        return self._handlers(identity, session, msg)
 
     def housekeeping(self, now: float) -> None:
         """Expire leases, answer polls that reached their deadline, settle pending resets."""
@@ -131,7 +165,9 @@ class ClientApi:
 
     # ---- handlers -------------------------------------------------------------------------
 
-    def _on_connect(self, identity, session, msg: p.Connect):
+    def _on_connect(
+        self, identity: bytes, session: ClientSession | None, msg: p.Connect
+    ) -> p.Connected | p.Error:
         if msg.version != p.PROTOCOL_VERSION:
             return p.Error(
                 msg.rid,
@@ -158,11 +194,13 @@ class ClientApi:
             os.getpid(),
         )
 
-    def _on_register_kv(self, identity, session: ClientSession, msg: p.RegisterKV):
+    def _on_register_kv(self, identity: bytes, session: ClientSession, msg: p.RegisterKV) -> p.Ok:
         self.handles.register(identity, msg.handle)
         return p.Ok(msg.rid)
 
-    def _on_new_request(self, identity, session: ClientSession, msg: p.NewRequest):
+    def _on_new_request(
+        self, identity: bytes, session: ClientSession, msg: p.NewRequest
+    ) -> p.NewRequestReply:
         scoped = session.scoped(msg.req_id)
         if self.tiering.has_request(scoped):
             raise RequestError(
@@ -173,7 +211,9 @@ class ClientApi:
         session.requests.add(scoped)
         return p.NewRequestReply(msg.rid, bool(policy))
 
-    def _on_lookup(self, identity, session, msg: p.Lookup):
+    def _on_lookup(
+        self, identity: bytes, session: ClientSession, msg: p.Lookup
+    ) -> p.LookupReply | None:
         self._check_keys(msg.keys)
         scoped = self._scoped(session, msg.req_id)
         reply = self.tiering.lookup(scoped, msg.keys)
@@ -248,7 +288,7 @@ class ClientApi:
             raise RequestError(ErrorCode.WORKER_UNAVAILABLE, "the cpu worker is not connected")
         return scoped
 
-    def _on_store(self, identity, session: ClientSession, msg: p.Store):
+    def _on_store(self, identity: bytes, session: ClientSession, msg: p.Store) -> p.JobAccepted:
         scoped = self._device_request(session, msg)
         out = self.tiering.prepare_store(scoped, msg.keys)
         if out is None:
@@ -263,7 +303,7 @@ class ClientApi:
         )
         return p.JobAccepted(msg.rid, job_id, out.keys_to_store, out.evicted)
 
-    def _on_load(self, identity, session: ClientSession, msg: p.Load):
+    def _on_load(self, identity: bytes, session: ClientSession, msg: p.Load) -> p.JobAccepted:
         scoped = self._device_request(session, msg)
         slots = self.tiering.prepare_load(scoped, msg.keys)
         job = p.Job(0, p.JobKind.DEVICE_LOAD, msg.keys, slots, msg.device_blocks, msg.handle_id)
@@ -272,7 +312,9 @@ class ClientApi:
         )
         return p.JobAccepted(msg.rid, job_id, list(msg.keys))
 
-    def _on_prepare_store(self, identity, session: ClientSession, msg: p.PrepareStore):
+    def _on_prepare_store(
+        self, identity: bytes, session: ClientSession, msg: p.PrepareStore
+    ) -> p.Slots:
         self._check_writable()
         self._check_keys(msg.keys)
         scoped = self._scoped(session, msg.req_id)
@@ -283,7 +325,9 @@ class ClientApi:
             session.add_open_store(scoped, out.keys_to_store)
         return p.Slots(msg.rid, out.keys_to_store, out.slots, out.evicted)
 
-    def _on_complete_store(self, identity, session: ClientSession, msg: p.CompleteStore):
+    def _on_complete_store(
+        self, identity: bytes, session: ClientSession, msg: p.CompleteStore
+    ) -> p.Ok:
         """Allowed after the request finished: a store prepared before may complete later."""
         self._check_keys(msg.keys)
         scoped = session.scoped(msg.req_id)
@@ -306,14 +350,18 @@ class ClientApi:
         self.state.dispatch_tier_jobs()
         return p.Ok(msg.rid)
 
-    def _on_prepare_load(self, identity, session: ClientSession, msg: p.PrepareLoad):
+    def _on_prepare_load(
+        self, identity: bytes, session: ClientSession, msg: p.PrepareLoad
+    ) -> p.Slots:
         self._check_writable()
         self._check_keys(msg.keys)
         slots = self.tiering.prepare_load(self._scoped(session, msg.req_id), msg.keys)
         session.add_pins(msg.keys)
         return p.Slots(msg.rid, msg.keys, slots)
 
-    def _on_complete_load(self, identity, session: ClientSession, msg: p.CompleteLoad):
+    def _on_complete_load(
+        self, identity: bytes, session: ClientSession, msg: p.CompleteLoad
+    ) -> p.Ok:
         self._check_keys(msg.keys)
         if not session.owns_pins(msg.keys):
             raise RequestError(ErrorCode.NOT_PINNED, "these keys are not pinned by this client")
@@ -321,24 +369,26 @@ class ClientApi:
         session.drop_pins(msg.keys)
         return p.Ok(msg.rid)
 
-    def _on_touch(self, identity, session, msg: p.Touch):
+    def _on_touch(self, identity: bytes, session: ClientSession, msg: p.Touch) -> p.Ok:
         self._check_keys(msg.keys)
         self.tiering.touch(msg.keys)
         return p.Ok(msg.rid)
 
-    def _on_finish_request(self, identity, session: ClientSession, msg: p.FinishRequest):
+    def _on_finish_request(
+        self, identity: bytes, session: ClientSession, msg: p.FinishRequest
+    ) -> p.Ok:
         scoped = self._scoped(session, msg.req_id)
         self.tiering.on_request_finished(scoped)
         session.requests.discard(scoped)
         self.state.dispatch_tier_jobs()
         return p.Ok(msg.rid)
 
-    def _on_end_step(self, identity, session, msg: p.EndStep):
+    def _on_end_step(self, identity: bytes, session: ClientSession, msg: p.EndStep) -> p.Ok:
         self.tiering.end_step()
         self.state.dispatch_tier_jobs()
         return p.Ok(msg.rid)
 
-    def _on_reset_cache(self, identity, session, msg: p.ResetCache):
+    def _on_reset_cache(self, identity: bytes, session: ClientSession, msg: p.ResetCache) -> None:
         """Answered once no job is in flight and the online tiers took every waiting cascade
         (their backoff is skipped), or with ``reset_timeout`` after the drain timeout."""
         deadline = time.monotonic() + self.state.cfg.supervisor.drain_timeout_s
@@ -348,18 +398,18 @@ class ClientApi:
         self.state.settle_resets(time.monotonic())
         return None
 
-    def _on_poll(self, identity, session: ClientSession, msg: p.Poll):
+    def _on_poll(self, identity: bytes, session: ClientSession, msg: p.Poll) -> None:
         if session.pending_poll is not None:
             self.state.reply(identity, p.Events(session.pending_poll.rid, []))
         session.pending_poll = PendingPoll(msg.rid, time.monotonic() + msg.wait_ms / 1000)
         self.state.answer_poll(session, force=msg.wait_ms <= 0)
         return None
 
-    def _on_disconnect(self, identity, session: ClientSession, msg: p.Disconnect):
+    def _on_disconnect(self, identity: bytes, session: ClientSession, msg: p.Disconnect) -> p.Ok:
         self._drop_session(session, "disconnected")
         return p.Ok(msg.rid)
 
-    def _on_status(self, identity, session, msg: p.Status):
+    def _on_status(self, identity: bytes, session: ClientSession, msg: p.Status) -> p.StatusReply:
         return p.StatusReply(msg.rid, self.state.status(time.monotonic()))
 
     def _drop_session(self, session: ClientSession, reason: str) -> None:

@@ -25,7 +25,7 @@ class ClientSession:
     name: str
     last_seen: float
     requests: set[str] = field(default_factory=set)
-    pinned: Counter = field(default_factory=Counter)
+    pinned: Counter[bytes] = field(default_factory=Counter)
     open_stores: dict[str, list[list[bytes]]] = field(default_factory=dict)
     events: deque[DeviceJobFinished] = field(default_factory=deque)
     pending_poll: PendingPoll | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import msgspec
 import structlog
@@ -113,7 +114,7 @@ class ManagerState:
         if self.warm is not None:
             self.warm.clear_invalidated()
 
-    def send_worker(self, name: str, msg) -> bool:
+    def send_worker(self, name: str, msg: p.ManagerMessage) -> bool:
         """False when the message could not be handed to the worker's connection (gone, or its
         queue full): the caller fails the job at once instead of waiting for a timeout."""
         self.clear_invalidated_slots()
@@ -126,7 +127,7 @@ class ManagerState:
             log.error("worker_send_failed", worker=name, kind=type(msg).__name__, error=str(exc))
             return False
 
-    def reply(self, identity: bytes, msg) -> None:
+    def reply(self, identity: bytes, msg: p.ClientReply) -> None:
         self.clear_invalidated_slots()
         try:
             self.client_sock.send_multipart([identity, p.encode(msg)], zmq.NOBLOCK)
@@ -198,7 +199,7 @@ class ManagerState:
         """The manager's status; converting the parts' snapshots checks them field by field."""
         return msgspec.convert(self._status_fields(now), ManagerStatus)
 
-    def _status_fields(self, now: float) -> dict:
+    def _status_fields(self, now: float) -> dict[str, Any]:
         return {
             "pid": os.getpid(),
             "uptime_s": round(now - self.started_at, 3),
