@@ -13,12 +13,11 @@ Every worker ``main`` calls ``worker_main`` (or ``run_worker``) with its ``Backe
    ``shutdown`` (drain, then exit; also SIGTERM/SIGINT), ``faults`` (replace the fault spec),
    ``hello`` (a restarted manager asks again: hello, and re-announce the index once acked).
 
-Results (a result is never early, docs/design/tiering.md): a finished job's
-``BackendOutcome.release`` is called on the main thread; only after it returned is the one
-``JobDone`` of that job sent. A release that raises keeps the job tracked (logged as
-``job_release_failed``) and is retried every ``RELEASE_RETRY_S``. Secondary ``cleanup`` then runs
-best effort. Job threads never touch the socket: they push their result on a deque and wake the main
-loop through an eventfd polled next to the DEALER.
+Jobs run in ``workers.jobs.JobRunner`` (a result is never early, docs/design/tiering.md): a
+finished job's ``BackendOutcome.release`` is called on the main thread, and only after it
+returned is the one ``JobDone`` of that job sent; a release that raises is retried every
+``RELEASE_RETRY_S``. Job threads never touch the socket: they wake the main loop through an
+eventfd polled next to the DEALER.
 
 Exit codes: 0 after shutdown (control, SIGTERM or SIGINT), 1 on start-up failure or hello
 timeout, 2 when the manager refuses the hello or the run spec is invalid.
@@ -27,15 +26,11 @@ timeout, 2 when the manager refuses the hello or the run spec is invalid.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
-import queue
 import signal
-import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import msgspec
@@ -57,8 +52,6 @@ from kvoffload.protocol import (
     HelloAck,
     IndexUpdate,
     Job,
-    JobDone,
-    JobProgress,
     ProtocolError,
     TouchKeys,
     WorkerHello,
@@ -68,14 +61,11 @@ from kvoffload.protocol import (
 from kvoffload.runtime.runspec import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, RunSpec, load_runspec
 from kvoffload.status import MediumStats, WorkerLoopStats, WorkerStats
 from workers.backend import (
-    DEVICE_KINDS,
-    SLOT_KINDS,
-    URGENT_KINDS,
     AttachRefused,
     Backend,
-    BackendOutcome,
 )
-from workers.faults import FaultInjector, InjectedFault
+from workers.faults import FaultInjector
+from workers.jobs import JobRunner
 from workers.slotheaders import SlotHeaders
 
 log = get_logger()
@@ -86,19 +76,6 @@ RELEASE_RETRY_S = 0.01
 INDEX_BATCH_KEYS = 4096
 MAX_FRAMES_PER_TURN = 1024
 CLOSE_LINGER_MS = 1000
-_STOP_PRIORITY = 2  # after every queued job (priorities 0 and 1)
-_job_context = threading.local()
-
-
-def report_landed(keys: list[bytes]) -> None:
-    """Called by a backend from the job thread running a promotion: the slots of ``keys`` are
-    complete (bytes verified, header stamped) and the job will not touch them again. The
-    worker sends them in a ``JobProgress`` before the job's result, so the manager serves them
-    while the rest of the job is still running. The job's outcome still lists them as ok.
-    Does nothing outside a job thread."""
-    report = getattr(_job_context, "report", None)
-    if report is not None and keys:
-        report(keys)
 
 
 def pin_cpus(cores: Sequence[int]) -> None:
@@ -111,62 +88,6 @@ def pin_cpus(cores: Sequence[int]) -> None:
         log.warning("cpu_affinity_unsupported", cores=list(cores), error=repr(exc))
         return
     log.info("cpu_affinity_set", cores=list(cores))
-
-
-def validate_job(job: Job, num_slots: int, kinds: Iterable[str]) -> str:
-    """Why ``job`` must not run ("" when it may): unsupported kind, slots or device blocks not
-    co-indexed with keys, a slot outside the pool, a device job without a handle."""
-    if job.kind not in kinds:
-        return f"unsupported_kind: {job.kind!r}"
-    if job.kind in SLOT_KINDS:
-        if len(job.slots) != len(job.keys):
-            return f"invalid_job: {len(job.slots)} slots for {len(job.keys)} keys"
-        bad = [s for s in job.slots if not 0 <= s < num_slots]
-        if bad:
-            return f"slot_out_of_range: {bad[:4]} not in [0, {num_slots})"
-    if job.kind in DEVICE_KINDS:
-        if len(job.device_blocks) != len(job.keys):
-            return f"invalid_job: {len(job.device_blocks)} device blocks for {len(job.keys)} keys"
-        if not job.handle_id:
-            return "invalid_job: no handle_id"
-    return ""
-
-
-def job_done_of(job: Job, outcome: BackendOutcome, transfer_s: float) -> JobDone:
-    """The one result of ``job``: success when every key succeeded; otherwise the succeeded
-    keys (as the backend listed them, None when none), the failed keys confirmed absent or
-    refused for lack of room, and an error summary. Keys the backend reports that are not in
-    the job are dropped (logged)."""
-    wanted = set(job.keys)
-    ok = [key for key in outcome.ok_keys if key in wanted]
-    done = set(ok)
-    absent = [key for key in outcome.absent_keys if key in wanted and key not in done]
-    full = [key for key in outcome.full_keys if key in wanted and key not in done]
-    if len(ok) != len(outcome.ok_keys):
-        log.error(
-            "job_outcome_foreign_keys", job_id=job.job_id, count=len(outcome.ok_keys) - len(ok)
-        )
-    success = wanted.issubset(ok)
-    return JobDone(
-        job_id=job.job_id,
-        success=success,
-        successful_keys=None if success or not ok else ok,
-        transfer_s=transfer_s,
-        nbytes=outcome.nbytes,
-        error="" if success else (outcome.error or "failed"),
-        absent_keys=absent,
-        full_keys=full,
-    )
-
-
-@dataclass
-class _PendingRelease:
-    """A job whose backend work is over and whose release may still be pending."""
-
-    job: Job
-    outcome: BackendOutcome
-    transfer_s: float
-    release_attempts: int = 0
 
 
 class _Worker:
@@ -184,11 +105,9 @@ class _Worker:
         self._spec = spec
         self._pool = pool
         self._faults = faults
-        self._threads_wanted = threads
         self._hello_timeout_s = hello_timeout_s
         self._heartbeat_s = cfg.service.heartbeat_interval_s
         self._drain_timeout_s = cfg.supervisor.drain_timeout_s
-        self._kinds = frozenset(backend.capabilities)
 
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -202,13 +121,6 @@ class _Worker:
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_fd, zmq.POLLIN)
 
-        self._queue: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
-        self._seq = itertools.count()
-        self._threads: list[threading.Thread] = []
-        self._finished: deque[_PendingRelease] = deque()
-        self._progress: deque[tuple[int, list[bytes]]] = deque()
-        self._inflight: set[int] = set()
-        self._releasing: dict[int, _PendingRelease] = {}
         self._outbox: deque[bytes] = deque()
 
         self.abandoned = False  # shutdown gave up on running jobs: their memory stays mapped
@@ -219,8 +131,15 @@ class _Worker:
         self._draining = False
         self._shutdown_deadline: float | None = None
         self._loop_stats = WorkerLoopStats()
+        self._jobs = JobRunner(
+            backend, pool.num_slots, faults, threads, self._loop_stats, self._send, self._wake
+        )
 
     # ---- lifecycle -----------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        """Rouse the main loop (from a job thread)."""
+        os.eventfd_write(self._wake_fd, 1)
 
     def request_stop(self) -> None:
         """Signal-safe: ask the main loop to shut down."""
@@ -239,26 +158,16 @@ class _Worker:
                 return code
             if not self._announce_index():
                 return EXIT_FAILED
-            self._start_threads()
+            self._jobs.start()
             self.abandoned = not self._serve()
             return self._exit_code
         finally:
             self._close()
 
-    def _start_threads(self) -> None:
-        for i in range(self._threads_wanted):
-            thread = threading.Thread(target=self._job_thread, name=f"job-{i}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
-
     def _close(self) -> None:
         """Stop the job threads, send what is queued, close the socket and the backend. With
         ``abandoned`` jobs the backend stays open: a job thread may still be using it."""
-        for _ in self._threads:
-            self._queue.put((_STOP_PRIORITY, next(self._seq), None))
-        if not self.abandoned:
-            for thread in self._threads:
-                thread.join()
+        self._jobs.stop(join=not self.abandoned)
         self._flush()
         self._sock.close(linger=CLOSE_LINGER_MS)
         self._ctx.term()
@@ -387,18 +296,18 @@ class _Worker:
             if self._stop_requested and self._shutdown_deadline is None:
                 self._begin_shutdown("signal")
             if self._shutdown_deadline is not None:
-                if not self._inflight:
+                if not self._jobs.inflight:
                     log.info("worker_shutdown", reason="drained")
                     return True
                 if now >= self._shutdown_deadline:
                     log.error(
                         "shutdown_drain_timeout",
-                        inflight=len(self._inflight),
+                        inflight=self._jobs.inflight,
                         timeout_s=self._drain_timeout_s,
                     )
                     return False
             wait_s = max(0.0, next_heartbeat - now)
-            if self._releasing or self._outbox:
+            if self._jobs.releasing or self._outbox:
                 wait_s = min(wait_s, RELEASE_RETRY_S)
             if self._shutdown_deadline is not None:
                 wait_s = min(wait_s, max(0.0, self._shutdown_deadline - now))
@@ -406,9 +315,9 @@ class _Worker:
             self._drain_wake(events)
             if events.get(self._sock):
                 self._receive()
-            self._collect_finished()
-            self._send_progress()
-            self._release_finished()
+            self._jobs.collect_finished()
+            self._jobs.send_progress()
+            self._jobs.release_finished()
             self._send_index_changes()
             now = time.monotonic()
             if now >= next_heartbeat:
@@ -466,7 +375,7 @@ class _Worker:
         backend = self._backend
         try:
             if isinstance(msg, Job):
-                self._submit(msg)
+                self._jobs.submit(msg, self._draining)
             elif isinstance(msg, TouchKeys):
                 backend.touch(msg.keys)
             elif isinstance(msg, AttachKV):
@@ -498,7 +407,7 @@ class _Worker:
         """The action is one of ``ControlAction`` (decoding refused any other)."""
         if msg.action is ControlAction.DRAIN:
             self._draining = True
-            log.info("worker_draining", inflight=len(self._inflight))
+            log.info("worker_draining", inflight=self._jobs.inflight)
         elif msg.action is ControlAction.SHUTDOWN:
             self._begin_shutdown("control")
         elif msg.action is ControlAction.FAULTS:
@@ -509,120 +418,7 @@ class _Worker:
     def _begin_shutdown(self, reason: str) -> None:
         self._draining = True
         self._shutdown_deadline = time.monotonic() + self._drain_timeout_s
-        log.info("worker_shutting_down", reason=reason, inflight=len(self._inflight))
-
-    # ---- jobs ---------------------------------------------------------------------------------
-
-    def _submit(self, job: Job) -> None:
-        if job.job_id in self._inflight:
-            log.error("duplicate_job_id", job_id=job.job_id, kind=job.kind)
-            return
-        error = (
-            "draining" if self._draining else validate_job(job, self._pool.num_slots, self._kinds)
-        )
-        if error:
-            self._loop_stats.jobs_refused += 1
-            log.warning("job_refused", job_id=job.job_id, kind=job.kind, error=error)
-            self._send(JobDone(job_id=job.job_id, success=False, error=error))
-            return
-        self._inflight.add(job.job_id)
-        priority = 0 if job.kind in URGENT_KINDS else 1
-        self._queue.put((priority, next(self._seq), job))
-
-    def _job_thread(self) -> None:
-        while True:
-            _, _, job = self._queue.get()
-            if job is None:
-                return
-            start = time.perf_counter()
-            _job_context.report = lambda keys, job_id=job.job_id: self._note_progress(job_id, keys)
-            try:
-                outcome = self._backend.run_job(job)
-            except Exception as exc:
-                log.exception("job_crashed", job_id=job.job_id, kind=job.kind)
-                outcome = BackendOutcome(ok_keys=[], error=f"internal_error: {exc!r}")
-            finally:
-                _job_context.report = None
-            self._finished.append(_PendingRelease(job, outcome, time.perf_counter() - start))
-            os.eventfd_write(self._wake_fd, 1)
-
-    def _note_progress(self, job_id: int, keys: list[bytes]) -> None:
-        self._progress.append((job_id, list(keys)))
-        os.eventfd_write(self._wake_fd, 1)
-
-    def _send_progress(self) -> None:
-        """One ``JobProgress`` per job with the keys reported since the last turn. Runs after
-        ``_collect_finished``, so a job's progress always leaves before its result."""
-        landed: dict[int, list[bytes]] = {}
-        while self._progress:
-            job_id, keys = self._progress.popleft()
-            landed.setdefault(job_id, []).extend(keys)
-        for job_id, keys in landed.items():
-            self._send(JobProgress(job_id=job_id, keys=keys))
-
-    def _collect_finished(self) -> None:
-        while self._finished:
-            item = self._finished.popleft()
-            self._releasing[item.job.job_id] = item
-
-    def _release_finished(self) -> None:
-        """Release every finished job; publish those whose release succeeded."""
-        for job_id, item in list(self._releasing.items()):
-            if not self._release(item):
-                continue
-            del self._releasing[job_id]
-            self._cleanup(item)
-            self._publish(item)
-
-    def _release(self, item: _PendingRelease) -> bool:
-        item.release_attempts += 1
-        try:
-            if self._faults.take_release_failure():
-                raise InjectedFault("injected release failure")
-            if item.outcome.release is not None:
-                item.outcome.release()
-        except Exception as exc:
-            self._loop_stats.release_failures += 1
-            attempt = item.release_attempts
-            if attempt & (attempt - 1) == 0:  # attempts 1, 2, 4, 8, ...: bounded log volume
-                log.warning(
-                    "job_release_failed", job_id=item.job.job_id, attempt=attempt, error=repr(exc)
-                )
-            return False
-        if item.release_attempts > 1:
-            log.info("job_released", job_id=item.job.job_id, attempts=item.release_attempts)
-        return True
-
-    def _cleanup(self, item: _PendingRelease) -> None:
-        if item.outcome.cleanup is None:
-            return
-        try:
-            item.outcome.cleanup()
-        except Exception as exc:
-            self._loop_stats.cleanup_failures += 1
-            log.warning("job_cleanup_failed", job_id=item.job.job_id, error=repr(exc))
-
-    def _publish(self, item: _PendingRelease) -> None:
-        job = item.job
-        done = job_done_of(job, item.outcome, item.transfer_s)
-        self._inflight.discard(job.job_id)
-        if done.success:
-            self._loop_stats.jobs_done += 1
-        else:
-            self._loop_stats.jobs_failed += 1
-        fields = dict(
-            job_id=job.job_id,
-            kind=job.kind,
-            keys=len(job.keys),
-            bytes=done.nbytes,
-            duration_ms=round(item.transfer_s * 1000, 3),
-        )
-        if done.success:
-            log.debug("job_done", **fields)
-        else:
-            ok = len(done.successful_keys or ())
-            log.warning("job_failed", ok_keys=ok, error=done.error, **fields)
-        self._send(done)
+        log.info("worker_shutting_down", reason=reason, inflight=self._jobs.inflight)
 
     # ---- outgoing -----------------------------------------------------------------------------
 
@@ -647,12 +443,12 @@ class _Worker:
         except Exception as exc:
             log.warning("backend_stats_failed", error=repr(exc))
             medium = None
-        self._loop_stats.queued = self._queue.qsize()
-        self._loop_stats.releasing = len(self._releasing)
+        self._loop_stats.queued = self._jobs.queued()
+        self._loop_stats.releasing = self._jobs.releasing
         stats = WorkerStats(loop=msgspec.structs.replace(self._loop_stats), medium=medium)
         self._send(
             Heartbeat(
-                inflight=len(self._inflight), degraded=bool(self._backend.degraded), stats=stats
+                inflight=self._jobs.inflight, degraded=bool(self._backend.degraded), stats=stats
             )
         )
 

@@ -36,7 +36,8 @@ from kvoffload.status import DiskWorkerStats
 from tests.workers.conftest import FakeManager, write_spec
 from workers.backend import Backend, BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault
-from workers.framework import job_done_of, report_landed, validate_job, worker_main
+from workers.framework import worker_main
+from workers.jobs import job_done_of, report_landed, validate_job
 
 MODULE = "tests.workers.test_framework"
 IDENTITY = b"test"

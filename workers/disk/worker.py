@@ -55,7 +55,7 @@ from workers.disk.errors import StoreFull, TransientIOError
 from workers.disk.fanout import fan_out
 from workers.disk.slab import DiskStore
 from workers.faults import FaultInjector
-from workers.framework import report_landed
+from workers.jobs import report_landed
 from workers.slotheaders import SlotHeaders
 
 log = get_logger(tier="disk")

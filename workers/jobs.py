@@ -1,0 +1,270 @@
+"""Running a tier worker's jobs: validation, a bounded pool of job threads, release, results.
+
+A valid ``Job`` is queued for the job threads (loads, promotions and probes before stores and
+cascades); an invalid one, or any job while the worker drains, is refused at once with a failed
+``JobDone``. A job thread runs ``backend.run_job`` and hands the outcome back to the worker's
+main thread, which calls its ``release``: only after that returned is the job's one ``JobDone``
+queued (a result is never early, docs/design/tiering.md). A release that raises keeps the job
+tracked (logged as ``job_release_failed``) and is retried at the next turn; secondary
+``cleanup`` then runs best effort. Job threads never touch the socket: results, and the keys a
+promotion reports landed (``report_landed``), go through deques, and ``wake`` rouses the main
+loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import msgspec
+
+from kvoffload.logs import get_logger
+from kvoffload.protocol import Job, JobDone, JobProgress
+from kvoffload.status import WorkerLoopStats
+from workers.backend import DEVICE_KINDS, SLOT_KINDS, URGENT_KINDS, Backend, BackendOutcome
+from workers.faults import FaultInjector, InjectedFault
+
+log = get_logger()
+
+_STOP_PRIORITY = 2  # after every queued job (priorities 0 and 1)
+_job_context = threading.local()
+
+
+def report_landed(keys: list[bytes]) -> None:
+    """Called by a backend from the job thread running a promotion: the slots of ``keys`` are
+    complete (bytes verified, header stamped) and the job will not touch them again. The
+    worker sends them in a ``JobProgress`` before the job's result, so the manager serves them
+    while the rest of the job is still running. The job's outcome still lists them as ok.
+    Does nothing outside a job thread."""
+    report = getattr(_job_context, "report", None)
+    if report is not None and keys:
+        report(keys)
+
+
+def validate_job(job: Job, num_slots: int, kinds: Iterable[str]) -> str:
+    """Why ``job`` must not run ("" when it may): unsupported kind, slots or device blocks not
+    co-indexed with keys, a slot outside the pool, a device job without a handle."""
+    if job.kind not in kinds:
+        return f"unsupported_kind: {job.kind!r}"
+    if job.kind in SLOT_KINDS:
+        if len(job.slots) != len(job.keys):
+            return f"invalid_job: {len(job.slots)} slots for {len(job.keys)} keys"
+        bad = [s for s in job.slots if not 0 <= s < num_slots]
+        if bad:
+            return f"slot_out_of_range: {bad[:4]} not in [0, {num_slots})"
+    if job.kind in DEVICE_KINDS:
+        if len(job.device_blocks) != len(job.keys):
+            return f"invalid_job: {len(job.device_blocks)} device blocks for {len(job.keys)} keys"
+        if not job.handle_id:
+            return "invalid_job: no handle_id"
+    return ""
+
+
+def job_done_of(job: Job, outcome: BackendOutcome, transfer_s: float) -> JobDone:
+    """The one result of ``job``: success when every key succeeded; otherwise the succeeded
+    keys (as the backend listed them, None when none), the failed keys confirmed absent or
+    refused for lack of room, and an error summary. Keys the backend reports that are not in
+    the job are dropped (logged)."""
+    wanted = set(job.keys)
+    ok = [key for key in outcome.ok_keys if key in wanted]
+    done = set(ok)
+    absent = [key for key in outcome.absent_keys if key in wanted and key not in done]
+    full = [key for key in outcome.full_keys if key in wanted and key not in done]
+    if len(ok) != len(outcome.ok_keys):
+        log.error(
+            "job_outcome_foreign_keys", job_id=job.job_id, count=len(outcome.ok_keys) - len(ok)
+        )
+    success = wanted.issubset(ok)
+    return JobDone(
+        job_id=job.job_id,
+        success=success,
+        successful_keys=None if success or not ok else ok,
+        transfer_s=transfer_s,
+        nbytes=outcome.nbytes,
+        error="" if success else (outcome.error or "failed"),
+        absent_keys=absent,
+        full_keys=full,
+    )
+
+
+@dataclass
+class PendingRelease:
+    """A job whose backend work is over and whose release may still be pending."""
+
+    job: Job
+    outcome: BackendOutcome
+    transfer_s: float
+    release_attempts: int = 0
+
+
+class JobRunner:
+    def __init__(
+        self,
+        backend: Backend,
+        num_slots: int,
+        faults: FaultInjector,
+        threads: int,
+        stats: WorkerLoopStats,
+        send: Callable[[msgspec.Struct], None],
+        wake: Callable[[], None],
+    ) -> None:
+        """``stats``: the worker's loop counters (jobs done, failed, refused, release and
+        cleanup failures); ``send`` queues a message for the manager; ``wake`` rouses the
+        worker's main loop from a job thread."""
+        self._backend = backend
+        self._num_slots = num_slots
+        self._faults = faults
+        self._threads_wanted = threads
+        self._kinds = frozenset(backend.capabilities)
+        self._loop_stats = stats
+        self._send = send
+        self._wake = wake
+        self._queue: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._finished: deque[PendingRelease] = deque()
+        self._progress: deque[tuple[int, list[bytes]]] = deque()
+        self._inflight: set[int] = set()
+        self._releasing: dict[int, PendingRelease] = {}
+
+    @property
+    def inflight(self) -> int:
+        """Jobs accepted and not yet answered."""
+        return len(self._inflight)
+
+    @property
+    def releasing(self) -> int:
+        """Finished jobs whose release is still pending."""
+        return len(self._releasing)
+
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        for i in range(self._threads_wanted):
+            thread = threading.Thread(target=self._run_jobs, name=f"job-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self, join: bool) -> None:
+        """Stop the job threads once the queued jobs ran (waiting for them when ``join``)."""
+        for _ in self._threads:
+            self._queue.put((_STOP_PRIORITY, next(self._seq), None))
+        if join:
+            for thread in self._threads:
+                thread.join()
+
+    def submit(self, job: Job, draining: bool) -> None:
+        """Queue a job from the manager, or refuse it at once (draining, or invalid)."""
+        if job.job_id in self._inflight:
+            log.error("duplicate_job_id", job_id=job.job_id, kind=job.kind)
+            return
+        error = "draining" if draining else validate_job(job, self._num_slots, self._kinds)
+        if error:
+            self._loop_stats.jobs_refused += 1
+            log.warning("job_refused", job_id=job.job_id, kind=job.kind, error=error)
+            self._send(JobDone(job_id=job.job_id, success=False, error=error))
+            return
+        self._inflight.add(job.job_id)
+        priority = 0 if job.kind in URGENT_KINDS else 1
+        self._queue.put((priority, next(self._seq), job))
+
+    def _run_jobs(self) -> None:
+        while True:
+            _, _, job = self._queue.get()
+            if job is None:
+                return
+            start = time.perf_counter()
+            _job_context.report = lambda keys, job_id=job.job_id: self._note_progress(job_id, keys)
+            try:
+                outcome = self._backend.run_job(job)
+            except Exception as exc:
+                log.exception("job_crashed", job_id=job.job_id, kind=job.kind)
+                outcome = BackendOutcome(ok_keys=[], error=f"internal_error: {exc!r}")
+            finally:
+                _job_context.report = None
+            self._finished.append(PendingRelease(job, outcome, time.perf_counter() - start))
+            self._wake()
+
+    def _note_progress(self, job_id: int, keys: list[bytes]) -> None:
+        self._progress.append((job_id, list(keys)))
+        self._wake()
+
+    def send_progress(self) -> None:
+        """One ``JobProgress`` per job with the keys reported since the last turn. Runs after
+        ``collect_finished``, so a job's progress always leaves before its result."""
+        landed: dict[int, list[bytes]] = {}
+        while self._progress:
+            job_id, keys = self._progress.popleft()
+            landed.setdefault(job_id, []).extend(keys)
+        for job_id, keys in landed.items():
+            self._send(JobProgress(job_id=job_id, keys=keys))
+
+    def collect_finished(self) -> None:
+        while self._finished:
+            item = self._finished.popleft()
+            self._releasing[item.job.job_id] = item
+
+    def release_finished(self) -> None:
+        """Release every finished job; publish those whose release succeeded."""
+        for job_id, item in list(self._releasing.items()):
+            if not self._release(item):
+                continue
+            del self._releasing[job_id]
+            self._cleanup(item)
+            self._publish(item)
+
+    def _release(self, item: PendingRelease) -> bool:
+        item.release_attempts += 1
+        try:
+            if self._faults.take_release_failure():
+                raise InjectedFault("injected release failure")
+            if item.outcome.release is not None:
+                item.outcome.release()
+        except Exception as exc:
+            self._loop_stats.release_failures += 1
+            attempt = item.release_attempts
+            if attempt & (attempt - 1) == 0:  # attempts 1, 2, 4, 8, ...: bounded log volume
+                log.warning(
+                    "job_release_failed", job_id=item.job.job_id, attempt=attempt, error=repr(exc)
+                )
+            return False
+        if item.release_attempts > 1:
+            log.info("job_released", job_id=item.job.job_id, attempts=item.release_attempts)
+        return True
+
+    def _cleanup(self, item: PendingRelease) -> None:
+        if item.outcome.cleanup is None:
+            return
+        try:
+            item.outcome.cleanup()
+        except Exception as exc:
+            self._loop_stats.cleanup_failures += 1
+            log.warning("job_cleanup_failed", job_id=item.job.job_id, error=repr(exc))
+
+    def _publish(self, item: PendingRelease) -> None:
+        job = item.job
+        done = job_done_of(job, item.outcome, item.transfer_s)
+        self._inflight.discard(job.job_id)
+        if done.success:
+            self._loop_stats.jobs_done += 1
+        else:
+            self._loop_stats.jobs_failed += 1
+        fields = dict(
+            job_id=job.job_id,
+            kind=job.kind,
+            keys=len(job.keys),
+            bytes=done.nbytes,
+            duration_ms=round(item.transfer_s * 1000, 3),
+        )
+        if done.success:
+            log.debug("job_done", **fields)
+        else:
+            ok = len(done.successful_keys or ())
+            log.warning("job_failed", ok_keys=ok, error=done.error, **fields)
+        self._send(done)
