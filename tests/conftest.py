@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 
-from kvoffload.soak.s3server import S3Server
-from tests.service_process import start_service  # noqa: F401 (a fixture for every test module)
+from kvoffload.testing.s3server import S3Server
+from kvoffload.testing.service import ServiceHarness, serve_harness, services
+
+
+@pytest.fixture
+def start_service(tmp_path: Path) -> Iterator[Callable[..., ServiceHarness]]:
+    """``start(**serve_harness options)`` -> a started ``kvoffload serve``; each is stopped at
+    the end and must leave no segment, runtime file or process behind."""
+    with services(tmp_path, serve_harness) as start:
+        yield start
 
 
 @pytest.fixture(scope="session")

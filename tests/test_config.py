@@ -16,9 +16,9 @@ from kvoffload.config import (
     load_config,
     resolve_runtime_dir,
 )
+from kvoffload.testing.helpers import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "kvoffload.example.toml"
+EXAMPLE = REPO_ROOT / "kvoffload.example.toml"
 
 
 def _write(tmp_path: Path, text: str) -> Path:

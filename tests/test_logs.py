@@ -16,14 +16,13 @@ import pytest
 import structlog
 
 from kvoffload.logs import configure_logging, get_logger
-
-REPO = Path(__file__).resolve().parents[1]
+from kvoffload.testing.helpers import REPO_ROOT
 
 
 def _stderr_events(code: str) -> tuple[int, list[dict]]:
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=REPO,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=60,
@@ -176,7 +175,7 @@ def test_library_use_logs_nothing_until_asked(tmp_path: Path) -> None:
     """
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=REPO,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=60,

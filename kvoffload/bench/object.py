@@ -1,6 +1,6 @@
 """PUT/GET throughput of the object tier: S3BlockStore against the S3 clients, in the same run.
 
-Clients, all against the same S3 server (a SeaweedFS started here, kvoffload/soak/s3server.py, or
+Clients, all against the same S3 server (a SeaweedFS started here, kvoffload/testing/s3server.py, or
 ``--endpoint``):
 - ``boto3``: plain boto3, tuned;
 - ``obstore``: plain obstore ``S3Store`` on its defaults (signed payload), the reference;
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     tmp = None
     if args.endpoint is None:
-        from kvoffload.soak.s3server import S3Server
+        from kvoffload.testing.s3server import S3Server
 
         tmp = tempfile.TemporaryDirectory(prefix="bench-object-")
         server = S3Server(

@@ -28,6 +28,7 @@ the ratio table. Skips, saying why, when LMCache cannot be imported by ``--peer-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,12 @@ import numpy as np
 
 from kvoffload.bench.service import engine_load, engine_store
 from kvoffload.client import KVOffloadClient
-from kvoffload.config import load_config
 from kvoffload.logs import configure_logging
 from kvoffload.memory.blockformat import deployment_fingerprint
 from kvoffload.memory.kvcache import SharedKVCache, unique_kv_name
 from kvoffload.memory.pool import HostPool
-from kvoffload.runtime.supervisor import Supervisor
+from kvoffload.testing.helpers import keys_for
+from kvoffload.testing.service import ServiceHarness
 from workers.disk import DiskStore
 
 SIZES = (256 << 10, 1 << 20, 4 << 20)
@@ -94,51 +95,22 @@ LATENCY_LOADS = 32
 HOLD_MS = 1000
 
 
-class Service:
+@contextlib.contextmanager
+def peer_service(
+    block_bytes: int, num_slots: int, disk: bool, disk_bytes: int, io: str = "auto"
+) -> Iterator[KVOffloadClient]:
     """A service in a temp directory: host pool + cpu worker, and the disk tier if ``disk``
-    (with ``disk.io`` = ``io``)."""
-
-    def __init__(
-        self, block_bytes: int, num_slots: int, disk: bool, disk_bytes: int, io: str = "auto"
-    ) -> None:
-        self.tmp = Path(tempfile.mkdtemp(prefix="kvo-peer-"))
-        env = {
-            "KVOFFLOAD_SERVICE__RUNTIME_DIR": str(self.tmp / "run"),
-            "KVOFFLOAD_SERVICE__LOG_LEVEL": "warning",
-            "KVOFFLOAD_POOL__BLOCK_BYTES": str(block_bytes),
-            "KVOFFLOAD_POOL__NUM_SLOTS": str(num_slots),
-            "KVOFFLOAD_POOL__UNREAD_PROMOTION_CAP": "1.0",
-            "KVOFFLOAD_DISK__ENABLED": str(disk).lower(),
-            "KVOFFLOAD_DISK__ROOT": str(self.tmp / "disk"),
-            "KVOFFLOAD_DISK__CAPACITY_BYTES": str(disk_bytes),
-            "KVOFFLOAD_DISK__IO": io,
-        }
-        self.workers = ("cpu", "disk") if disk else ("cpu",)
-        self.supervisor = Supervisor(load_config(None, env), log_path=self.tmp / "service.log")
-
-    def __enter__(self) -> KVOffloadClient:
-        endpoint = self.supervisor.start().client_endpoint
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                with KVOffloadClient(endpoint, timeout_s=2.0) as probe:
-                    workers = probe.status().workers
-                if all(w in workers and workers[w].index_complete for w in self.workers):
-                    self.client = KVOffloadClient(endpoint, timeout_s=60.0, name="peer")
-                    return self.client
-            except TimeoutError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError("service did not start")
-
-    def __exit__(self, *exc: object) -> None:
-        self.client.close()
-        self.supervisor.stop()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def keys_for(n: int, salt: str) -> list[bytes]:
-    return [f"{salt}-{i}".encode().ljust(32, b".") for i in range(n)]
+    (with ``disk.io`` = ``io``); yields a client of it."""
+    sections = {
+        "service": {"log_level": "warning"},
+        "pool": {"block_bytes": block_bytes, "num_slots": num_slots, "unread_promotion_cap": 1.0},
+        "disk": {"enabled": disk, "capacity_bytes": disk_bytes, "io": io},
+    }
+    with (
+        ServiceHarness(None, sections, defaults={}, watch=False) as service,
+        service.client("peer", timeout_s=60.0) as client,
+    ):
+        yield client
 
 
 def prefixes(n: int, size: int) -> list[range]:
@@ -249,10 +221,10 @@ def measure(
             raise AssertionError("a load returned other bytes")
         rows[n:] = 0
 
-    with Service(block, n + 64, False, 0) as client:
+    with peer_service(block, n + 64, False, 0) as client:
         client.register_kv(kv.handle("bench"))
         client.new_request("host")
-        keys = keys_for(n, f"{salt}-host")
+        keys = keys_for(f"{salt}-host", n)
         timed("host_store", lambda: device_jobs(client, "host", keys, src, True, prefix))
         timed("host_load", lambda: device_jobs(client, "host", keys, dst, False, prefix))
         verify()
@@ -280,15 +252,15 @@ def measure(
         if sync:
             os.sync()
 
-    with Service(block, n + 64, True, disk_bytes, io="buffered") as client:
+    with peer_service(block, n + 64, True, disk_bytes, io="buffered") as client:
         client.register_kv(kv.handle("bench"))
         client.new_request("disk")
-        buffered = keys_for(n, f"{salt}-buffered")
+        buffered = keys_for(f"{salt}-buffered", n)
         timed("disk_store", lambda: until_on_disk(client, buffered, False))
-    with Service(block, n + 64, True, disk_bytes) as client:
+    with peer_service(block, n + 64, True, disk_bytes) as client:
         client.register_kv(kv.handle("bench"))
         client.new_request("disk")
-        keys = keys_for(n, f"{salt}-sync")
+        keys = keys_for(f"{salt}-sync", n)
         timed("disk_store_sync", lambda: until_on_disk(client, keys, True))
         client.finish_request("disk")
         client.reset_cache()

@@ -67,7 +67,7 @@ def _missing_modules(*names: str) -> str | None:
 def _object_missing(args: argparse.Namespace) -> str | None:
     if reason := _missing_modules("boto3", "obstore"):
         return f"{reason} (the object extra)"
-    from kvoffload.soak.s3server import S3ServerError, find_weed_binary
+    from kvoffload.testing.s3server import S3ServerError, find_weed_binary
 
     try:
         find_weed_binary()

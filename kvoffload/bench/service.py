@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -31,14 +30,14 @@ import zmq
 
 from kvoffload import protocol as p
 from kvoffload.client import KVOffloadClient
-from kvoffload.config import load_config
 from kvoffload.logs import configure_logging
 from kvoffload.memory.kvcache import SharedKVCache, unique_kv_name
 from kvoffload.memory.pool import HostPool
 from kvoffload.memory.slotcopy import shared_copier
 from kvoffload.protocol import LookupResult
-from kvoffload.runtime.supervisor import Supervisor
-from kvoffload.tiering import ReqContext, TieringManager
+from kvoffload.testing.helpers import keys_for
+from kvoffload.testing.service import ServiceHarness
+from kvoffload.tiering import ReqContext, TieringLedger
 
 SECTIONS = ("control", "latency", "data")
 
@@ -49,10 +48,6 @@ def percentiles(samples: list[float]) -> dict:
         "p50_us": statistics.median(ordered) * 1e6,
         "p99_us": ordered[int(len(ordered) * 0.99) - 1] * 1e6,
     }
-
-
-def keys_for(n: int, salt: str) -> list[bytes]:
-    return [f"{salt}-{i}".encode().ljust(32, b".") for i in range(n)]
 
 
 ECHO_SERVER = """
@@ -103,7 +98,7 @@ def bare_zmq_rtt(frame: bytes, rounds: int) -> dict:
 
 
 def library_lookup(keys: list[bytes], rounds: int) -> dict:
-    m = TieringManager(len(keys) + 16)
+    m = TieringLedger(len(keys) + 16)
     m.on_new_request(ReqContext("r"))
     out = m.prepare_store("r", keys)
     assert out is not None
@@ -129,7 +124,7 @@ def service_lookup(client: KVOffloadClient, req: str, keys: list[bytes], rounds:
 def control_plane(client: KVOffloadClient, rounds: int) -> dict:
     result: dict[str, dict[str, Any]] = {}
     for n in (1, 1000):
-        keys = keys_for(n, f"cp{n}")
+        keys = keys_for(f"cp{n}", n)
         req = f"cp-{n}"
         client.new_request(req)
         for i in range(0, n, 64):
@@ -156,8 +151,8 @@ def data_plane(block_sizes: list[int], total_bytes: int) -> dict:
     for block in block_sizes:
         n = max(4, min(2048, total_bytes // block))
         cfg_note: dict[str, Any] = {"block_bytes": block, "blocks": n}
-        with Service(block, n * 2 + 16) as service:
-            client = service.client()
+        with bench_service(block, n * 2 + 16) as service:
+            client = service.client("bench", timeout_s=60.0)
             kv = SharedKVCache.create(unique_kv_name(), n * 2, [block])
             rng = np.random.default_rng(1)
             kv.tensors[0][:] = rng.integers(0, 256, size=(2 * n, block), dtype=np.uint8)
@@ -166,7 +161,7 @@ def data_plane(block_sizes: list[int], total_bytes: int) -> dict:
             stores: list[float] = []
             loads: list[float] = []
             for round_no in range(4):
-                keys = keys_for(n, f"dp{block}-{round_no}")
+                keys = keys_for(f"dp{block}-{round_no}", n)
                 t0 = time.perf_counter()
                 wait_job(client, client.store("dp", keys, list(range(n)), "bench"))
                 stores.append(time.perf_counter() - t0)
@@ -279,15 +274,15 @@ def latency(
     follows a store."""
     modes = {"held": wait_ms, "polled": 0}
     cold_keys = {
-        mode: [keys_for(1 + prefix_blocks, f"cold-{mode}-{r}") for r in range(rounds)]
+        mode: [keys_for(f"cold-{mode}-{r}", 1 + prefix_blocks) for r in range(rounds)]
         for mode in modes
     }
     num_slots = 2 * rounds * (1 + prefix_blocks) + 4 * rounds + 64
     result: dict[str, Any] = {"block_bytes": block_bytes, "rounds": rounds, "disk_tier": disk}
     if disk:
         result["wait_ms"] = wait_ms
-    with Service(block_bytes, num_slots, disk=disk) as service:
-        client = service.client()
+    with bench_service(block_bytes, num_slots, disk=disk) as service:
+        client = service.client("bench", timeout_s=60.0)
         info = client.info
         pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
         rng = np.random.default_rng(2)
@@ -297,7 +292,7 @@ def latency(
         kv.tensors[0][0] = rows[0]
         client.register_kv(kv.handle("bench"))
         client.new_request("lat")
-        frame = p.encode(p.Lookup(rid=1, req_id="lat", keys=keys_for(1, "rtt"), pin=True))
+        frame = p.encode(p.Lookup(rid=1, req_id="lat", keys=keys_for("rtt", 1), pin=True))
         result["bare_zmq_rtt"] = bare_zmq_rtt(frame, max(rounds, 200))
         echo = EchoServer()
         samples: dict[str, list[float]] = {}
@@ -309,7 +304,7 @@ def latency(
 
         for r in range(rounds):
             for wait, suffix in ((False, ""), (True, "_awaited")):
-                key = keys_for(1, f"warm{suffix}{r}")
+                key = keys_for(f"warm{suffix}{r}", 1)
                 timed(
                     f"engine_store{suffix}", engine_store, client, "lat", key, pool, rows[:1], wait
                 )
@@ -319,7 +314,7 @@ def latency(
                 assert np.array_equal(out[0], rows[0])
             timed("copy", np.copyto, out[0], rows[0])
             samples.setdefault("bare_zmq_rtt_interleaved", []).append(echo.round_trip(frame))
-            key = keys_for(1, f"dev{r}")
+            key = keys_for(f"dev{r}", 1)
             timed("device_store", device_job, client, client.store, key, 0)
             timed("device_load", device_job, client, client.load, key, 1)
         lookups: dict[str, list[int]] = {}
@@ -366,46 +361,19 @@ def latency(
     return result
 
 
-class Service:
-    """A service with the host pool and the cpu worker (and the disk tier when ``disk``; the
-    object tier is off), in a temp runtime dir."""
+_slot_headers = True
+"""``pool.slot_headers`` of every service this benchmark starts (``--no-slot-headers``)."""
 
-    slot_headers = True
 
-    def __init__(self, block_bytes: int, num_slots: int, disk: bool = False) -> None:
-        self.tmp = tempfile.mkdtemp(prefix="kvb-")
-        env = {
-            "KVOFFLOAD_SERVICE__RUNTIME_DIR": self.tmp,
-            "KVOFFLOAD_POOL__BLOCK_BYTES": str(block_bytes),
-            "KVOFFLOAD_POOL__NUM_SLOTS": str(num_slots),
-            "KVOFFLOAD_DISK__ENABLED": str(disk).lower(),
-            "KVOFFLOAD_DISK__ROOT": str(Path(self.tmp) / "disk"),
-            "KVOFFLOAD_SERVICE__LOG_LEVEL": "warning",
-            "KVOFFLOAD_POOL__SLOT_HEADERS": str(self.slot_headers).lower(),
-        }
-        self.supervisor = Supervisor(
-            load_config(None, env), log_path=Path(self.tmp) / "service.log"
-        )
-
-    def __enter__(self) -> Service:
-        self.spec = self.supervisor.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                with KVOffloadClient(self.spec.client_endpoint, timeout_s=2.0) as c:
-                    if "cpu" in c.status().workers:
-                        return self
-            except TimeoutError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError("service did not start")
-
-    def client(self) -> KVOffloadClient:
-        return KVOffloadClient(self.spec.client_endpoint, timeout_s=60.0, name="bench")
-
-    def __exit__(self, *exc: object) -> None:
-        self.supervisor.stop()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+def bench_service(block_bytes: int, num_slots: int, disk: bool = False) -> ServiceHarness:
+    """A (not yet started) service with the host pool and the cpu worker (and the disk tier
+    when ``disk``; the object tier is off) in a temp directory, on the config's defaults."""
+    sections = {
+        "service": {"log_level": "warning"},
+        "pool": {"block_bytes": block_bytes, "num_slots": num_slots, "slot_headers": _slot_headers},
+        "disk": {"enabled": disk},
+    }
+    return ServiceHarness(None, sections, defaults={}, watch=False)
 
 
 def main() -> None:
@@ -429,13 +397,14 @@ def main() -> None:
         help="how long a cold load's lookup may be held by the manager (0: poll without waiting)",
     )
     args = parser.parse_args()
-    Service.slot_headers = not args.no_slot_headers
+    global _slot_headers
+    _slot_headers = not args.no_slot_headers
     configure_logging("bench", "warning")
     sections = args.only or list(SECTIONS)
-    result: dict[str, Any] = {"slot_headers": Service.slot_headers}
+    result: dict[str, Any] = {"slot_headers": _slot_headers}
     if "control" in sections:
-        with Service(65536, 2048) as service:
-            client = service.client()
+        with bench_service(65536, 2048) as service:
+            client = service.client("bench", timeout_s=60.0)
             kv = SharedKVCache.create(unique_kv_name(), 64, [65536])
             client.register_kv(kv.handle("bench"))
             result["control_plane"] = control_plane(client, args.rounds)

@@ -17,10 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-from kvoffload.tiering import Locality, Medium, ReqContext, TieringManager, TierSpec, TransferResult
+from kvoffload.tiering import Locality, Medium, ReqContext, TieringLedger, TierSpec, TransferResult
 
 
-def keys_for(n: int, seed: int = 0) -> list[bytes]:
+def seeded_keys(n: int, seed: int = 0) -> list[bytes]:
+    """``n`` 32-byte keys numbered from ``seed`` (random ones when ``seed`` < 0)."""
     return (
         [os.urandom(32) for _ in range(n)]
         if seed < 0
@@ -50,7 +51,7 @@ def bench_floor(keys: list[bytes], repeat: int) -> float:
 
 
 def bench_all_hit(keys: list[bytes], repeat: int) -> float:
-    m = TieringManager(len(keys) * 2)
+    m = TieringLedger(len(keys) * 2)
     m.on_new_request(ReqContext("r"))
     out = m.prepare_store("r", keys)
     assert out is not None, "the pool has room for every key"
@@ -66,7 +67,7 @@ def bench_fresh_keys(keys: list[bytes], repeat: int) -> dict:
 
     wire = msgspec.msgpack.encode(keys)
     table = {k: (i, 0) for i, k in enumerate(keys)}
-    m = TieringManager(len(keys) * 2)
+    m = TieringLedger(len(keys) * 2)
     m.on_new_request(ReqContext("r"))
     out = m.prepare_store("r", keys)
     assert out is not None, "the pool has room for every key"
@@ -92,7 +93,7 @@ def bench_half_secondary(keys: list[bytes], repeat: int) -> dict:
     half = len(keys) // 2
     first_rates, pending_rates = [], []
     for _ in range(repeat):
-        m = TieringManager(len(keys) * 2, [TierSpec("disk", Medium.STORAGE, Locality.LOCAL)])
+        m = TieringLedger(len(keys) * 2, [TierSpec("disk", Medium.STORAGE, Locality.LOCAL)])
         m.on_new_request(ReqContext("w"))
         out = m.prepare_store("w", keys[:half])
         assert out is not None, "the pool has room for every key"
@@ -115,9 +116,9 @@ def bench_half_secondary(keys: list[bytes], repeat: int) -> dict:
 
 
 def bench_store(n_keys: int, batch: int) -> dict:
-    m = TieringManager(4096, [TierSpec("disk", Medium.STORAGE, Locality.LOCAL)])
+    m = TieringLedger(4096, [TierSpec("disk", Medium.STORAGE, Locality.LOCAL)])
     m.on_new_request(ReqContext("r"))
-    stream = keys_for(n_keys, seed=10_000_000)
+    stream = seeded_keys(n_keys, seed=10_000_000)
     t0 = time.perf_counter()
     for i in range(0, n_keys, batch):
         out = m.prepare_store("r", stream[i : i + batch])
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--out", default="results/bench_tiering.json")
     args = parser.parse_args(argv)
-    keys = keys_for(args.keys)
+    keys = seeded_keys(args.keys)
     floor = bench_floor(keys, args.repeat)
     all_hit = bench_all_hit(keys, args.repeat)
     result = {

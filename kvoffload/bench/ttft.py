@@ -27,72 +27,39 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import msgspec
 import numpy as np
 import torch
 
 from kvoffload.client import KVOffloadClient
-from kvoffload.config import load_config
 from kvoffload.engine import BENCH_MODEL, Engine, TinyDecoder
 from kvoffload.logs import configure_logging
-from kvoffload.runtime.supervisor import Supervisor
+from kvoffload.testing.service import ServiceHarness
 
 NEW_TOKENS = 16
 POOL_TARGET = 10.0
 POOL_TARGET_FROM = 4096
 
 
-class Service:
-    """A service (host pool + cpu and disk workers) sized for ``max_blocks`` blocks."""
-
-    def __init__(self, block_bytes: int, layout_id: str, max_blocks: int) -> None:
-        self.tmp = Path(tempfile.mkdtemp(prefix="kvo-ttft-"))
-        cfg = load_config(
-            None,
-            {
-                "KVOFFLOAD_SERVICE__RUNTIME_DIR": str(self.tmp / "run"),
-                "KVOFFLOAD_SERVICE__LOG_LEVEL": "warning",
-                "KVOFFLOAD_DISK__ROOT": str(self.tmp / "disk"),
-            },
-        )
-        slots = max_blocks + 256
-        self.cfg = msgspec.structs.replace(
-            cfg,
-            pool=msgspec.structs.replace(
-                cfg.pool,
-                block_bytes=block_bytes,
-                num_slots=slots,
-                layout_id=layout_id,
-                unread_promotion_cap=1.0,
-            ),
-            disk=msgspec.structs.replace(cfg.disk, capacity_bytes=4 * slots * (block_bytes + 4096)),
-        )
-        self.supervisor = Supervisor(self.cfg, log_path=self.tmp / "service.log")
-
-    def __enter__(self) -> Service:
-        self.endpoint = self.supervisor.start().client_endpoint
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                with KVOffloadClient(self.endpoint, timeout_s=2.0) as c:
-                    workers = c.status().workers
-                if all(w in workers and workers[w].index_complete for w in ("cpu", "disk")):
-                    return self
-            except TimeoutError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError("service did not start")
-
-    def __exit__(self, *exc) -> None:
-        self.supervisor.stop()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+def ttft_service(block_bytes: int, layout_id: str, max_blocks: int) -> ServiceHarness:
+    """A (not yet started) service (host pool + cpu and disk workers) sized for ``max_blocks``
+    blocks, in a temp directory."""
+    slots = max_blocks + 256
+    sections = {
+        "service": {"log_level": "warning"},
+        "pool": {
+            "block_bytes": block_bytes,
+            "num_slots": slots,
+            "layout_id": layout_id,
+            "unread_promotion_cap": 1.0,
+        },
+        "disk": {"capacity_bytes": 4 * slots * (block_bytes + 4096)},
+    }
+    return ServiceHarness(None, sections, defaults={}, watch=False)
 
 
 def wait_cascades(client: KVOffloadClient, keys: int, timeout_s: float = 120.0) -> None:
@@ -203,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     started = time.monotonic()
     with (
-        Service(model.cfg.block_bytes, model.layout_id, max_blocks) as service,
+        ttft_service(model.cfg.block_bytes, model.layout_id, max_blocks) as service,
         Engine.local(model, max_blocks) as reference,
         Engine.connect(model, service.endpoint, max_blocks, "bench") as engine,
     ):

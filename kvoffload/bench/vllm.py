@@ -22,7 +22,7 @@ must equal the resident run's (vLLM's prefix hit of the same tokens).
 
 Model: a random-weight Llama (4 layers, hidden 1024, SwiGLU 2816, 16 query / 8 KV heads x 64,
 vocab 1024, about 48 M parameters, bf16) written to a temp directory; one 32-token vLLM block is
-256 KiB of KV. Engines run in child processes (this script with ``--engine``) with
+256 KiB of KV. Engines run in child processes (``kvoffload.testing.vllm_engine``) with
 ``HF_HUB_OFFLINE=1``, ``VLLM_CPU_KVCACHE_SPACE`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``. The
 service is started by the script in a temp directory: a host pool of 256 KiB blocks with room for
 twice the longest prefix, a disk tier for every prefix, ``unread_promotion_cap`` 1.0.
@@ -37,10 +37,7 @@ import argparse
 import json
 import os
 import platform
-import re
-import select
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -50,12 +47,21 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import psutil
 
-from kvoffload.protocol import TieringStatus
+from kvoffload.client import KVOffloadClient
+from kvoffload.status import TieringStatus
+from kvoffload.testing.helpers import REPO_ROOT
+from kvoffload.testing.service import ServiceHarness
+from kvoffload.testing.vllm_engine import (
+    BLOCK_TOKENS,
+    VOCAB,
+    EngineFailed,
+    TinyLlama,
+    VllmEngineProcess,
+    kvoffload_transfer,
+    make_model,
+)
 
-VOCAB = 1024
-BLOCK_TOKENS = 32
 SUFFIX_TOKENS = 8
 MODEL = {
     "layers": 4,
@@ -68,17 +74,6 @@ MODEL = {
 POOL_VS_RESIDENT_MAX = 1.5
 RECOMPUTE_VS_POOL_MIN = 5.0
 DISK_VS_RECOMPUTE_MAX = 1.0
-ENGINE_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-}
-KVOFFLOAD_CONNECTOR = {
-    "kv_connector": "KVOffloadConnector",
-    "kv_connector_module_path": "kvoffload.integrations.vllm.connector",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-}
 
 
 def kv_block_bytes() -> int:
@@ -86,330 +81,58 @@ def kv_block_bytes() -> int:
     return 2 * MODEL["layers"] * MODEL["kv_heads"] * MODEL["head_dim"] * 2 * BLOCK_TOKENS
 
 
-def make_model(directory: Path, max_positions: int) -> Path:
-    """A seeded random Llama; large ``initializer_range`` so its logits are far from uniform."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=MODEL["hidden"],
-        intermediate_size=MODEL["intermediate"],
-        num_hidden_layers=MODEL["layers"],
-        num_attention_heads=MODEL["heads"],
-        num_key_value_heads=MODEL["kv_heads"],
+def model_spec(max_positions: int) -> TinyLlama:
+    """The bench model (``MODEL``, bf16) for prompts of up to ``max_positions`` tokens."""
+    return TinyLlama(
+        layers=MODEL["layers"],
+        hidden=MODEL["hidden"],
+        intermediate=MODEL["intermediate"],
+        heads=MODEL["heads"],
+        kv_heads=MODEL["kv_heads"],
         head_dim=MODEL["head_dim"],
-        max_position_embeddings=max_positions,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
+        max_positions=max_positions,
         dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(directory)
-    return directory
-
-
-# ---- engine child ---------------------------------------------------------------------------
-
-
-def engine_main(args: argparse.Namespace) -> None:
-    """One vLLM engine driven by JSON lines on stdin; one reply per line on ``--reply-fd``."""
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
-
-    kv = json.loads(args.kv_transfer) if args.kv_transfer else None
-    llm = LLM(
-        model=args.model,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        block_size=BLOCK_TOKENS,
-        enforce_eager=True,
-        max_model_len=args.max_model_len,
-        seed=0,
-        kv_transfer_config=KVTransferConfig(**kv) if kv else None,
-    )
-    replies = os.fdopen(args.reply_fd, "w", buffering=1)
-    replies.write(json.dumps({"ready": True}) + "\n")
-    params = SamplingParams(max_tokens=1, temperature=0, logprobs=1)
-    for line in iter(sys.stdin.readline, ""):
-        cmd = json.loads(line)
-        if cmd["op"] == "quit":
-            break
-        if cmd["op"] == "reset_prefix_cache":
-            replies.write(json.dumps({"ok": bool(llm.reset_prefix_cache())}) + "\n")
-            continue
-        t0 = time.monotonic()
-        start = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=cmd["prompt"])], params, use_tqdm=False)[
-            0
-        ]
-        seconds = time.perf_counter() - start
-        t1 = time.monotonic()
-        completion = out.outputs[0]
-        token = completion.token_ids[0]
-        logprob = completion.logprobs[0][token].logprob if completion.logprobs else None
-        replies.write(
-            json.dumps(
-                {
-                    "s": seconds,
-                    "cached": out.num_cached_tokens,
-                    "token": token,
-                    "logprob": logprob,
-                    "t0": t0,
-                    "t1": t1,
-                }
-            )
-            + "\n"
-        )
-
-
-class EngineFailed(RuntimeError):
-    """The engine process exited before it was ready; ``reason`` is vLLM's error line."""
-
-    def __init__(self, reason: str, log_tail: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.log_tail = log_tail
-
-
-class Engine:
-    """An engine child process in its own process group (vLLM's engine core and workers join
-    it), stopped by that group's id. vLLM can leave shared-memory segments behind when its
-    start fails or a process is killed: the segments the group maps are noted while it runs and
-    removed after it stopped if they are still there."""
-
-    def __init__(
-        self,
-        model: Path,
-        log_path: Path,
-        max_model_len: int,
-        kvcache_gib: int,
-        kv_transfer: dict[str, Any] | None,
-        extra_env: dict[str, str] | None = None,
-    ) -> None:
-        read_fd, write_fd = os.pipe()
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvoffload.bench.vllm",
-            "--engine",
-            "--model",
-            str(model),
-            "--reply-fd",
-            str(write_fd),
-            "--max-model-len",
-            str(max_model_len),
-        ]
-        if kv_transfer is not None:
-            cmd += ["--kv-transfer", json.dumps(kv_transfer)]
-        env = {
-            k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "KVOFFLOAD_ENDPOINT")
-        }
-        env.update(ENGINE_ENV, VLLM_CPU_KVCACHE_SPACE=str(kvcache_gib), **(extra_env or {}))
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self._shm: set[str] = set()
-        started = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            pass_fds=(write_fd,),
-            env=env,
-            text=True,
-            start_new_session=True,
-        )
-        os.close(write_fd)
-        self._replies = os.fdopen(read_fd, "r")
-        try:
-            self._read(600.0)
-        except EngineFailed:
-            self.stop()
-            raise
-        self.start_s = time.monotonic() - started
-
-    def _read(self, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        ready: list = []
-        while not ready and time.monotonic() < deadline:
-            self._note_shm()
-            ready, _, _ = select.select(
-                [self._replies], [], [], min(1.0, max(0.0, deadline - time.monotonic()))
-            )
-        line = self._replies.readline() if ready else ""
-        if not line:
-            text = self.log_path.read_text(errors="replace")
-            raise EngineFailed(_error_line(text), text[-8000:])
-        return json.loads(line)
-
-    def _send(self, cmd: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read(timeout_s)
-
-    def generate(self, prompt: list[int]) -> dict[str, Any]:
-        return self._send({"op": "generate", "prompt": prompt})
-
-    def reset_prefix_cache(self) -> None:
-        if not self._send({"op": "reset_prefix_cache"})["ok"]:
-            raise RuntimeError("vLLM refused to reset its prefix cache")
-
-    def _group(self) -> list[int]:
-        """Pids of the processes still in the engine's process group."""
-        pids = []
-        for pid in psutil.pids():
-            try:
-                if os.getpgid(pid) == self.proc.pid:
-                    pids.append(pid)
-            except ProcessLookupError:
-                continue
-        return pids
-
-    def _note_shm(self) -> None:
-        for pid in self._group():
-            try:
-                maps = Path(f"/proc/{pid}/maps").read_text()
-            except OSError:
-                continue
-            for line in maps.splitlines():
-                fields = line.split(maxsplit=5)
-                path = fields[5] if len(fields) == 6 else ""
-                if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
-                    name = path.removeprefix("/dev/shm/")
-                    if not name.startswith("kvoffload-"):
-                        self._shm.add(name)
-
-    def stop(self) -> None:
-        """Quit, give the group 30 s to exit by itself, kill what is left of it, remove the
-        segments it left."""
-        self._note_shm()
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.close()
-                self.proc.wait(60)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        deadline = time.monotonic() + 30
-        while self._group() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        for name in sorted(self._shm):
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except FileNotFoundError:
-                continue
-            print(f"  removed /dev/shm/{name}, left by vLLM", flush=True)
-        self._replies.close()
-        self._log.close()
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def _error_line(log: str) -> str:
-    """The root cause in an engine log: the first ``SomeError: message`` line (vLLM logs the
-    worker's exception first, then the engine's wrappers of it)."""
-    for line in log.splitlines():
-        match = re.search(r"\b(\w*(?:Error|Exception)): (.+)$", line)
-        if match:
-            return f"{match.group(1)}: {match.group(2).strip()}"[:400]
-    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    return lines[-1][-400:] if lines else "the engine exited without output"
 
 
 # ---- kvoffload service ----------------------------------------------------------------------
 
 
-class Service:
-    """A kvoffload service (cpu and disk workers) in ``home``: host pool sized for
-    ``pool_blocks`` blocks, disk tier for ``disk_blocks``; its children log to ``log_path``."""
+def bench_service(
+    workdir: Path, pool_blocks: int, disk_blocks: int, log_path: Path
+) -> ServiceHarness:
+    """A (not yet started) kvoffload service (cpu and disk workers) in ``workdir``: host pool
+    sized for ``pool_blocks`` blocks, disk tier for ``disk_blocks``; its children log to
+    ``log_path``."""
+    block_bytes = kv_block_bytes()
+    sections = {
+        "service": {"log_level": "warning"},
+        "pool": {"block_bytes": block_bytes, "num_slots": pool_blocks, "unread_promotion_cap": 1.0},
+        "disk": {"capacity_bytes": disk_blocks * (block_bytes + 4096)},
+    }
+    return ServiceHarness(workdir, sections, defaults={}, log_path=log_path, watch=False)
 
-    def __init__(self, home: Path, pool_blocks: int, disk_blocks: int, log_path: Path) -> None:
-        import msgspec
 
-        from kvoffload.config import load_config
-        from kvoffload.runtime.supervisor import Supervisor
-
-        cfg = load_config(
-            None,
-            {
-                "KVOFFLOAD_SERVICE__RUNTIME_DIR": str(home / "run"),
-                "KVOFFLOAD_SERVICE__LOG_LEVEL": "warning",
-                "KVOFFLOAD_DISK__ROOT": str(home / "disk"),
-            },
-        )
-        block_bytes = kv_block_bytes()
-        self.cfg = msgspec.structs.replace(
-            cfg,
-            pool=msgspec.structs.replace(
-                cfg.pool, block_bytes=block_bytes, num_slots=pool_blocks, unread_promotion_cap=1.0
-            ),
-            disk=msgspec.structs.replace(
-                cfg.disk, capacity_bytes=disk_blocks * (block_bytes + 4096)
-            ),
-        )
-        self.log_path = log_path
-        self.supervisor = Supervisor(self.cfg, log_path=self.log_path)
-
-    def __enter__(self) -> Service:
-        from kvoffload.client import KVOffloadClient
-
-        self.endpoint = self.supervisor.start().client_endpoint
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                self.client = KVOffloadClient(self.endpoint, timeout_s=30.0, name="bench")
-                workers = self.client.status().workers
-                if all(w in workers and workers[w].index_complete for w in ("cpu", "disk")):
-                    return self
-                self.client.close()
-            except TimeoutError:
-                pass
-            time.sleep(0.1)
-        self.supervisor.stop()
-        raise TimeoutError("the kvoffload service did not start")
-
-    def __exit__(self, *exc) -> None:
-        self.client.close()
-        self.supervisor.stop()
-
-    def tiering(self) -> TieringStatus:
-        return self.client.status().tiering
-
-    def wait_settled(
-        self, ready_keys: int, disk_keys: int, timeout_s: float = 120.0
-    ) -> TieringStatus:
-        """Until the pool holds ``ready_keys`` ready keys (0: any), the disk tier indexes
-        ``disk_keys`` keys and no store, tier job or cascade is left in flight."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            t = self.tiering()
-            ready = t.used_slots - t.writing_slots
-            if (
-                ready >= ready_keys
-                and t.writing_slots == 0
-                and t.jobs_in_flight == 0
-                and t.cascade_backlog == 0
-                and t.tiers["disk"].indexed_keys >= disk_keys
-            ):
-                return t
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"kvoffload did not settle: {msgspec.json.encode(t)[:2000]!r}")
-            time.sleep(0.05)
+def wait_settled(
+    client: KVOffloadClient, ready_keys: int, disk_keys: int, timeout_s: float = 120.0
+) -> TieringStatus:
+    """Until the pool holds ``ready_keys`` ready keys (0: any), the disk tier indexes
+    ``disk_keys`` keys and no store, tier job or cascade is left in flight."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        t = client.status().tiering
+        ready = t.used_slots - t.writing_slots
+        if (
+            ready >= ready_keys
+            and t.writing_slots == 0
+            and t.jobs_in_flight == 0
+            and t.cascade_backlog == 0
+            and t.tiers["disk"].indexed_keys >= disk_keys
+        ):
+            return t
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"kvoffload did not settle: {msgspec.json.encode(t)[:2000]!r}")
+        time.sleep(0.05)
 
 
 # ---- measurement ----------------------------------------------------------------------------
@@ -434,10 +157,31 @@ def prompts_for(lengths: list[int], count: int) -> dict[int, list[tuple[list[int
     return out
 
 
-def warm_up(engine: Engine) -> None:
+def ttft_run(engine: VllmEngineProcess, prompt: list[int]) -> dict[str, Any]:
+    """One ``max_tokens=1`` generation: its seconds (``s``, the TTFT), cached tokens, first
+    token and that token's logprob, and ``time.monotonic()`` around it (``t0``, ``t1``)."""
+    (out,) = engine.generate([prompt], max_tokens=1, logprobs=1)
+    token = out["tokens"][0]
+    logprob = next((lp for tok, lp in out["logprobs"][0] if tok == token), None)
+    return {
+        "s": out["s"],
+        "cached": out["cached"],
+        "token": token,
+        "logprob": logprob,
+        "t0": out["t0"],
+        "t1": out["t1"],
+    }
+
+
+def reset_prefix_cache(engine: VllmEngineProcess) -> None:
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset its prefix cache")
+
+
+def warm_up(engine: VllmEngineProcess) -> None:
     """First calls pay one-time costs (allocations, first connector session)."""
     for seed in (1, 2):
-        engine.generate([3 + (seed * k) % (VOCAB - 3) for k in range(300)])
+        ttft_run(engine, [3 + (seed * k) % (VOCAB - 3) for k in range(300)])
 
 
 def expect_cached(run: dict[str, Any], tokens: int, what: str, problems: list[str]) -> None:
@@ -448,55 +192,55 @@ def expect_cached(run: dict[str, Any], tokens: int, what: str, problems: list[st
         print(f"  WARNING {problems[-1]}", flush=True)
 
 
-def run_vllm(engine: Engine, prompts, runs: dict, problems: list[str]) -> None:
+def run_vllm(engine: VllmEngineProcess, prompts, runs: dict, problems: list[str]) -> None:
     warm_up(engine)
     for length, triples in prompts.items():
         for cold_prompt, hit_prompt, _ in triples:
-            cold = engine.generate(cold_prompt)
+            cold = ttft_run(engine, cold_prompt)
             expect_cached(cold, 0, f"recompute {length}", problems)
-            hit = engine.generate(hit_prompt)
+            hit = ttft_run(engine, hit_prompt)
             expect_cached(hit, length, f"resident {length}", problems)
             runs["recompute"][length].append(cold)
             runs["resident"][length].append(hit)
 
 
 def run_kvoffload(
-    engine: Engine, service: Service, prompts, runs: dict, problems: list[str]
+    engine: VllmEngineProcess, client: KVOffloadClient, prompts, runs: dict, problems: list[str]
 ) -> None:
     warm_up(engine)
-    service.wait_settled(0, 0)
-    stored = service.tiering().tiers["disk"].indexed_keys
+    wait_settled(client, 0, 0)
+    stored = client.status().tiering.tiers["disk"].indexed_keys
     for length, triples in prompts.items():
         for cold_prompt, hit_prompt, resident_prompt in triples:
-            cold = engine.generate(cold_prompt)
+            cold = ttft_run(engine, cold_prompt)
             expect_cached(cold, 0, f"kvoffload cold {length}", problems)
             stored += length // BLOCK_TOKENS
-            service.wait_settled(length // BLOCK_TOKENS, stored)
-            engine.reset_prefix_cache()
-            hit = engine.generate(hit_prompt)
+            wait_settled(client, length // BLOCK_TOKENS, stored)
+            reset_prefix_cache(engine)
+            hit = ttft_run(engine, hit_prompt)
             expect_cached(hit, length, f"kvoffload pool {length}", problems)
-            resident = engine.generate(resident_prompt)
+            resident = ttft_run(engine, resident_prompt)
             expect_cached(resident, length, f"resident with the connector {length}", problems)
             runs["kvoffload_cold"][length].append(cold)
             runs["kvoffload_pool"][length].append(hit)
             runs["kvoffload_resident"][length].append(resident)
-    service.wait_settled(0, stored)
+    wait_settled(client, 0, stored)
     for length, triples in prompts.items():
         for _, hit_prompt, _ in triples:
-            service.client.reset_cache()
-            engine.reset_prefix_cache()
-            hit = engine.generate(hit_prompt)
+            client.reset_cache()
+            reset_prefix_cache(engine)
+            hit = ttft_run(engine, hit_prompt)
             expect_cached(hit, length, f"kvoffload disk {length}", problems)
             runs["kvoffload_disk"][length].append(hit)
 
 
-def run_native(engine: Engine, prompts, runs: dict, problems: list[str]) -> None:
+def run_native(engine: VllmEngineProcess, prompts, runs: dict, problems: list[str]) -> None:
     warm_up(engine)
     for length, triples in prompts.items():
         for cold_prompt, hit_prompt, _ in triples:
-            engine.generate(cold_prompt)
-            engine.reset_prefix_cache()
-            hit = engine.generate(hit_prompt)
+            ttft_run(engine, cold_prompt)
+            reset_prefix_cache(engine)
+            hit = ttft_run(engine, hit_prompt)
             expect_cached(hit, length, f"vllm native offload {length}", problems)
             runs["vllm_native"][length].append(hit)
 
@@ -701,19 +445,23 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  {what} ({time.monotonic() - started:.0f} s)", flush=True)
 
     try:
-        model = make_model(home / "model", max_model_len)
+        model = make_model(home / "model", model_spec(max_model_len))
         step("model written")
-        with Engine(model, logs / "engine-vllm.log", max_model_len, kvcache_gib, None) as engine:
+        sizes = {"max_model_len": max_model_len, "kvcache_gib": kvcache_gib}
+        with VllmEngineProcess(model, logs / "engine-vllm.log", None, **sizes) as engine:
             engines["vllm"] = {"start_s": engine.start_s}
             run_vllm(engine, prompts, runs, problems)
         step("vLLM without connector done")
-        with Service(
-            home, 2 * longest_blocks + 64, total_blocks + 2 * longest_blocks, logs / "service.log"
-        ) as service:
-            connector = {
-                **KVOFFLOAD_CONNECTOR,
-                "kv_connector_extra_config": {"endpoint": service.endpoint},
-            }
+        with (
+            bench_service(
+                home / "service",
+                2 * longest_blocks + 64,
+                total_blocks + 2 * longest_blocks,
+                logs / "service.log",
+            ) as service,
+            service.client("bench", timeout_s=30.0) as client,
+        ):
+            connector = kvoffload_transfer({"endpoint": service.endpoint})
             probe_env = None
             if args.profile:
                 connector.update(
@@ -723,23 +471,18 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 probe_dir = home / "probe"
                 probe_dir.mkdir()
                 probe_env = {"KVO_BENCH_PROBE_DIR": str(probe_dir)}
-            with Engine(
-                model,
-                logs / "engine-kvoffload.log",
-                max_model_len,
-                kvcache_gib,
-                connector,
-                probe_env,
+            with VllmEngineProcess(
+                model, logs / "engine-kvoffload.log", connector, extra_env=probe_env, **sizes
             ) as engine:
                 engines["kvoffload"] = {
                     "start_s": engine.start_s,
                     "connector": connector["kv_connector"],
                 }
-                run_kvoffload(engine, service, prompts, runs, problems)
+                run_kvoffload(engine, client, prompts, runs, problems)
             link_downs = engine.log_path.read_text(errors="replace").count("kvoffload_link_down")
             if args.profile:
                 profile = breakdown(read_probe(probe_dir), runs)
-            service_status = msgspec.to_builtins(service.client.status())
+            service_status = msgspec.to_builtins(client.status())
         step("vLLM with kvoffload done")
         native_cfg = {
             "kv_connector": "OffloadingConnector",
@@ -752,8 +495,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             native = {"skipped": True, "reason": "--no-native"}
         else:
             try:
-                with Engine(
-                    model, logs / "engine-native.log", max_model_len, kvcache_gib, native_cfg
+                with VllmEngineProcess(
+                    model, logs / "engine-native.log", native_cfg, **sizes
                 ) as engine:
                     engines["vllm_native"] = {"start_s": engine.start_s}
                     run_native(engine, prompts, runs, problems)
@@ -812,7 +555,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def _git_commit() -> str:
     """The checkout measured (``-dirty`` if the integration or this script have local changes)."""
-    root = Path(__file__).resolve().parents[2]
+    root = REPO_ROOT
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -852,15 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-native", action="store_true", help="do not try vLLM's own CPU offloading"
     )
-    parser.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--reply-fd", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--kv-transfer", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.engine:
-        engine_main(args)
-        return 0
     if any(n % BLOCK_TOKENS for n in args.lengths):
         parser.error(f"prefix lengths must be multiples of {BLOCK_TOKENS}")
     from kvoffload.logs import configure_logging

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import posix_ipc
 
-from kvoffload.soak.service import shm_names_containing
+from kvoffload.testing.service import shm_names_containing
 
 
 def unlink_segments(prefix: str) -> list[str]:

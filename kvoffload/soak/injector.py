@@ -32,7 +32,7 @@ import psutil
 import structlog
 
 from kvoffload.soak.clients import EnginePool
-from kvoffload.soak.service import ServiceHarness
+from kvoffload.testing.service import ServiceHarness
 
 log = structlog.get_logger()
 

@@ -3,31 +3,23 @@
 ``ProbeEngine`` owns a client and a shm KV cache registered with the service. Blocks hold
 ``expected_block(key)``; ``store`` copies them into the service, ``load`` brings keys back
 into poisoned device blocks and returns the keys whose bytes differ (must be empty), and
-``lookup_ready`` waits out HIT_PENDING/RETRY. ``services`` is a context manager that starts
-``ServiceHarness``es and, on exit, stops them and asserts nothing was left behind.
+``lookup_ready`` waits out HIT_PENDING/RETRY. Services come from
+``kvoffload.testing.service.services``, keys from ``kvoffload.testing.helpers.keys_for``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 
 from kvoffload import protocol as p
 from kvoffload.memory.kvcache import SharedKVCache, unique_kv_name
 from kvoffload.soak.blocks import POISON, expected_block
-from kvoffload.soak.service import ServiceHarness
+from kvoffload.testing.service import ServiceHarness
 
 _names = itertools.count()
-
-
-def probe_keys(prefix: str, n: int) -> list[bytes]:
-    """``n`` distinct 32-byte keys."""
-    return [f"{prefix}/{i}".encode().ljust(32, b".") for i in range(n)]
 
 
 class ProbeEngine:
@@ -100,34 +92,3 @@ class ProbeEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def services(workdir: Path) -> Iterator[Callable[..., ServiceHarness]]:
-    """Yields ``start(curve_keys=None, **sections)``; every service started is stopped at exit, and a run that
-    left a segment, a runtime file or a process raises AssertionError."""
-    started: list[ServiceHarness] = []
-
-    def start(
-        curve_keys: tuple[bytes, bytes, bytes] | None = None, **sections: dict
-    ) -> ServiceHarness:
-        harness = ServiceHarness(Path(workdir) / f"service{len(started)}", sections, curve_keys)
-        started.append(harness)
-        return harness.start()
-
-    try:
-        yield start
-    finally:
-        leftovers = [h.stop() for h in started]
-    dirty = [left for left in leftovers if not left.clean]
-    assert not dirty, f"runs left things behind: {dirty}"
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
-    """True as soon as ``predicate()`` holds, False after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval_s)
-    return True

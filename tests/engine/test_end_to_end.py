@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -18,6 +17,8 @@ import pytest
 import torch
 
 from kvoffload.engine import DEMO_MODEL, Engine, Generation, TinyDecoder
+from kvoffload.testing.helpers import wait_until
+from tests.workers.object.test_object_worker import object_config
 
 BT = DEMO_MODEL.block_tokens
 PREFIX_BLOCKS = 6
@@ -103,13 +104,6 @@ def assert_reader_matches(
     assert read.tokens == full.tokens
 
 
-def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_prefix_from_the_host_pool(start_service, engines, model) -> None:
     service = start_service(workers=("cpu", "disk"))
     first, follow_up = conversation(seed=1)
@@ -185,19 +179,7 @@ def test_prefix_from_the_object_tier_after_reset(start_service, engines, model, 
     bucket = s3_server.create_bucket(f"kvo-engine-{uuid.uuid4().hex[:12]}")
     service = start_service(
         workers=("cpu", "object"),
-        extra_config=f"""
-[object]
-enabled = true
-endpoint = "{s3_server.endpoint}"
-bucket = "{bucket}"
-prefix = "engine"
-region = "{s3_server.region}"
-access_key_id = "{s3_server.access_key}"
-secret_access_key = "{s3_server.secret_key}"
-io_threads = 4
-request_timeout_s = 2.0
-verdict_timeout_s = 10.0
-""",
+        extra_config=object_config(s3_server, bucket, "engine"),
     )
     first, follow_up = conversation(seed=4)
     writer = engines(service.endpoint, "writer")

@@ -18,7 +18,9 @@ import zmq
 
 from kvoffload import protocol as p
 from kvoffload.client import KVOffloadError
-from kvoffload.soak.probe import ProbeEngine, probe_keys, services
+from kvoffload.soak.probe import ProbeEngine
+from kvoffload.testing.helpers import keys_for
+from kvoffload.testing.service import services
 
 SEED = 20261129
 MESSAGES_PER_ROUND = 300
@@ -198,7 +200,7 @@ def fuzz_job_endpoint(endpoint: str, rng: random.Random) -> None:
 
 
 def round_trip_is_exact(harness, tag: str) -> None:
-    keys = probe_keys(tag, 4)
+    keys = keys_for(tag, 4)
     with ProbeEngine(harness, f"after-{tag}") as engine:
         req = engine.new_request()
         assert engine.store(req, keys).success
@@ -251,6 +253,6 @@ def test_the_client_refuses_a_call_over_the_size_limit_before_sending_it(harness
             engine.client.lookup(req, [b"k" * (20 << 20)])
         assert err.value.code == "message_too_large" and str(p.MAX_MESSAGE_BYTES) in str(err.value)
         assert time.monotonic() - started < 1.0
-        keys = probe_keys("after-big", 2)
+        keys = keys_for("after-big", 2)
         assert engine.store(req, keys).success, "the session survives the refused call"
         assert engine.lookup_ready(req, keys).ready_prefix == 2

@@ -10,12 +10,12 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvoffload.memory.pool import HostPool, PoolMismatch
+from kvoffload.testing.helpers import REPO_ROOT
 
 
 def _cuda_available() -> bool:
@@ -30,7 +30,6 @@ CUDA = _cuda_available()
 
 BLOCK = 4096 * 4
 SLOTS = 8
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _shm_leftovers(token: str) -> list[str]:
@@ -62,7 +61,7 @@ def pool(pool_name: str) -> Iterator[HostPool]:
 def _run_python(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=REPO,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=60,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -20,7 +19,9 @@ from kvoffload import protocol as p
 from kvoffload.client import KVOffloadClient, KVOffloadError
 from kvoffload.config import ConfigError, ServiceConfig, load_config
 from kvoffload.server.sockets import bind_client_socket
-from kvoffload.soak.probe import ProbeEngine, probe_keys, services
+from kvoffload.soak.probe import ProbeEngine
+from kvoffload.testing.helpers import free_port, keys_for
+from kvoffload.testing.service import services
 
 NO_DISK = {"enabled": False}
 HOSTILE_KEYS = [
@@ -80,12 +81,6 @@ def test_tcp_endpoint_without_curve_keys_is_refused(tmp_path):
         bind_client_socket(zmq.Context.instance(), "tcp://127.0.0.1:0", ServiceConfig())
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_curve_admits_the_authorized_key_only(tmp_path, start_service):
     keys, authorized = tmp_path / "keys", tmp_path / "authorized"
     keys.mkdir()
@@ -117,7 +112,7 @@ def test_curve_admits_the_authorized_key_only(tmp_path, start_service):
         assert time.monotonic() - started < 3.0
     with ProbeEngine(harness, "authorized") as engine:
         req = engine.new_request()
-        keys_stored = probe_keys("curve", 2)
+        keys_stored = keys_for("curve", 2)
         assert engine.store(req, keys_stored).success
         done, wrong = engine.load(req, keys_stored)
         assert done.success and wrong == []
@@ -156,7 +151,7 @@ def test_keys_of_wrong_length_are_refused_and_path_like_keys_stay_opaque(start_s
 
 def test_out_of_range_blocks_and_unprepared_completions_get_typed_errors(start_service):
     harness = start_service(disk=NO_DISK)
-    keys = probe_keys("range", 2)
+    keys = keys_for("range", 2)
     with ProbeEngine(harness, blocks=8) as engine:
         client, handle = engine.client, engine.handle_id
         req = engine.new_request()
@@ -178,12 +173,12 @@ def test_out_of_range_blocks_and_unprepared_completions_get_typed_errors(start_s
 
 def test_a_client_cannot_touch_another_clients_requests_handles_pins_or_events(start_service):
     harness = start_service(disk=NO_DISK)
-    keys = probe_keys("owned", 3)
+    keys = keys_for("owned", 3)
     with ProbeEngine(harness, "a") as a, ProbeEngine(harness, "b") as b:
         req = a.new_request()
         assert a.store(req, keys).success
         a.client.prepare_load(req, keys)
-        open_store = probe_keys("open", 1)
+        open_store = keys_for("open", 1)
         a.client.prepare_store(req, open_store)
         b.client.new_request(req)  # the same name is another request in b's namespace
         expect_error("not_pinned", b.client.complete_load, req, keys)
@@ -205,7 +200,7 @@ def test_a_client_cannot_touch_another_clients_requests_handles_pins_or_events(s
 
 def test_a_client_cannot_register_the_host_pool_as_its_kv_cache(start_service):
     harness = start_service(disk=NO_DISK)
-    keys = probe_keys("victim", 1)
+    keys = keys_for("victim", 1)
     with ProbeEngine(harness, "victim") as victim, harness.client("attacker") as attacker:
         assert victim.store(victim.new_request(), keys).success
         info = attacker.info
@@ -221,7 +216,7 @@ def test_a_client_cannot_register_the_host_pool_as_its_kv_cache(start_service):
         except KVOffloadError:
             return
         attacker.new_request("a")
-        junk = probe_keys("junk", 1)
+        junk = keys_for("junk", 1)
         stored = attacker.store("a", junk, [info.num_slots - 1], "pool")
         attacker.wait([stored.job_id])
         for slot in range(4):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "docs" / "examples" / "client_example.py"
+from kvoffload.testing.helpers import REPO_ROOT
+
+EXAMPLE = REPO_ROOT / "docs" / "examples" / "client_example.py"
 
 
 def test_client_guide_example_runs_against_a_service(start_service):
@@ -16,7 +16,7 @@ def test_client_guide_example_runs_against_a_service(start_service):
     result = subprocess.run(
         [sys.executable, str(EXAMPLE), "--empty-pool"],
         check=False,
-        cwd=REPO,
+        cwd=REPO_ROOT,
         env={**os.environ, "KVOFFLOAD_ENDPOINT": service.endpoint},
         capture_output=True,
         text=True,
@@ -34,6 +34,6 @@ def test_client_guide_example_runs_against_a_service(start_service):
 
 
 def test_client_guide_links_its_example():
-    guide = (REPO / "docs" / "client.md").read_text()
+    guide = (REPO_ROOT / "docs" / "client.md").read_text()
     assert "examples/client_example.py" in guide
-    assert "docs/client.md" in (REPO / "README.md").read_text()
+    assert "docs/client.md" in (REPO_ROOT / "README.md").read_text()

@@ -13,6 +13,7 @@ from kvoffload import protocol as p
 from kvoffload.client import KVOffloadError
 from kvoffload.memory.blockformat import copy_with_checksum
 from kvoffload.memory.pool import HostPool
+from kvoffload.testing.helpers import keys_for, wait_until
 from kvoffload.tiering import LookupResult
 
 HIT, HIT_PENDING = LookupResult.HIT, LookupResult.HIT_PENDING
@@ -21,18 +22,6 @@ READ_DELAY_S = 0.5
 """Every disk-store operation (each block read of a promotion, too) is delayed this long."""
 PROMOTED_BLOCKS = 8
 """Two reads at a time: the last blocks land at least a second after the first ones."""
-
-
-def keys_for(prefix: str, n: int) -> list[bytes]:
-    return [f"{prefix}-{i}".encode().ljust(16, b".") for i in range(n)]
-
-
-def wait_until(predicate, timeout_s: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -7,13 +7,13 @@ import json
 import os
 import re
 import signal
-from pathlib import Path
 
 from kvoffload.memory.kvcache import SharedKVCache
-from tests.server.test_service import BLOCK, keys_for, store_and_wait
-from tests.service_process import free_port, sample_value, scrape_metrics
+from kvoffload.testing.helpers import REPO_ROOT, free_port, keys_for
+from kvoffload.testing.metrics import sample_value, scrape_metrics
+from tests.server.test_service import BLOCK, store_and_wait
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "kvoffload.json"
+DASHBOARD = REPO_ROOT / "dashboards" / "kvoffload.json"
 METRIC_NAME = re.compile(r"\b(?:kvoffload|process)_[a-z0-9_]+\b")
 SAMPLE_SUFFIXES = {
     "counter": ("_total",),

@@ -8,7 +8,6 @@ import sys
 import time
 
 import msgspec
-import numpy as np
 import psutil
 import pytest
 import zmq
@@ -18,24 +17,16 @@ from kvoffload.client import KVOffloadError
 from kvoffload.memory.cuda_host import cuda_device_count
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.runtime.rundir import cleanup_stale
+from kvoffload.testing.helpers import free_port, keys_for, random_kv_cache
+from kvoffload.testing.metrics import sample_value, scrape_metrics
 from kvoffload.tiering import LookupResult
-from tests.service_process import free_port, sample_value, scrape_metrics
 
 BLOCK = 65536
 
 
-def keys_for(prefix: str, n: int) -> list[bytes]:
-    return [f"{prefix}-{i}".encode().ljust(16, b".") for i in range(n)]
-
-
 @pytest.fixture
 def kv():
-    cache = SharedKVCache.create(
-        f"/kvoffload-kvtest-{os.getpid()}-{time.monotonic_ns()}", 32, [BLOCK // 2, BLOCK // 2]
-    )
-    rng = np.random.default_rng(7)
-    for t in cache.tensors:
-        t[:] = rng.integers(0, 256, size=t.shape, dtype=np.uint8)
+    cache = random_kv_cache(32, [BLOCK // 2, BLOCK // 2], seed=7)
     yield cache
     cache.close()
     cache.unlink()

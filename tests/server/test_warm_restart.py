@@ -9,14 +9,14 @@ import signal
 import time
 
 import msgspec
-import numpy as np
 import psutil
 import pytest
 
 from kvoffload.client import KVOffloadClient, KVOffloadError, ServiceUnavailable
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.memory.pool import HostPool
-from kvoffload.soak.service import shm_names_containing
+from kvoffload.testing.helpers import keys_for, random_kv_cache
+from kvoffload.testing.service import shm_names_containing
 from kvoffload.tiering import LookupResult
 
 BLOCK = 65536
@@ -24,19 +24,10 @@ SOURCE_BLOCKS = 32
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 
-def keys_for(prefix: str, n: int) -> list[bytes]:
-    return [f"{prefix}-{i}".encode().ljust(16, b".") for i in range(n)]
-
-
 @pytest.fixture
 def kv():
     """48 device blocks of random bytes: 0..31 are stored, 32..47 receive loads."""
-    cache = SharedKVCache.create(
-        f"/kvoffload-kvwarm-{os.getpid()}-{time.monotonic_ns()}", 48, [BLOCK // 2, BLOCK // 2]
-    )
-    rng = np.random.default_rng(11)
-    for t in cache.tensors:
-        t[:] = rng.integers(0, 256, size=t.shape, dtype=np.uint8)
+    cache = random_kv_cache(48, [BLOCK // 2, BLOCK // 2], seed=11)
     yield cache
     cache.close()
     cache.unlink()

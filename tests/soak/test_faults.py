@@ -13,9 +13,11 @@ import pytest
 from kvoffload.client import KVOffloadError
 from kvoffload.memory.blockformat import payload_checksum
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import DiskWorkerStats
 from kvoffload.soak.blocks import expected_block
-from kvoffload.soak.probe import ProbeEngine, probe_keys, services, wait_for
+from kvoffload.soak.probe import ProbeEngine
+from kvoffload.status import DiskWorkerStats
+from kvoffload.testing.helpers import keys_for, wait_until
+from kvoffload.testing.service import services
 
 NO_DISK = {"enabled": False}
 
@@ -30,14 +32,14 @@ def kill_manager(harness) -> int:
     """SIGKILL the manager and wait until the supervisor has started a new one; its old pid."""
     old = harness.manager_pid()
     assert harness.signal_child(old, signal.SIGKILL)
-    assert wait_for(lambda: harness.manager_pid() not in (old, None), 15)
+    wait_until(lambda: harness.manager_pid() not in (old, None), 15, what="a new manager")
     return old
 
 
 def test_stopped_worker_is_killed_by_the_manager_its_job_fails_and_it_is_restarted(start_service):
     harness = start_service(disk=NO_DISK)
     timeout_s = harness.cfg.service.heartbeat_timeout_s
-    keys = probe_keys("stopped", 4)
+    keys = keys_for("stopped", 4)
     with ProbeEngine(harness) as engine:
         pid = harness.worker_pid("cpu")
         assert harness.signal_child(pid, signal.SIGSTOP)
@@ -46,8 +48,10 @@ def test_stopped_worker_is_killed_by_the_manager_its_job_fails_and_it_is_restart
             done = engine.store(engine.new_request(), keys, wait_s=timeout_s + 10)
             assert not done.success, "a job sent to a stopped worker cannot succeed"
             assert time.monotonic() - started < timeout_s + 5
-            assert wait_for(lambda: not harness.is_own_child(pid), 10), (
-                "the manager did not kill the silent worker"
+            wait_until(
+                lambda: not harness.is_own_child(pid),
+                10,
+                what="the manager to kill the silent worker",
             )
         finally:
             harness.signal_child(pid, signal.SIGCONT)
@@ -66,7 +70,7 @@ def test_killed_manager_is_restarted_with_fenced_workers_and_serves_correct_byte
     manager still serves from the pool (a warm restart) loads bit-exact, and the old client's
     session is gone."""
     harness = start_service(disk=NO_DISK)
-    keys = probe_keys("before-crash", 4)
+    keys = keys_for("before-crash", 4)
     old_engine = ProbeEngine(harness, "old")
     req = old_engine.new_request()
     assert old_engine.store(req, keys).success
@@ -84,7 +88,7 @@ def test_killed_manager_is_restarted_with_fenced_workers_and_serves_correct_byte
         if outcome.ready_prefix:
             done, wrong = engine.load(req, keys[: outcome.ready_prefix])
             assert done.success and wrong == []
-        fresh = probe_keys("after-crash", 4)
+        fresh = keys_for("after-crash", 4)
         assert engine.store(req, fresh).success
         req = engine.new_request()
         assert engine.lookup_ready(req, fresh).ready_prefix == len(fresh)
@@ -94,7 +98,7 @@ def test_killed_manager_is_restarted_with_fenced_workers_and_serves_correct_byte
 
 def test_after_a_manager_restart_the_disk_tier_serves_its_keys_verified(start_service):
     harness = start_service()
-    keys = probe_keys("durable", 6)
+    keys = keys_for("durable", 6)
     with ProbeEngine(harness, "before") as engine:
         assert engine.store(engine.new_request(), keys).success
         assert harness.wait_status(lambda s: s["tiering"]["jobs_in_flight"] == 0, 10)
@@ -114,14 +118,14 @@ def test_job_ids_are_not_reused_after_a_manager_restart(start_service):
     manager's job of the same id (that served the old job's bytes under the new key)."""
     harness = start_service(disk=NO_DISK, faults={"delay_s": 2.0, "delay_fraction": 1.0})
     old_engine = ProbeEngine(harness, "old")
-    old_keys = probe_keys("old", 1)
+    old_keys = keys_for("old", 1)
     old_engine.kv.tensors[0][0] = 0xAA
     old_job = old_engine.client.store(old_engine.new_request(), old_keys, [0], old_engine.handle_id)
     kill_manager(harness)
     harness.wait_workers(["cpu"])
     try:
         with ProbeEngine(harness, "new") as engine:
-            keys = probe_keys("new", 1)
+            keys = keys_for("new", 1)
             done = engine.store(engine.new_request(), keys)
             assert done.success and done.job_id != old_job.job_id
             req = engine.new_request()
@@ -141,15 +145,13 @@ def test_a_copy_running_when_the_manager_dies_cannot_overwrite_a_reused_slot(sta
     )
     old_engine = ProbeEngine(harness, "old")
     old_engine.kv.tensors[0][0] = 0xAA
-    old_engine.client.store(
-        old_engine.new_request(), probe_keys("old", 1), [0], old_engine.handle_id
-    )
+    old_engine.client.store(old_engine.new_request(), keys_for("old", 1), [0], old_engine.handle_id)
     started = time.monotonic()
     kill_manager(harness)
     harness.wait_workers(["cpu"])
     try:
         with ProbeEngine(harness, "new") as engine:
-            keys = probe_keys("new", 1)
+            keys = keys_for("new", 1)
             assert engine.store(engine.new_request(), keys).success
             time.sleep(max(0.0, 3.5 - (time.monotonic() - started)))
             req = engine.new_request()
@@ -166,19 +168,19 @@ DOOMED_CLIENT = textwrap.dedent(
     from kvoffload.client import KVOffloadClient
     from kvoffload.memory.pool import HostPool
     from kvoffload.soak.blocks import expected_block
-    from kvoffload.soak.probe import probe_keys
+    from kvoffload.testing.helpers import keys_for
 
     client = KVOffloadClient(sys.argv[1], name="doomed")
     info = client.info
     pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
-    keys = probe_keys("doomed", 4)
+    keys = keys_for("doomed", 4)
     client.new_request("r")
     out = client.prepare_store("r", keys)
     for key, slot in zip(out.keys, out.slots, strict=True):
         pool.slot_array(slot)[:] = expected_block(key, info.block_bytes)
     client.complete_store("r", out.keys)
     client.prepare_load("r", keys)
-    client.prepare_store("r", probe_keys("never-completed", 1))
+    client.prepare_store("r", keys_for("never-completed", 1))
     print("pinned", flush=True)
     time.sleep(600)
     """
@@ -208,7 +210,7 @@ def test_killed_client_pins_and_open_stores_are_released_after_its_lease(start_s
     assert time.monotonic() - killed_at < harness.cfg.service.request_lease_s + 3
     dropped = [e for e in harness.log_events() if e.get("event") == "client_dropped"]
     assert any(e["reason"] == "lease_expired" and e["pins"] == 4 for e in dropped)
-    keys = probe_keys("doomed", 4)
+    keys = keys_for("doomed", 4)
     with ProbeEngine(harness, "survivor") as engine:
         req = engine.new_request()
         assert engine.lookup_ready(req, keys).ready_prefix == 4
@@ -218,7 +220,7 @@ def test_killed_client_pins_and_open_stores_are_released_after_its_lease(start_s
 
 def test_disk_io_faults_fail_keys_partially_and_never_serve_wrong_bytes(start_service):
     harness = start_service(faults={"fail_fraction": 0.1, "corrupt_fraction": 0.3, "seed": 5})
-    keys = probe_keys("flaky", 32)
+    keys = keys_for("flaky", 32)
     results = []
     with ProbeEngine(harness) as engine:
         for start in range(0, len(keys), 8):
@@ -277,14 +279,14 @@ def assert_all_come_back_after_reset(engine: ProbeEngine, keys: list[bytes]) -> 
 
 def test_blocks_stored_while_the_disk_worker_is_down_reach_the_disk_once_it_is_back(start_service):
     harness = start_service()
-    keys = probe_keys("while-down", 16)
+    keys = keys_for("while-down", 16)
     with ProbeEngine(harness) as engine:
         pid = harness.worker_pid("disk")
         assert harness.signal_child(pid, signal.SIGSTOP)
         try:
             assert engine.store(engine.new_request(), keys[:8]).success  # its cascade hangs
-            assert wait_for(lambda: harness.worker_pid("disk") != pid, 15), (
-                "the manager did not drop the worker"
+            wait_until(
+                lambda: harness.worker_pid("disk") != pid, 15, what="the manager to drop the worker"
             )
             assert engine.store(
                 engine.new_request(), keys[8:]
@@ -305,7 +307,7 @@ def test_blocks_adopted_by_a_restarted_manager_reach_the_disk(start_service):
     pool (device stores, and direct stores that sent their checksums) and are cascaded by the
     new manager."""
     harness = start_service()
-    stored, direct = probe_keys("adopted", 8), probe_keys("adopted-direct", 4)
+    stored, direct = keys_for("adopted", 8), keys_for("adopted-direct", 4)
     old = ProbeEngine(harness, "old")
     pool = HostPool.attach(old.client.info.pool_name, old.client.info.num_slots, old.block_bytes)
     disk_pid = harness.worker_pid("disk")

@@ -12,7 +12,8 @@ import sys
 import venv
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from kvoffload.testing.helpers import REPO_ROOT
+
 SOURCES = ("kvoffload", "workers", "setup.cfg", "pyproject.toml", "README.md")
 
 
@@ -75,7 +76,7 @@ def test_soak_with_local_s3_runs_from_a_non_editable_install(tmp_path):
         [
             env_dir / "bin" / "python",
             "-c",
-            "import kvoffload.soak.s3server as m; print(m.__file__)",
+            "import kvoffload.testing.s3server as m; print(m.__file__)",
         ],
         cwd=tmp_path,
         env=env,

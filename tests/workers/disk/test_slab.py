@@ -26,6 +26,7 @@ from kvoffload.memory.blockformat import (
     decode_header,
     deployment_fingerprint,
 )
+from kvoffload.testing.helpers import REPO_ROOT
 from workers.disk import FAULT_OPS, DiskStore, LayoutError, StoreFull, TransientIOError
 from workers.disk.layout import CLEAN_FILE
 from workers.disk.rawio import probe_direct_io
@@ -34,7 +35,6 @@ BLOCK = 16384
 FP = deployment_fingerprint(BLOCK, "test-layout")
 OTHER_FP = deployment_fingerprint(BLOCK, "other-layout")
 RECORD = 4096 + BLOCK
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def payload_for(key: bytes, version: int = 0, size: int = BLOCK) -> bytes:

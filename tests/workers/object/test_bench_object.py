@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvoffload.bench import object as bench_object
 from kvoffload.bench.cells import object_cells
-from kvoffload.soak.s3server import S3Server
+from kvoffload.testing.s3server import S3Server
 
 
 def test_ratios_are_medians_of_per_round_ratios() -> None:

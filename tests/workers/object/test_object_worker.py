@@ -22,10 +22,12 @@ from kvoffload.memory.blockformat import HEADER_SIZE, deployment_fingerprint
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.memory.pool import HostPool
 from kvoffload.memory.slottable import SlotTable
-from kvoffload.protocol import FaultSpec, Job, JobKind, ObjectWorkerStats, WorkerStats
+from kvoffload.protocol import FaultSpec, Job, JobKind
 from kvoffload.runtime.runspec import EXIT_REFUSED, RunSpec
-from kvoffload.soak.s3server import S3Server
-from kvoffload.soak.service import shm_names_containing
+from kvoffload.status import ObjectWorkerStats, WorkerStats
+from kvoffload.testing.helpers import REPO_ROOT, random_kv_cache, wait_until
+from kvoffload.testing.s3server import S3Server, object_section
+from kvoffload.testing.service import shm_names_containing, to_toml
 from kvoffload.tiering import LookupResult
 from workers.backend import Backend
 from workers.faults import FaultInjector
@@ -35,7 +37,6 @@ from workers.slotheaders import SlotHeaders
 
 BLOCK = 65536
 SLOTS = 16
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def key(i: int, tag: str = "k") -> bytes:
@@ -62,17 +63,8 @@ def bucket(s3_server: S3Server) -> str:
 
 
 def make_config(s3_server: S3Server, bucket: str, prefix: str, **object_fields) -> Config:
-    fields = dict(
-        enabled=True,
-        endpoint=s3_server.endpoint,
-        bucket=bucket,
-        prefix=prefix,
-        region=s3_server.region,
-        access_key_id=s3_server.access_key,
-        secret_access_key=s3_server.secret_key,
-        io_threads=4,
-        request_timeout_s=2.0,
-        max_retries=1,
+    fields = object_section(
+        s3_server, bucket, prefix, io_threads=4, request_timeout_s=2.0, max_retries=1
     )
     fields.update(object_fields)
     return Config(
@@ -140,14 +132,14 @@ def test_cascade_probe_promote_and_cross_node_sharing(make_backend) -> None:
     assert probed.absent_keys == [key(100), key(101)], "a probe confirms what it did not find"
     assert node_a.run_job(job(3, JobKind.PROBE, [key(102)])).ok_keys == []
 
-    promoted = node_a.run_job(job(4, JobKind.PROMOTE, keys, list(range(8, 14))))
+    promoted = node_a.run_job(job(4, JobKind.PROMOTION, keys, list(range(8, 14))))
     assert promoted.ok_keys == keys
     for slot, k in zip(range(8, 14), keys, strict=True):
         assert slot_bytes(pool_a, slot) == written[k]
 
     node_b, pool_b = make_backend()
     assert node_b.run_job(job(1, JobKind.PROBE, keys)).ok_keys == keys
-    shared = node_b.run_job(job(2, JobKind.PROMOTE, keys[::-1], list(range(6))))
+    shared = node_b.run_job(job(2, JobKind.PROMOTION, keys[::-1], list(range(6))))
     assert shared.ok_keys == keys[::-1]
     for slot, k in enumerate(keys[::-1]):
         assert slot_bytes(pool_b, slot) == written[k]
@@ -176,7 +168,7 @@ def test_promote_partial_failure_absent_and_corrupt(
     body[HEADER_SIZE + 100] ^= 0xFF
     raw.put_object(Bucket=bucket, Key=name, Body=bytes(body))
 
-    outcome = backend.run_job(job(2, JobKind.PROMOTE, keys, [5, 6, 7]))
+    outcome = backend.run_job(job(2, JobKind.PROMOTION, keys, [5, 6, 7]))
     assert outcome.ok_keys == [good]
     assert outcome.absent_keys == [absent, corrupt], (
         "absent and corrupt are confirmed, not transient"
@@ -210,7 +202,7 @@ def test_cascade_stores_the_stamped_checksum_so_later_changes_are_caught(
         headers.stamp(1, changed, 1)
         pool.slot_array(1)[7] ^= 0xFF  # the slot's bytes change after they were stamped
         assert backend.run_job(job(2, JobKind.CASCADE, keys, [0, 1, 2])).ok_keys == keys
-        outcome = backend.run_job(job(3, JobKind.PROMOTE, keys, [4, 5, 6]))
+        outcome = backend.run_job(job(3, JobKind.PROMOTION, keys, [4, 5, 6]))
         assert outcome.ok_keys == [stamped, unstamped]
         assert outcome.absent_keys == [changed], "the changed block is dropped as corrupt"
         assert (slot_bytes(pool, 4), slot_bytes(pool, 6)) == (data[stamped], data[unstamped])
@@ -236,14 +228,14 @@ def test_release_failure_keeps_the_job_until_released(make_backend) -> None:
     outcome.release()
     assert backend.stats().pending_releases == 0
 
-    loaded = backend.run_job(job(2, JobKind.PROMOTE, [k], [3]))
+    loaded = backend.run_job(job(2, JobKind.PROMOTION, [k], [3]))
     assert loaded.ok_keys == [k] and loaded.release is None
     assert slot_bytes(pool, 3) == data
 
 
 def test_failed_transfer_with_failed_release_fails_the_key(make_backend) -> None:
     backend, pool = make_backend(FaultInjector(FaultSpec(release_failures=1)))
-    outcome = backend.run_job(job(1, JobKind.PROMOTE, [key(1, "nowhere")], [0]))
+    outcome = backend.run_job(job(1, JobKind.PROMOTION, [key(1, "nowhere")], [0]))
     assert outcome.ok_keys == [] and "absent" in outcome.error
     assert outcome.release is not None
     outcome.release()
@@ -258,7 +250,7 @@ def test_fault_fail_fraction_fails_each_operation(make_backend) -> None:
     outcome = backend.run_job(job(2, JobKind.CASCADE, [key(1), key(2)], [0, 1]))
     assert outcome.ok_keys == [] and "InjectedFault" in outcome.error
     assert backend.stats().puts == 2 and backend.stats().put_failures == 2
-    loaded = backend.run_job(job(3, JobKind.PROMOTE, [key(1)], [0]))
+    loaded = backend.run_job(job(3, JobKind.PROMOTION, [key(1)], [0]))
     assert loaded.ok_keys == [] and loaded.absent_keys == [], (
         "a transient GET failure confirms nothing"
     )
@@ -273,7 +265,7 @@ def test_fault_corrupt_fraction_corrupts_what_puts_store_not_the_slot(make_backe
     assert stored.ok_keys == keys, "the PUTs themselves succeed"
     assert [slot_bytes(pool, slot) for slot in range(2)] == data, "the pool slots are never altered"
     assert backend.stats().injected_corruptions == 2
-    loaded = backend.run_job(job(2, JobKind.PROMOTE, keys, [4, 5]))
+    loaded = backend.run_job(job(2, JobKind.PROMOTION, keys, [4, 5]))
     assert loaded.ok_keys == [] and loaded.absent_keys == keys, (
         "each stored copy fails its checksum"
     )
@@ -339,7 +331,7 @@ def test_outage_opens_breaker_and_recovers(make_backend, s3_server: S3Server) ->
     assert backend.run_job(job(31, JobKind.CASCADE, [key(3, "outage")], [1])).ok_keys == [
         key(3, "outage")
     ]
-    assert backend.run_job(job(32, JobKind.PROMOTE, [k, key(3, "outage")], [4, 5])).ok_keys == [
+    assert backend.run_job(job(32, JobKind.PROMOTION, [k, key(3, "outage")], [4, 5])).ok_keys == [
         k,
         key(3, "outage"),
     ]
@@ -410,12 +402,7 @@ def test_worker_with_a_usable_store_goes_on_to_the_manager(
 
 @pytest.fixture
 def kv() -> Iterator[SharedKVCache]:
-    cache = SharedKVCache.create(
-        f"/kvoffload-kvtest-{uuid.uuid4().hex[:12]}", 32, [BLOCK // 2, BLOCK // 2]
-    )
-    rng = np.random.default_rng(5)
-    for tensor in cache.tensors:
-        tensor[:] = rng.integers(0, 256, size=tensor.shape, dtype=np.uint8)
+    cache = random_kv_cache(32, [BLOCK // 2, BLOCK // 2], seed=5)
     try:
         yield cache
     finally:
@@ -427,27 +414,12 @@ def device_block(cache: SharedKVCache, block: int) -> bytes:
     return b"".join(t[block].tobytes() for t in cache.tensors)
 
 
-def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def object_section(s3_server: S3Server, bucket: str, prefix: str) -> str:
-    return f"""
-[object]
-enabled = true
-endpoint = "{s3_server.endpoint}"
-bucket = "{bucket}"
-prefix = "{prefix}"
-region = "{s3_server.region}"
-access_key_id = "{s3_server.access_key}"
-secret_access_key = "{s3_server.secret_key}"
-io_threads = 4
-request_timeout_s = 2.0
-verdict_timeout_s = 10.0
-"""
+def object_config(s3_server: S3Server, bucket: str, prefix: str) -> str:
+    """The ``[object]`` table of a service on ``s3_server``, as TOML."""
+    section = object_section(
+        s3_server, bucket, prefix, io_threads=4, request_timeout_s=2.0, verdict_timeout_s=10.0
+    )
+    return to_toml({"object": section})
 
 
 def lookup_until_hit(
@@ -477,10 +449,10 @@ def test_second_node_hits_blocks_the_first_node_stored(
     a hit on the other, and loads bit-exact."""
     prefix = f"fleet/{uuid.uuid4().hex[:8]}"
     node_a = start_service(
-        workers=("cpu", "object"), extra_config=object_section(s3_server, bucket, prefix)
+        workers=("cpu", "object"), extra_config=object_config(s3_server, bucket, prefix)
     )
     node_b = start_service(
-        workers=("cpu", "object"), extra_config=object_section(s3_server, bucket, prefix)
+        workers=("cpu", "object"), extra_config=object_config(s3_server, bucket, prefix)
     )
     keys = [key(i, "fleet") for i in range(6)]
     with node_a.client("engine-a") as a:
@@ -514,7 +486,7 @@ def test_blocks_come_back_from_s3_after_reset(
     prefix = f"e2e/{uuid.uuid4().hex[:8]}"
     service = start_service(
         workers=("cpu", "object"),
-        extra_config=object_section(s3_server, bucket, prefix)
+        extra_config=object_config(s3_server, bucket, prefix)
         + f"\n[faults]\nrelease_failures = {release_failures}\n",
     )
     keys = [key(i, "e2e") for i in range(8)]

@@ -15,7 +15,7 @@ from obstore.exceptions import GenericError, PermissionDeniedError
 from structlog.testing import capture_logs
 
 from kvoffload.memory.blockformat import HEADER_SIZE, CorruptBlock, deployment_fingerprint
-from kvoffload.soak.s3server import S3Server
+from kvoffload.testing.s3server import S3Server
 from workers.object import (
     BreakerOpen,
     CircuitBreaker,

@@ -1,13 +1,15 @@
-"""A real kvoffload service for soak runs and tests: one harness, two ways to launch it.
+"""A real kvoffload service in a temp directory, for tests, soak runs and benchmarks: one
+harness, two ways to launch it.
 
 ``ServiceHarness`` writes a TOML config (the caller's defaults overlaid by its sections) and
 starts the service in one of two ways (``Launch``):
 
 - ``IN_PROCESS``: a ``Supervisor`` in this process (manager and workers as real child
-  processes), with ``Supervisor.watch_once`` called from a watcher thread so crashed children
-  are restarted while the caller injects faults. The soak uses this.
+  processes), with ``Supervisor.watch_once`` called from a watcher thread (unless ``watch`` is
+  off) so crashed children are restarted while the caller injects faults. The soak and the
+  benchmarks use this.
 - ``SERVE``: ``kvoffload serve`` as a child process, exactly what an operator runs (graceful
-  SIGTERM, exit code, ``[[engines]]``). Process-level tests use this.
+  SIGTERM, exit code, ``[[engines]]``). Process-level tests use this (``serve_harness``).
 
 Contract, both ways:
 
@@ -17,7 +19,9 @@ Contract, both ways:
   ``poll_status`` never raises: the status as plain data, or None while the manager does not
   answer (it is thread-safe);
 - ``stop`` stops the service (drain, stop children, unlink the pool and run files) and returns
-  what the run left behind (``Leftovers``, with the ``kvoffload serve`` exit code in SERVE).
+  what the run left behind (``Leftovers``, with the ``kvoffload serve`` exit code in SERVE);
+- ``services`` starts any number of harnesses and, at its end, stops them and asserts that
+  none left anything behind.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,11 +47,11 @@ import msgspec
 import psutil
 import structlog
 
-from kvoffload import protocol as p
 from kvoffload.client import KVOffloadClient, KVOffloadError
 from kvoffload.config import Config, load_config
 from kvoffload.runtime.rundir import live_runs
 from kvoffload.runtime.supervisor import Supervisor
+from kvoffload.status import ManagerStatus, WorkerStatus
 
 log = structlog.get_logger()
 
@@ -108,12 +113,14 @@ def _toml_value(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
     raise TypeError(f"no TOML form for {type(value).__name__}")
 
 
 def to_toml(sections: dict[str, Any]) -> str:
-    """TOML text of flat tables (scalars and arrays as values); a section whose value is a list
-    of tables becomes an array of tables (``[[engines]]``)."""
+    """TOML text of flat tables (scalars, arrays and inline tables as values); a section whose
+    value is a list of tables becomes an array of tables (``[[engines]]``)."""
     lines: list[str] = []
     for name, table in sections.items():
         for entry in table if isinstance(table, list) else [table]:
@@ -172,18 +179,28 @@ class ServiceHarness:
 
     def __init__(
         self,
-        workdir: Path,
+        workdir: Path | None,
         sections: dict[str, Any] | None = None,
         curve_keys: tuple[bytes, bytes, bytes] | None = None,
         *,
         defaults: dict[str, Any] = SOAK_DEFAULTS,
         launch: Launch = Launch.IN_PROCESS,
+        log_path: Path | None = None,
+        watch: bool = True,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """``sections`` are laid over ``defaults`` table by table; ``curve_keys``: (client
-        public, client secret, server public) for a tcp:// endpoint (IN_PROCESS only)."""
+        """``sections`` are laid over ``defaults`` table by table (``defaults={}``: the config
+        schema's own defaults); ``curve_keys``: (client public, client secret, server public)
+        for a tcp:// endpoint (IN_PROCESS only). ``workdir`` None: a fresh temp directory,
+        removed by ``stop``. ``log_path``: where the service logs (default: ``workdir``'s
+        service.log). ``watch``: restart crashed children (IN_PROCESS). ``env``: the
+        environment of ``kvoffload serve`` (SERVE; default: this process's)."""
         self.curve_keys = curve_keys
         self.launch = launch
-        self.workdir = Path(workdir)
+        self.watch = watch
+        self.env = env
+        self._own_workdir = workdir is None
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvsvc-")) if workdir is None else Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="kvrun-"))
         base = merge_sections(
@@ -199,7 +216,7 @@ class ServiceHarness:
         self.config_path = self.workdir / "kvoffload.toml"
         self.config_path.write_text(to_toml(self.sections))
         self.cfg: Config = load_config(self.config_path, env={})
-        self.log_path = self.workdir / "service.log"
+        self.log_path = log_path or self.workdir / "service.log"
         self.supervisor: Supervisor | None = None
         self.serve: subprocess.Popen[bytes] | None = None
         self.endpoint = ""
@@ -246,8 +263,9 @@ class ServiceHarness:
         self.job_endpoint = spec.job_endpoint
         self.run_id = spec.run_id
         self._note_children()
-        self._watcher = threading.Thread(target=self._watch, name="soak-watch", daemon=True)
-        self._watcher.start()
+        if self.watch:
+            self._watcher = threading.Thread(target=self._watch, name="service-watch", daemon=True)
+            self._watcher.start()
 
     def _start_serve(self, timeout_s: float) -> None:
         with open(self.log_path, "ab") as log_file:
@@ -256,6 +274,7 @@ class ServiceHarness:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                env=self.env,
             )
         self._spawned[self.serve.pid] = psutil.Process(self.serve.pid)
         deadline = time.monotonic() + timeout_s
@@ -288,13 +307,13 @@ class ServiceHarness:
             try:
                 self.supervisor.watch_once()
             except Exception:
-                log.exception("soak_watch_failed")
+                log.exception("service_watch_failed")
             self._note_children()
 
     # ---- clients and status ---------------------------------------------------------------
 
     def client(
-        self, name: str = "soak", timeout_s: float = 5.0, connect_within_s: float = 30.0
+        self, name: str = "harness", timeout_s: float = 5.0, connect_within_s: float = 30.0
     ) -> KVOffloadClient:
         """A connected client; retries while the manager does not answer."""
         deadline = time.monotonic() + connect_within_s
@@ -307,7 +326,7 @@ class ServiceHarness:
                 if time.monotonic() > deadline:
                     raise
 
-    def status(self, timeout_s: float = 10.0) -> p.ManagerStatus:
+    def status(self, timeout_s: float = 10.0) -> ManagerStatus:
         """The manager's status; raises (TimeoutError, KVOffloadError) when it does not answer."""
         with self.client("status", timeout_s=timeout_s) as c:
             return c.status()
@@ -321,7 +340,7 @@ class ServiceHarness:
                     self._status_client = KVOffloadClient(
                         self.endpoint,
                         timeout_s=timeout_s,
-                        name="soak-status",
+                        name="harness-status",
                         curve_keys=self.curve_keys,
                     )
                 return msgspec.to_builtins(self._status_client.status())
@@ -349,7 +368,7 @@ class ServiceHarness:
 
     def wait_workers(
         self, names, timeout_s: float = 30.0, exclude_pids=()
-    ) -> dict[str, p.WorkerStatus]:
+    ) -> dict[str, WorkerStatus]:
         """The workers once every named one is connected with its index announced and a pid not
         in ``exclude_pids``; TimeoutError otherwise."""
         excluded = set(exclude_pids)
@@ -366,7 +385,7 @@ class ServiceHarness:
             raise TimeoutError(
                 f"workers {list(names)} not ready in {timeout_s} s; see {self.log_path}"
             )
-        return msgspec.convert(status, p.ManagerStatus).workers
+        return msgspec.convert(status, ManagerStatus).workers
 
     def log_events(self) -> list[dict]:
         """The JSON log events the service's processes wrote so far."""
@@ -404,7 +423,7 @@ class ServiceHarness:
             os.kill(pid, sig)
         except ProcessLookupError:
             return False
-        log.info("soak_signal_sent", target_pid=pid, signal=signal.Signals(sig).name)
+        log.info("harness_signal_sent", target_pid=pid, signal=signal.Signals(sig).name)
         return True
 
     def rss_bytes(self, pid: int | None) -> int | None:
@@ -424,8 +443,9 @@ class ServiceHarness:
     # ---- stop -----------------------------------------------------------------------------
 
     def stop(self, timeout_s: float = 30.0) -> Leftovers:
-        """Stop everything and report leftovers; removes the runtime dir when it is clean.
-        SERVE: SIGTERM to ``kvoffload serve`` (SIGKILL after ``timeout_s``)."""
+        """Stop everything and report leftovers; removes the runtime dir when it is clean (and
+        a workdir it made itself in any case). SERVE: SIGTERM to ``kvoffload serve`` (SIGKILL
+        after ``timeout_s``)."""
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join()
@@ -448,6 +468,8 @@ class ServiceHarness:
         left.exit_code = exit_code
         if left.clean:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
         return left
 
     def leftovers(self) -> Leftovers:
@@ -481,3 +503,58 @@ def _quiet_psutil() -> Iterator[None]:
         yield
     except psutil.Error:
         pass
+
+
+TEST_DEFAULTS: dict[str, dict[str, Any]] = {
+    "service": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "log_level": "info"},
+    "pool": {"num_slots": 64, "block_bytes": 65536},
+    "disk": {"enabled": False, "capacity_bytes": 67108864},
+    "supervisor": {"restart_backoff_initial_s": 0.2, "drain_timeout_s": 5.0},
+}
+"""The process-level tests' service: small pool, disk tier off, quick heartbeats."""
+
+
+def serve_harness(
+    home: Path,
+    workers: tuple[str, ...] = ("cpu",),
+    extra_config: str = "",
+    service_options: str = "",
+    num_slots: int = 64,
+    block_bytes: int = 65536,
+) -> ServiceHarness:
+    """A (not yet started) ``kvoffload serve`` with ``workers``. ``service_options``: extra
+    ``key = value`` lines of the [service] table; ``extra_config``: TOML whose leading keys
+    belong to [supervisor], then any tables (``[faults]``, ``[object]``, ``[[engines]]``)."""
+    sections = tomllib.loads(f"[service]\n{service_options}\n[supervisor]\n{extra_config}\n")
+    sections["pool"] = {"num_slots": num_slots, "block_bytes": block_bytes}
+    sections.setdefault("disk", {})["enabled"] = "disk" in workers
+    return ServiceHarness(home, sections, defaults=TEST_DEFAULTS, launch=Launch.SERVE)
+
+
+def sections_harness(
+    home: Path, curve_keys: tuple[bytes, bytes, bytes] | None = None, **sections: Any
+) -> ServiceHarness:
+    """A (not yet started) in-process service on ``SOAK_DEFAULTS`` with ``sections`` over them."""
+    return ServiceHarness(home, sections, curve_keys)
+
+
+@contextlib.contextmanager
+def services(
+    workdir: Path, make: Callable[..., ServiceHarness] = sections_harness
+) -> Iterator[Callable[..., ServiceHarness]]:
+    """Yields ``start(*args, **kwargs)``: ``make(<a fresh directory under workdir>, *args,
+    **kwargs)``, started. Every service started is stopped at exit, and a run that left a
+    segment, a runtime file or a process raises AssertionError."""
+    started: list[ServiceHarness] = []
+
+    def start(*args: Any, **kwargs: Any) -> ServiceHarness:
+        harness = make(Path(workdir) / f"service{len(started)}", *args, **kwargs)
+        started.append(harness)
+        return harness.start()
+
+    try:
+        yield start
+    finally:
+        leftovers = [harness.stop() for harness in started]
+    dirty = [left for left in leftovers if not left.clean]
+    assert not dirty, f"runs left things behind: {dirty}"

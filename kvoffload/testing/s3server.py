@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import boto3
 from botocore.config import Config
@@ -104,6 +105,22 @@ def free_weed_ports() -> WeedPorts:
         for sock in held:
             sock.close()
     return WeedPorts(*chosen)
+
+
+def object_section(server: Any, bucket: str, prefix: str, **extra: Any) -> dict[str, Any]:
+    """The service's ``[object]`` table for ``server`` (an ``S3Server``, or any object with its
+    ``endpoint``, ``region``, ``access_key`` and ``secret_key``), ``bucket`` and ``prefix``, with
+    ``extra`` keys over it."""
+    return {
+        "enabled": True,
+        "endpoint": server.endpoint,
+        "bucket": bucket,
+        "prefix": prefix,
+        "region": server.region,
+        "access_key_id": server.access_key,
+        "secret_access_key": server.secret_key,
+        **extra,
+    }
 
 
 class S3Server:
