@@ -1,11 +1,14 @@
 """Classify the records of one slab file by reading their header pages, and with ``verify``
-their payloads too (``DiskStore.get`` verifies every payload checksum in any case)."""
+their payloads too (``DiskStore.get`` verifies every payload checksum in any case); and
+``scan_store``: every slab file of a store scanned in parallel, the newest copy of each key
+kept."""
 
 from __future__ import annotations
 
 import mmap
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from kvoffload.memory.blockformat import HEADER_SIZE, CorruptBlock, decode_header, payload_checksum
@@ -79,3 +82,76 @@ def scan_slab(
         payload.release()
         buf.close()
     return result
+
+
+@dataclass(slots=True)
+class StoreScan:
+    """The slab files of a store, scanned: ``best`` maps each key to the (record, generation)
+    of its newest valid copy; ``to_clear`` holds the records to clear (invalid headers, older
+    copies of a key, corrupt payloads); ``unreadable`` the records whose read failed;
+    ``corrupt`` the keys with a copy that failed its payload check."""
+
+    best: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    to_clear: list[int] = field(default_factory=list)
+    unreadable: list[int] = field(default_factory=list)
+    corrupt: set[bytes] = field(default_factory=set)
+
+
+def scan_store(
+    header_fds: dict[int, int],
+    layout: SlabLayout,
+    before_read: Callable[[], None],
+    verify: bool,
+    on_batch: Callable[[list[bytes]], None] | None,
+    batch_size: int,
+    threads: int,
+) -> StoreScan:
+    """Scan every slab of ``header_fds`` (slab -> descriptor) on up to ``threads`` threads and
+    keep the newest copy of each key; ``on_batch`` receives the keys found, in lists of up to
+    ``batch_size``, while the scan goes on (in this thread), and the rest at the end."""
+    out = StoreScan()
+    best = out.best
+    pending: list[bytes] = []
+    if header_fds:
+        with ThreadPoolExecutor(
+            min(threads, len(header_fds)), thread_name_prefix="disk-scan"
+        ) as pool:
+            futures = [
+                pool.submit(scan_slab, fd, layout, slab, before_read, verify)
+                for slab, fd in header_fds.items()
+            ]
+            for future in as_completed(futures):
+                result = future.result()
+                for key, record, generation in result.found:
+                    known = best.get(key)
+                    if known is None:
+                        best[key] = (record, generation)
+                        pending.append(key)
+                    elif generation > known[1]:
+                        out.to_clear.append(known[0])
+                        best[key] = (record, generation)
+                    else:
+                        out.to_clear.append(record)
+                out.to_clear.extend(result.invalid)
+                for key, record in result.corrupt:
+                    out.corrupt.add(key)
+                    out.to_clear.append(record)
+                out.unreadable.extend(result.unreadable)
+                if len(pending) >= batch_size:
+                    pending = _announce(on_batch, pending, batch_size)
+    _announce(on_batch, pending, batch_size, flush=True)
+    return out
+
+
+def _announce(
+    on_batch: Callable[[list[bytes]], None] | None,
+    pending: list[bytes],
+    batch_size: int,
+    flush: bool = False,
+) -> list[bytes]:
+    """Hand full batches (and with ``flush`` the remainder) to ``on_batch``; returns the rest."""
+    while len(pending) >= batch_size or (flush and pending):
+        batch, pending = pending[:batch_size], pending[batch_size:]
+        if on_batch is not None:
+            on_batch(batch)
+    return pending

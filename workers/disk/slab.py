@@ -40,13 +40,10 @@ Contracts:
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -62,19 +59,17 @@ from kvoffload.memory.blockformat import (
     payload_checksum,
     verify_payload,
 )
-from workers.disk.errors import LayoutError, TransientIOError
+from workers.disk.errors import TransientIOError
+from workers.disk.files import SlabFile, SlabFiles
 from workers.disk.layout import (
-    LOCK_FILE,
     SlabLayout,
     adopt_layout,
-    fsync_directory,
     make_private_directory,
     mark_clean,
     plan_layout,
     take_clean_mark,
 )
 from workers.disk.rawio import (
-    O_DIRECT,
     PAGE_SIZE,
     ZERO_PAGE,
     is_page_aligned,
@@ -85,7 +80,7 @@ from workers.disk.rawio import (
     pwritev_all,
 )
 from workers.disk.record_index import RecordIndex
-from workers.disk.scan import scan_slab
+from workers.disk.scan import scan_store
 
 FaultHook = Callable[[str, bytes], None]
 """Called as ``hook(op, key)`` before each I/O; may raise OSError to inject a failure. ``op`` is
@@ -104,17 +99,6 @@ MAX_READ_ERRORS = 3
 SCAN_THREADS = 8
 DURABILITY_MODES = ("none", "fsync")
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-
-
-@dataclass(slots=True)
-class _SlabFile:
-    buffered: int
-    direct: int | None
-    sized: bool
-
-    @property
-    def header_fd(self) -> int:
-        return self.buffered if self.direct is None else self.direct
 
 
 class DiskStore:
@@ -151,11 +135,9 @@ class DiskStore:
         self._direct_io = False
         self._fault_hook = fault_hook
         self._lock = threading.Lock()
-        self._files_lock = threading.Lock()
-        self._files: dict[int, _SlabFile] = {}
+        self._files = SlabFiles(self._durable, self._fault)
         self._index = RecordIndex(self._layout.n_records)
         self._local = threading.local()
-        self._lock_fd: int | None = None
         self._is_open = False
         self._degraded = False
         self._torn_possible = False
@@ -179,15 +161,15 @@ class DiskStore:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         make_private_directory(self._layout.directory)
-        self._lock_directory()
+        self._files.lock_directory(self._layout)
         try:
             self._layout = adopt_layout(self._layout)
-            self._direct_io = self._choose_direct_io()
+            self._direct_io = self._files.direct_io = self._choose_direct_io()
             clean = take_clean_mark(self._layout.directory)
             self._torn_possible = False
             found = self._scan(on_batch, batch_size, verify=not clean)
         except BaseException:
-            self._release_files()
+            self._files.release()
             raise
         self._is_open = True
         self._log.info(
@@ -216,7 +198,7 @@ class DiskStore:
         except OSError as exc:
             self._log.warning("disk_clean_mark_failed", error=str(exc))
         finally:
-            self._release_files()
+            self._files.release()
 
     # ---- properties ------------------------------------------------------------------------
 
@@ -301,7 +283,7 @@ class DiskStore:
         slab, offset = self._layout.locate(record)
         header_may_be_valid = reservation.stale_header
         try:
-            slab_file = self._writable_file(slab, key)
+            slab_file = self._files.writable(self._layout, slab, key)
             fd = slab_file.buffered
             if slab_file.direct is not None and is_page_aligned(view):
                 fd = slab_file.direct
@@ -428,105 +410,33 @@ class DiskStore:
         with self._lock:
             self._index.release(record, cleared)
 
-    def _writable_file(self, slab: int, key: bytes) -> _SlabFile:
-        """The slab's descriptors, creating the file and allocating its full size on first use."""
-        slab_file = self._files.get(slab)
-        if slab_file is not None and slab_file.sized:
-            return slab_file
-        with self._files_lock:
-            slab_file = self._files.get(slab)
-            if slab_file is None:
-                slab_file = self._open_slab(slab, create=True)
-                self._files[slab] = slab_file
-            if not slab_file.sized:
-                self._fault("allocate", key)
-                _allocate(slab_file.buffered, self._layout.slab_bytes(slab))
-                if self._durable:
-                    os.fsync(slab_file.buffered)
-                    fsync_directory(self._layout.directory)
-                slab_file.sized = True
-        return slab_file
-
-    def _open_slab(self, slab: int, create: bool) -> _SlabFile:
-        path = self._layout.slab_path(slab)
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
-        buffered = os.open(path, flags, 0o600)
-        direct = None
-        if self._direct_io:
-            try:
-                direct = os.open(path, os.O_RDWR | os.O_CLOEXEC | O_DIRECT)
-            except BaseException:
-                os.close(buffered)
-                raise
-        return _SlabFile(buffered, direct, sized=False)
-
     def _scan(
         self, on_batch: Callable[[list[bytes]], None] | None, batch_size: int, verify: bool
     ) -> int:
         layout = self._layout
-        existing = [s for s in range(layout.n_slabs) if layout.slab_path(s).exists()]
-        for slab in existing:
-            self._files[slab] = self._open_slab(slab, create=False)
-        best: dict[bytes, tuple[int, int]] = {}
-        to_clear: list[int] = []
-        stale: list[int] = []
-        corrupt: set[bytes] = set()
-        pending: list[bytes] = []
-        if existing:
-            before_read = partial(self._fault, "scan", b"")
-            with ThreadPoolExecutor(
-                min(SCAN_THREADS, len(existing)), thread_name_prefix="disk-scan"
-            ) as pool:
-                futures = [
-                    pool.submit(scan_slab, self._files[s].header_fd, layout, s, before_read, verify)
-                    for s in existing
-                ]
-                for future in as_completed(futures):
-                    result = future.result()
-                    for key, record, generation in result.found:
-                        known = best.get(key)
-                        if known is None:
-                            best[key] = (record, generation)
-                            pending.append(key)
-                        elif generation > known[1]:
-                            to_clear.append(known[0])
-                            best[key] = (record, generation)
-                        else:
-                            to_clear.append(record)
-                    to_clear.extend(result.invalid)
-                    for key, record in result.corrupt:
-                        corrupt.add(key)
-                        to_clear.append(record)
-                    stale.extend(result.unreadable)
-                    if len(pending) >= batch_size:
-                        pending = self._announce(on_batch, pending, batch_size)
-        self._announce(on_batch, pending, batch_size, flush=True)
+        existing = self._files.open_existing(layout)
+        scan = scan_store(
+            {slab: self._files[slab].header_fd for slab in existing},
+            layout,
+            partial(self._fault, "scan", b""),
+            verify,
+            on_batch,
+            batch_size,
+            SCAN_THREADS,
+        )
+        best, to_clear, stale = scan.best, scan.to_clear, scan.unreadable
         stale.extend(r for r in to_clear if not self._clear_header(r, b""))
         self._torn_possible = self._torn_possible or bool(stale)
         if to_clear or stale:
             self._log.warning(
                 "disk_scan_dropped_records", cleared=len(to_clear), unreadable=len(stale)
             )
-        lost = sorted(corrupt.difference(best))
+        lost = sorted(scan.corrupt.difference(best))
         if lost:
             self._log.warning("disk_scan_corrupt_blocks", keys=[key.hex() for key in lost])
         entries = [(key, record, generation) for key, (record, generation) in best.items()]
         self._index = RecordIndex.from_scan(layout.n_records, entries, stale)
         return len(entries)
-
-    @staticmethod
-    def _announce(
-        on_batch: Callable[[list[bytes]], None] | None,
-        pending: list[bytes],
-        batch_size: int,
-        flush: bool = False,
-    ) -> list[bytes]:
-        """Hand full batches (and with ``flush`` the remainder) to ``on_batch``; returns the rest."""
-        while len(pending) >= batch_size or (flush and pending):
-            batch, pending = pending[:batch_size], pending[batch_size:]
-            if on_batch is not None:
-                on_batch(batch)
-        return pending
 
     def _choose_direct_io(self) -> bool:
         if self._direct_io_request is False:
@@ -543,29 +453,7 @@ class DiskStore:
         self._log.warning("disk_direct_io_unavailable", block_bytes=self._layout.block_bytes)
         return False
 
-    def _lock_directory(self) -> None:
-        fd = os.open(
-            self._layout.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
-        )
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise LayoutError(f"{self._layout.directory} is open in another DiskStore") from None
-        self._lock_fd = fd
-
-    def _release_files(self) -> None:
-        with self._files_lock:
-            for slab_file in self._files.values():
-                os.close(slab_file.buffered)
-                if slab_file.direct is not None:
-                    os.close(slab_file.direct)
-            self._files.clear()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
-    def _sync(self, slab_file: _SlabFile, key: bytes) -> None:
+    def _sync(self, slab_file: SlabFile, key: bytes) -> None:
         if self._durable:
             self._fault("fsync", key)
             os.fdatasync(slab_file.buffered)
@@ -608,13 +496,3 @@ class DiskStore:
 def _check_key(key: bytes) -> None:
     if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes")
-
-
-def _allocate(fd: int, size: int) -> None:
-    """Reserve ``size`` bytes of disk for the file; a filesystem without fallocate gets a size."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        os.ftruncate(fd, max(size, os.fstat(fd).st_size))
