@@ -17,6 +17,12 @@ with one KV cache group, the request through ``get_transfer_results``' ``failed_
 model with several (recomputed under the ``recompute`` policy). The failed keys go, through the
 worker metadata, to the scheduler side, whose manager then answers MISS for them to that
 request: one recompute, never a load -> fail -> load loop.
+
+What differs between vLLM versions is decided in ``compat``. On every version the connector
+keeps a reset fence (``KVOffloadManager.reset_cache``: the service's pool is emptied once the
+workers reported the jobs the reset flushed), holds the manager lock for the calls it makes
+outside vLLM's hooks, and follows sleep mode (``unregister_kv_caches`` / ``restore_kv_caches``).
+Loads in the step that schedules them: ``sync_loads``.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from kvoffload.integrations.vllm import integration_logger
+from kvoffload.integrations.vllm import compat, integration_logger
 from kvoffload.integrations.vllm.groups import check_supported_layout, sliding_windows
 from kvoffload.integrations.vllm.keys import hashing_is_seed_dependent
 from kvoffload.integrations.vllm.manager import KVOffloadManager
@@ -84,6 +90,32 @@ class KVOffloadWorkerMetadata(OffloadingWorkerMetadata):
         )
 
 
+DEFAULT_SYNC_LOAD_BUDGET_BYTES = 256 << 20
+"""``sync_load_budget_bytes`` the connector sets when the user did not (vLLM 0.33, models with
+one KV cache group): hits of up to this many KV bytes per worker and step are loaded before the
+forward of the step that schedules them (one step sooner than an asynchronous load; the step's
+batch waits for the copy: 256 MiB is about 5-10 ms at host-to-GPU DMA speed)."""
+
+
+def configure_sync_loads(extra: dict, kv_cache_config: KVCacheConfig) -> None:
+    """Set vLLM's synchronous-load budget in ``kv_connector_extra_config`` (vLLM 0.33): the
+    default when the user set none, and 0 for a model with several KV cache groups (vLLM cannot
+    take a failed synchronous load of such a model: its scheduler raises)."""
+    if not compat.VLLM_SYNC_LOADS:
+        return
+    if len(kv_cache_config.kv_cache_groups) > 1:
+        if extra.get("sync_load_budget_bytes"):
+            log.warning(
+                "kvoffload: sync_load_budget_bytes is ignored for a model with %d KV cache "
+                "groups (vLLM fails the engine on a failed synchronous load of such a model); "
+                "its hits load asynchronously",
+                len(kv_cache_config.kv_cache_groups),
+            )
+        extra["sync_load_budget_bytes"] = 0
+    elif "sync_load_budget_bytes" not in extra:
+        extra["sync_load_budget_bytes"] = DEFAULT_SYNC_LOAD_BUDGET_BYTES
+
+
 def _select_spec(vllm_config: VllmConfig) -> None:
     """Point vLLM's offloading factory at ``KVOffloadSpec`` unless the config already names a
     spec, and record the model revision for the key fingerprint."""
@@ -115,11 +147,17 @@ class KVOffloadConnector(OffloadingConnector):
                 algo,
             )
         check_supported_layout(kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        configure_sync_loads(transfer.kv_connector_extra_config, kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
+        self._reset_fence = compat.ResetFence()
         if role == KVConnectorRole.SCHEDULER:
             manager = self.scheduler.manager
             if isinstance(manager, KVOffloadManager):
                 manager.set_sliding_windows(sliding_windows(self.scheduler.config.kv_group_configs))
+                if not compat.VLLM_FENCES_RESETS:
+                    manager.expect_reset_flushed()  # this connector calls it (reset_cache)
 
     @classmethod
     def build_prom_metrics(
@@ -134,7 +172,27 @@ class KVOffloadConnector(OffloadingConnector):
             vllm_config, metric_types, labelnames, per_engine_labelvalues
         )
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: object) -> bool:
+        """vLLM 0.33's sleep mode: kvoffload's workers drain and stop copying at
+        ``unregister_kv_caches`` and take the KV tensors again at ``restore_kv_caches``; the
+        reset a sleep makes is fenced like any other."""
+        return True
+
     # ---- worker side ----------------------------------------------------------------------
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep (vLLM 0.33): wait for every copy in flight, then refuse copies until
+        ``restore_kv_caches`` (a refused load fails its keys, a refused store is dropped)."""
+        worker = self._offload_worker()
+        if worker is not None:
+            worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up (vLLM 0.33): take the KV tensors' memory again and copy."""
+        worker = self._offload_worker()
+        if worker is not None:
+            worker.restore()
 
     def _offload_worker(self) -> KVOffloadWorker | None:
         worker = self.connector_worker.worker if self.connector_worker is not None else None
@@ -179,10 +237,11 @@ class KVOffloadConnector(OffloadingConnector):
         vLLM looks its keys up one by one, so a hit is known in the step the request arrives
         instead of the next one."""
         manager = self.scheduler.manager
-        if isinstance(manager, KVOffloadManager):
+        if isinstance(manager, KVOffloadManager) and compat.can_call_in_step(self.scheduler):
             keys = self._keys_from(request, num_computed_tokens)
             if keys:
                 status = self.scheduler._req_status[request.request_id]
+                compat.step_region(self.scheduler)
                 manager.ask_now(status.req_context, keys)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -210,8 +269,36 @@ class KVOffloadConnector(OffloadingConnector):
         meta = connector_output.kv_connector_worker_meta
         manager = self.scheduler.manager
         if isinstance(meta, KVOffloadWorkerMetadata) and isinstance(manager, KVOffloadManager):
-            for req_id, keys in meta.failed_loads.items():
-                manager.note_failed_loads(req_id, keys)
-            manager.note_failed_stores(meta.failed_stores)
-            manager.note_store_checksums(meta.store_checksums)
+            with compat.short_region(self.scheduler):
+                for req_id, keys in meta.failed_loads.items():
+                    manager.note_failed_loads(req_id, keys)
+                manager.note_failed_stores(meta.failed_stores)
+                manager.note_store_checksums(meta.store_checksums)
         super().update_connector_output(connector_output)
+        if isinstance(meta, OffloadingWorkerMetadata) and self._reset_fence.report(
+            meta.completed_jobs
+        ):
+            self._reset_flushed()
+
+    # ---- cache reset (the fence, for vLLM versions without one) -----------------------------
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's reset; where vLLM keeps no reset fence (0.32) the connector keeps it: the
+        jobs in flight now are counted down as the workers report them (they are flushed, so
+        vLLM no longer completes them), and ``on_reset_flushed`` follows the last report."""
+        flushed = {} if compat.VLLM_FENCES_RESETS else compat.jobs_in_flight(self.scheduler)
+        result = super().reset_cache()
+        if not compat.VLLM_FENCES_RESETS and self._reset_fence.arm(flushed):
+            self._reset_flushed()
+        return result
+
+    def _reset_flushed(self) -> None:
+        manager = self.scheduler.manager
+        if isinstance(manager, KVOffloadManager):
+            with compat.short_region(self.scheduler):
+                manager.on_reset_flushed()
+
+    def has_pending_push_work(self) -> bool:
+        """vLLM's answer, or True while the reset fence waits for workers' reports (the
+        engine must keep stepping to receive them)."""
+        return self._reset_fence.held or super().has_pending_push_work()

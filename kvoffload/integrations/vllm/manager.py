@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter as Multiset
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -45,6 +45,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvoffload.client import KVOffloadClient, KVOffloadError, LookupOutcome
 from kvoffload.integrations.vllm import integration_logger
 from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks
+from kvoffload.integrations.vllm.compat import VLLM_FENCES_RESETS
 from kvoffload.integrations.vllm.keys import group_of, namespaced, offload_key_of
 from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
 from kvoffload.integrations.vllm.lookups import ask_by_group
@@ -54,6 +55,20 @@ log = integration_logger(__name__)
 
 RESET_TIMEOUT_S = 5.0
 """Bound of ``reset_cache`` (the service drains its jobs first, which takes milliseconds)."""
+CONFIG_INFO_KEYS = (
+    "kvoffload_version",
+    "endpoint_kind",
+    "pool_slots",
+    "pool_block_bytes",
+    "tiers",
+    "offload_block_bytes",
+    "blocks_per_chunk",
+    "fingerprint",
+    "namespace",
+    "verify_loads",
+    "sync_load_budget_bytes",
+)
+"""The label names of ``config_info`` (``KVOffloadSpec.config_info_keys``), in order."""
 
 
 @dataclass
@@ -81,9 +96,13 @@ class KVOffloadManager(OffloadingManager):
         fingerprint: bytes,
         *,
         secondary_source: CacheHitSource = CacheHitSource.DISK,
+        engine_info: Mapping[str, str | int | float | bool] | None = None,
+        endpoint_setting: str = "",
     ) -> None:
         """``secondary_source``: how vLLM's hit-source metrics label blocks that kvoffload
-        promoted from one of its secondary tiers (blocks already in its host pool are HOST)."""
+        promoted from one of its secondary tiers (blocks already in its host pool are HOST).
+        ``engine_info``: this engine's facts for ``config_info``; ``endpoint_setting``: the
+        endpoint the settings name ("" when it is discovered)."""
         self._link = link
         self._fingerprint = fingerprint
         self._secondary_source = secondary_source
@@ -95,6 +114,11 @@ class KVOffloadManager(OffloadingManager):
         self._outages_seen = 0
         self._generation_seen = link.generation
         self._windows: dict[int, int | None] = {}
+        self._fence_caller = VLLM_FENCES_RESETS
+        self._fenced = False
+        self._engine_info: dict[str, str | int | float | bool] = dict(engine_info or {})
+        self._endpoint_setting = endpoint_setting
+        self._config_info: dict[str, str | int | float | bool] | None = None
 
     def set_sliding_windows(self, windows: dict[int, int | None]) -> None:
         """vLLM's KV cache group index -> the chunks of it a resumed request reads (None: full
@@ -191,7 +215,7 @@ class KVOffloadManager(OffloadingManager):
         nkey = self._key(key)
         if nkey in state.pinned:
             return LookupResult.HIT
-        if nkey in state.missed or nkey in state.failed:
+        if nkey in state.missed or nkey in state.failed or self._fenced:
             return LookupResult.MISS
         if not self._link.ready():
             state.missed.add(nkey)
@@ -207,7 +231,7 @@ class KVOffloadManager(OffloadingManager):
         left out, so a request costs one lookup per step."""
         self._sync_generation()
         state = self._state(req_context)
-        if state.finished or not self._link.ready():
+        if state.finished or self._fenced or not self._link.ready():
             return
         for key in keys:
             nkey = self._key(key)
@@ -402,6 +426,10 @@ class KVOffloadManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         state = self._state(req_context)
         nkeys = [self._key(k) for k in keys]
+        if self._fenced:
+            # Slots reserved now would be emptied by the service's reset under the workers.
+            self.stats.add(Counter.STORES_DROPPED, len(nkeys), "reset")
+            return None
 
         def call(client: KVOffloadClient):
             self._ensure_registered(client, state)
@@ -479,22 +507,88 @@ class KVOffloadManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         """Empty kvoffload's host pool (its disk and object tiers keep their blocks). Every
-        pin of this engine goes with it."""
-        for state in self._requests.values():
+        pin of this engine goes with it.
+
+        The reset fence: this engine's workers may still write slots its flushed stores
+        reserved, and read slots its flushed loads pinned. Those slots must not be handed to
+        other keys before the workers reported those jobs, so, when vLLM (or the connector)
+        calls ``on_reset_flushed`` (``expect_reset_flushed``), the service's pool is emptied
+        only then. Until then this engine answers MISS and drops its stores: what it would
+        find or store now is gone at the service's reset. Without a caller of
+        ``on_reset_flushed`` the pool is emptied at once."""
+        for state in list(self._requests.values()):
             state.pinned.clear()
             state.uncertain.clear()
             state.missed.clear()
+            state.queued.clear()
             state.loading.clear()
+            state.open_stores = 0
+            self._maybe_forget(state)
+        self._touched.clear()
+        if self._fence_caller:
+            self._fenced = True
+            log.info("kvoffload_reset_fenced: the pool is emptied once the flushed jobs report")
+            return
+        self._reset_service()
+
+    def on_reset_flushed(self) -> None:
+        """The workers reported every job in flight at the last ``reset_cache``: no slot
+        they were given is written or read any more, so the service may empty its pool."""
+        if not self._fenced:
+            return
+        self._fenced = False
+        self._failed_stores.clear()
+        self._store_checksums.clear()
+        self._reset_service()
+
+    def expect_reset_flushed(self) -> None:
+        """``on_reset_flushed`` will be called after each ``reset_cache`` (the connector
+        promises it on vLLM versions that do not)."""
+        self._fence_caller = True
+
+    @property
+    def fenced(self) -> bool:
+        """Between a ``reset_cache`` and its ``on_reset_flushed``."""
+        return self._fenced
+
+    def has_pending_work(self) -> bool:
+        """The engine keeps stepping while a reset waits for its flushed jobs' reports."""
+        return self._fenced
+
+    def _reset_service(self) -> None:
         try:
             self._link.call(lambda c: c.reset_cache(timeout_s=RESET_TIMEOUT_S))
         except (ServiceDown, KVOffloadError) as exc:
             log.warning("kvoffload_reset_failed error=%s", exc)
+
+    def config_info(self) -> list[dict[str, str | int | float | bool]]:
+        """The labels of vLLM's ``vllm:kv_offload_config_info`` (``config_info_keys``): this
+        engine's settings, and the pool as the service described it at the first connection
+        (``unknown`` when it was unreachable until the first stats). Fixed at the first call:
+        vLLM sets the metric once."""
+        if self._config_info is None:
+            info = self._link.info
+            self._config_info = {
+                **self._engine_info,
+                "pool_slots": info.num_slots if info is not None else "unknown",
+                "pool_block_bytes": info.block_bytes if info is not None else "unknown",
+                "tiers": ",".join(["host", *info.tiers]) if info is not None else "unknown",
+                "endpoint_kind": endpoint_kind(self._link.endpoint, self._endpoint_setting),
+            }
+        return [dict(self._config_info)]
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         return self.stats.take()
 
     def shutdown(self) -> None:
         self._link.close()
+
+
+def endpoint_kind(endpoint: str, setting: str) -> str:
+    """How the engine reaches the service: ``ipc`` or ``tcp`` (its scheme), ``discovered``
+    appended when the settings named none (found through the environment or a local run)."""
+    scheme = endpoint.partition("://")[0] if "://" in endpoint else "unknown"
+    return scheme if setting else f"{scheme}-discovered"
 
 
 def _service_params(ctx: ReqContext) -> dict:

@@ -10,6 +10,7 @@ starts anyway and the integration connects when the service appears.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,16 +22,17 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+import kvoffload
 from kvoffload.integrations.vllm import integration_logger
 from kvoffload.integrations.vllm.keys import FINGERPRINT_BYTES, KVIdentity, model_digest
 from kvoffload.integrations.vllm.layout import BlockLayout, GeometryError, check_fits
 from kvoffload.integrations.vllm.link import ServiceLink
-from kvoffload.integrations.vllm.manager import KVOffloadManager
+from kvoffload.integrations.vllm.manager import CONFIG_INFO_KEYS, KVOffloadManager
 from kvoffload.integrations.vllm.metrics import metric_definitions
 from kvoffload.integrations.vllm.settings import ConnectorSettings
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
 from kvoffload.protocol import Connected
-from kvoffload.runtime.discovery import find_endpoint
+from kvoffload.runtime.discovery import ENDPOINT_ENV, find_endpoint
 
 log = integration_logger(__name__)
 
@@ -44,6 +46,12 @@ class KVOffloadSpec(OffloadingSpec):
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
         return metric_definitions()
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """The labels of ``vllm:kv_offload_config_info`` (vLLM 0.33), filled by
+        ``KVOffloadManager.config_info``."""
+        return CONFIG_INFO_KEYS
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
@@ -103,7 +111,12 @@ class KVOffloadSpec(OffloadingSpec):
             max_backoff_s=settings.max_backoff_s,
             on_connect=on_connect,
         )
-        self._manager = KVOffloadManager(link, self.fingerprint)
+        self._manager = KVOffloadManager(
+            link,
+            self.fingerprint,
+            engine_info=self._engine_info(),
+            endpoint_setting=settings.endpoint or os.environ.get(ENDPOINT_ENV, ""),
+        )
         if link.connect_now() and link.info is not None:
             self._manager.set_secondary_source(_secondary_source(link.info.tiers))
             log.info(
@@ -114,6 +127,19 @@ class KVOffloadSpec(OffloadingSpec):
                 self.fingerprint.hex(),
             )
         return self._manager
+
+    def _engine_info(self) -> dict[str, str | int | float | bool]:
+        """The engine's facts among ``CONFIG_INFO_KEYS`` (the manager adds the pool's)."""
+        copies = 1 if self.replicated_layout else self.config.parallel.world_size
+        return {
+            "kvoffload_version": kvoffload.__version__,
+            "offload_block_bytes": copies * self.blocks_per_chunk * self.rank_block_bytes,
+            "blocks_per_chunk": self.blocks_per_chunk,
+            "fingerprint": self.fingerprint.hex(),
+            "namespace": self.settings.namespace,
+            "verify_loads": self.settings.verify_loads,
+            "sync_load_budget_bytes": int(self.extra_config.get("sync_load_budget_bytes") or 0),
+        }
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> KVOffloadWorker:
         layout = BlockLayout(
