@@ -82,6 +82,16 @@ class ProbeEngine:
             self.client.end_step()
             time.sleep(0.01)
 
+    def assert_round_trip(self, keys: list[bytes]) -> None:
+        """Store ``keys`` in a new request, wait until they are ready and load them back:
+        AssertionError unless every step succeeds and every byte comes back."""
+        req = self.new_request()
+        stored = self.store(req, keys)
+        assert stored is not None and stored.success, stored
+        assert self.lookup_ready(req, keys).ready_prefix == len(keys)
+        done, wrong = self.load(req, keys)
+        assert done.success and wrong == [], (done, wrong)
+
     def close(self) -> None:
         self.client.close()
         self.kv.close()

@@ -202,11 +202,7 @@ def fuzz_job_endpoint(endpoint: str, rng: random.Random) -> None:
 def round_trip_is_exact(harness, tag: str) -> None:
     keys = keys_for(tag, 4)
     with ProbeEngine(harness, f"after-{tag}") as engine:
-        req = engine.new_request()
-        assert engine.store(req, keys).success
-        assert engine.lookup_ready(req, keys).ready_prefix == len(keys)
-        done, wrong = engine.load(req, keys)
-        assert done.success and wrong == []
+        engine.assert_round_trip(keys)
 
 
 def test_random_frames_on_both_channels_are_answered_or_ignored(harness):

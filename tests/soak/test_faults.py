@@ -58,11 +58,7 @@ def test_stopped_worker_is_killed_by_the_manager_its_job_fails_and_it_is_restart
         harness.wait_workers(["cpu"], exclude_pids={pid})
         timeouts = [e for e in harness.log_events() if e.get("event") == "worker_heartbeat_timeout"]
         assert [e["worker_pid"] for e in timeouts] == [pid]
-        req = engine.new_request()
-        assert engine.store(req, keys).success
-        assert engine.lookup_ready(req, keys).ready_prefix == len(keys)
-        done, wrong = engine.load(req, keys)
-        assert done.success and wrong == []
+        engine.assert_round_trip(keys)
 
 
 def test_killed_manager_is_restarted_with_fenced_workers_and_serves_correct_bytes(start_service):
