@@ -377,6 +377,31 @@ def vllm_cells(outputs: dict[str, Any]) -> list[Cell]:
     return _ttft_cells("vllm", outputs["vllm"]["results"], series)
 
 
+def gpu_cells(outputs: dict[str, Any]) -> list[Cell]:
+    """GB/s of each kvoffload copy path against the pinned torch copy of the same bytes."""
+    cells = []
+    for row in outputs["gpu"]["results"]:
+        ref = row["torch"]
+        for path in ("vllm_worker", "cpu_worker"):
+            if path not in row:
+                continue
+            for direction, name in (("h2d", "load"), ("d2h", "store")):
+                cells.append(
+                    Cell(
+                        suite="gpu",
+                        metric=f"{path}_{name}",
+                        size=row["block_bytes"],
+                        size_unit="bytes",
+                        value=row[path][f"{direction}_gbps"],
+                        unit="GB/s",
+                        reference=f"torch pinned copy {direction}",
+                        reference_value=ref[f"{direction}_gbps"],
+                        chart=True,
+                    )
+                )
+    return cells
+
+
 def peer_cells(outputs: dict[str, Any]) -> list[Cell]:
     """The peer suite writes its cells itself (kvoffload measured against LMCache)."""
     return [Cell.from_json(c) for c in outputs["peer"]["cells"]]
@@ -391,4 +416,5 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Cell]]] = {
     "ttft": ttft_cells,
     "vllm": vllm_cells,
     "peer": peer_cells,
+    "gpu": gpu_cells,
 }

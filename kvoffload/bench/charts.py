@@ -14,6 +14,7 @@ THROUGHPUT_TITLES = {
     "disk": "disk tier (DiskStore)",
     "object": "object tier (S3BlockStore)",
     "peer": "kvoffload vs LMCache",
+    "gpu": "host <-> GPU copies",
 }
 TTFT_TITLES = {"ttft": "reference engine", "vllm": "vLLM"}
 

@@ -39,6 +39,7 @@ class Suite(enum.StrEnum):
     TTFT = "ttft"
     VLLM = "vllm"
     PEER = "peer"
+    GPU = "gpu"
 
 
 class Status(enum.StrEnum):
@@ -74,6 +75,12 @@ def _object_missing(args: argparse.Namespace) -> str | None:
     except S3ServerError as exc:
         return f"no S3 server to measure against: {exc}"
     return None
+
+
+def _gpu_missing() -> str | None:
+    from kvoffload.bench.gpu import cuda_missing
+
+    return cuda_missing()
 
 
 def _peer_missing(args: argparse.Namespace) -> str | None:
@@ -192,6 +199,20 @@ SUITES = {
                 ),
             ),
             _peer_missing,
+        ),
+        SuiteSpec(
+            Suite.GPU,
+            "CUDA paths on an NVIDIA GPU: pool registration, vLLM and cpu worker copies (checked "
+            "bit-exact) vs a pinned torch copy",
+            (
+                Step(
+                    "gpu",
+                    "kvoffload.bench.gpu",
+                    "",
+                    "--sizes 256K,2M --mib 64 --reps 2 --register-gib 1",
+                ),
+            ),
+            lambda args: _gpu_missing(),
         ),
     )
 }
