@@ -28,10 +28,12 @@ Loads in the step that schedules them: ``sync_loads``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
@@ -41,11 +43,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.outputs import KVConnectorOutput
@@ -56,6 +61,7 @@ from kvoffload.integrations.vllm.groups import check_supported_layout, sliding_w
 from kvoffload.integrations.vllm.keys import hashing_is_seed_dependent
 from kvoffload.integrations.vllm.manager import KVOffloadManager
 from kvoffload.integrations.vllm.spec import spec_defaults
+from kvoffload.integrations.vllm.sync_loads import SyncLoadMetadata, SyncLoads
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
 
 log = integration_logger(__name__)
@@ -98,11 +104,10 @@ batch waits for the copy: 256 MiB is about 5-10 ms at host-to-GPU DMA speed)."""
 
 
 def configure_sync_loads(extra: dict, kv_cache_config: KVCacheConfig) -> None:
-    """Set vLLM's synchronous-load budget in ``kv_connector_extra_config`` (vLLM 0.33): the
-    default when the user set none, and 0 for a model with several KV cache groups (vLLM cannot
-    take a failed synchronous load of such a model: its scheduler raises)."""
-    if not compat.VLLM_SYNC_LOADS:
-        return
+    """Set the synchronous-load budget in ``kv_connector_extra_config`` (read by vLLM 0.33, by
+    ``sync_loads`` on 0.32): the default when the user set none, and 0 for a model with several
+    KV cache groups (vLLM cannot take a failed synchronous load of such a model: its scheduler
+    raises)."""
     if len(kv_cache_config.kv_cache_groups) > 1:
         if extra.get("sync_load_budget_bytes"):
             log.warning(
@@ -152,12 +157,23 @@ class KVOffloadConnector(OffloadingConnector):
         configure_sync_loads(transfer.kv_connector_extra_config, kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
         self._reset_fence = compat.ResetFence()
+        self._sync = SyncLoads(0, 0, lambda req_id, keys: False)
+        self._block_size = 0
         if role == KVConnectorRole.SCHEDULER:
             manager = self.scheduler.manager
             if isinstance(manager, KVOffloadManager):
                 manager.set_sliding_windows(sliding_windows(self.scheduler.config.kv_group_configs))
                 if not compat.VLLM_FENCES_RESETS:
                     manager.expect_reset_flushed()  # this connector calls it (reset_cache)
+                if not compat.VLLM_SYNC_LOADS and len(kv_cache_config.kv_cache_groups) == 1:
+                    (group,) = kv_cache_config.kv_cache_groups
+                    spec = group.kv_cache_spec
+                    self._sync = SyncLoads(
+                        int(transfer.kv_connector_extra_config["sync_load_budget_bytes"]),
+                        spec.page_size_bytes * len(group.layer_names) // spec.block_size,
+                        manager.hits_in_pool,
+                    )
+                    self._block_size = spec.block_size
 
     @classmethod
     def build_prom_metrics(
@@ -212,6 +228,19 @@ class KVOffloadConnector(OffloadingConnector):
             results.failed_recving |= worker.take_failed_requests(results.finished_recving)
         return results
 
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """vLLM's submission; then the synchronous loads of vLLM versions without them
+        (``sync_loads``): reported done without a finished request, and waited for before the
+        forward this is called ahead of."""
+        super().start_load_kv(forward_context, **kwargs)
+        meta = self._connector_metadata
+        if isinstance(meta, SyncLoadMetadata) and meta.sync_job_ids:
+            assert self.connector_worker is not None and self.connector_worker.worker is not None
+            for job in meta.sync_job_ids:
+                # vLLM 0.33 marks its synchronous jobs so: done, but no request to resume
+                self.connector_worker._load_jobs[job] = None  # type: ignore[assignment]
+            self.connector_worker.worker.wait(meta.sync_job_ids)
+
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
         meta = super().build_connector_worker_meta()
         worker = self._offload_worker()
@@ -243,7 +272,35 @@ class KVOffloadConnector(OffloadingConnector):
                 status = self.scheduler._req_status[request.request_id]
                 compat.step_region(self.scheduler)
                 manager.ask_now(status.req_context, keys)
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        hits, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if self._sync.choose(self.scheduler, request, num_computed_tokens, hits, load_async):
+            log.debug("kvoffload_sync_load req_id=%s tokens=%s", request.request_id, hits)
+            return hits, False
+        return hits, load_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if not num_external_tokens or not self._sync.enabled:
+            return super().update_state_after_alloc(request, blocks, num_external_tokens)
+        before = set(self.scheduler._current_batch_load_jobs)
+        super().update_state_after_alloc(
+            request,
+            self._sync.blocks_for_alloc(request, blocks, self._block_size, self.scheduler),
+            num_external_tokens,
+        )
+        self._sync.note_load_jobs(request, set(self.scheduler._current_batch_load_jobs) - before)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if not self._sync.enabled:
+            return super().build_connector_meta(scheduler_output)
+        self._sync.hide(self.scheduler)
+        try:
+            meta = super().build_connector_meta(scheduler_output)
+        finally:
+            self._sync.restore(self.scheduler)
+        assert isinstance(meta, OffloadingConnectorMetadata)
+        return self._sync.end_step(meta)
 
     def _keys_from(self, request: Request, num_computed_tokens: int) -> list[OffloadKey]:
         """The request's offload keys of every KV cache group from ``num_computed_tokens`` on,
@@ -288,6 +345,7 @@ class KVOffloadConnector(OffloadingConnector):
         vLLM no longer completes them), and ``on_reset_flushed`` follows the last report."""
         flushed = {} if compat.VLLM_FENCES_RESETS else compat.jobs_in_flight(self.scheduler)
         result = super().reset_cache()
+        self._sync.reset()
         if not compat.VLLM_FENCES_RESETS and self._reset_fence.arm(flushed):
             self._reset_flushed()
         return result

@@ -397,6 +397,15 @@ class KVOffloadManager(OffloadingManager):
                 log.debug("kvoffload_unpin_failed req_id=%s error=%s", req_context.req_id, exc)
         self._maybe_forget(state)
 
+    def hits_in_pool(self, req_id: str, keys: Iterable[OffloadKey]) -> bool:
+        """Whether every key is pinned for the request in the host pool, found there by its
+        lookup (not promoted from a secondary tier), so its load can be done at once."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return False
+        nkeys = [self._key(k) for k in keys]
+        return all(k in state.pinned and k not in state.promoted for k in nkeys)
+
     def note_failed_loads(self, req_id: str, nkeys: Iterable[bytes]) -> None:
         """Loads of ``nkeys`` failed in a worker: MISS for this request from now on."""
         state = self._requests.get(req_id)

@@ -322,6 +322,7 @@ def main(model: str, endpoint: str) -> dict[str, Any]:
             for j, t in meta.load_jobs.items()
         },
         "store_jobs": sorted(meta.store_jobs),
+        "sync_job_ids": sorted(getattr(meta, "sync_job_ids", ())),  # kvoffload's, on 0.32
         "lock_held_after": RecordingLock.held,
     }
 
