@@ -1,5 +1,6 @@
 """A real vLLM engine in a child process, for the vLLM tests and ``kvoffload bench vllm``, and
-the tiny random-weight Llama models it serves (no hub is reachable).
+the tiny random-weight models it serves (no hub is reachable): Llama (one KV cache group) and
+Gemma 3 (sliding-window and full attention: several groups).
 
 ``VllmEngineProcess`` starts this module as a script (``python -m
 kvoffload.testing.vllm_engine``) in its own process group; vLLM's engine core and workers join
@@ -88,32 +89,71 @@ class TinyLlama:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
 
-def make_model(directory: Path, spec: TinyLlama = TinyLlama()) -> Path:
-    """Write a random Llama (seeded) and a word-level tokenizer (so ``vllm serve`` can take text
-    prompts, see ``words``) into ``directory``; returns it."""
+@dataclass(frozen=True)
+class TinyGemma3:
+    """A random-weight Gemma 3 text model: sliding-window attention layers beside full
+    attention ones (``layer_types``), so vLLM gives it several KV cache groups (one per
+    attention kind, split so groups have as many layers). All layers sliding: one group.
+    Greedy decoding of a random Gemma 3 tends to repeat a token, so compare logprobs too."""
+
+    layer_types: tuple[str, ...] = ("sliding_attention",) * 3 + ("full_attention",)
+    sliding_window: int = 64
+    hidden: int = 256
+    intermediate: int = 512
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    max_positions: int = 8192
+    seed: int = 0
+
+    @property
+    def layers(self) -> int:
+        return len(self.layer_types)
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+ModelSpec = TinyLlama | TinyGemma3
+
+
+def make_model(directory: Path, spec: ModelSpec = TinyLlama()) -> Path:
+    """Write a random model (seeded) and a word-level tokenizer (so ``vllm serve`` can take
+    text prompts, see ``words``) into ``directory``; returns it."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(spec.seed)
-    dtype: dict[str, Any] = {} if spec.dtype is None else {"dtype": spec.dtype}
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_positions,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        **dtype,
-    )
-    LlamaForCausalLM(config).save_pretrained(directory)
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.max_positions,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if isinstance(spec, TinyGemma3):
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        gemma = Gemma3TextConfig(
+            **common,
+            sliding_window=spec.sliding_window,
+            layer_types=list(spec.layer_types),
+            pad_token_id=0,
+        )
+        Gemma3ForCausalLM(gemma).save_pretrained(directory)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        dtype: dict[str, Any] = {} if spec.dtype is None else {"dtype": spec.dtype}
+        llama = LlamaConfig(**common, initializer_range=0.2, tie_word_embeddings=False, **dtype)
+        LlamaForCausalLM(llama).save_pretrained(directory)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

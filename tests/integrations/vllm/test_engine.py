@@ -10,12 +10,10 @@ hit and a kvoffload hit of the same tokens must not differ at all.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -24,155 +22,38 @@ pytest.importorskip("vllm")
 from kvoffload.memory.blockformat import CorruptBlock, decode_header  # noqa: E402
 from kvoffload.memory.pool import HostPool  # noqa: E402
 from kvoffload.testing.helpers import wait_until  # noqa: E402
-from kvoffload.testing.service import ServiceHarness, serve_harness  # noqa: E402
-from kvoffload.testing.vllm_engine import (  # noqa: E402
-    TinyLlama,
-    VllmEngineProcess,
-    kvoffload_transfer,
-    make_model,
+from kvoffload.testing.service import ServiceHarness  # noqa: E402
+from kvoffload.testing.vllm_engine import VllmEngineProcess, make_model  # noqa: E402
+from tests.integrations.vllm.conftest import (  # noqa: E402
+    ModelCase,
+    offload,
+    primary_hits,
+    same_output,
 )
 
-BLOCK_TOKENS = 32
-PROMPT_TOKENS = 200
-FULL_BLOCKS = PROMPT_TOKENS // BLOCK_TOKENS
-FULL_TOKENS = FULL_BLOCKS * BLOCK_TOKENS
-BLOCK_BYTES = TinyLlama().kv_bytes_per_token() * BLOCK_TOKENS
 HEADER_PAGE = 4096
 
-_prompts = random.Random(20261130)
-
-
-def new_prompt() -> list[int]:
-    """A prompt no other test uses (random token ids: 6 full blocks and a partial one)."""
-    return [_prompts.randrange(3, 1024) for _ in range(PROMPT_TOKENS)]
-
-
-# ---- module fixtures: one service, one engine per configuration -------------------------------
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vllm")
-
-
-@pytest.fixture(scope="module")
-def model(work: Path) -> Path:
-    return make_model(work / "model-a", TinyLlama(seed=0))
-
-
-@pytest.fixture(scope="module")
-def service(work: Path) -> Iterator[ServiceHarness]:
-    home = work / "service"
-    home.mkdir()
-    svc = serve_harness(home, workers=("cpu", "disk"), num_slots=256, block_bytes=BLOCK_BYTES)
-    try:
-        yield svc.start()
-    finally:
-        svc.stop()
-
-
-class Engines:
-    """Engines started on first use and stopped at the end of the module."""
-
-    def __init__(self, work: Path, model: Path, service: ServiceHarness) -> None:
-        self.work, self.model, self.service = work, model, service
-        self._started: dict[str, VllmEngineProcess] = {}
-
-    def get(self, name: str, model: Path | None = None, **connector: Any) -> VllmEngineProcess:
-        if name not in self._started:
-            # A call bound above the default 0.5 s keeps a loaded 2-core CI machine from
-            # reading a slow answer as an outage; the outage tests stay bounded by it.
-            config = (
-                None
-                if name == "plain"
-                else kvoffload_transfer(
-                    {"endpoint": self.service.endpoint, "call_timeout_s": 1.0, **connector}
-                )
-            )
-            self._started[name] = VllmEngineProcess(
-                model or self.model, self.work / f"engine-{name}.log", config
-            )
-        return self._started[name]
-
-    def stop(self) -> None:
-        for engine in self._started.values():
-            engine.request_quit()
-        for engine in self._started.values():
-            engine.stop()
-
-
-@pytest.fixture(scope="module")
-def engines(work: Path, model: Path, service: ServiceHarness) -> Iterator[Engines]:
-    started = Engines(work, model, service)
-    try:
-        yield started
-    finally:
-        started.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(engines: Engines) -> Callable[[list[int], int], dict]:
-    """vLLM without kvoffload on ``prompt`` with exactly ``cached`` tokens served from its own
-    prefix cache (0: a full recompute)."""
-
-    def run(prompt: list[int], cached: int) -> dict:
-        plain = engines.get("plain")
-        assert plain.reset_prefix_cache()
-        if cached:
-            plain.generate([prompt[: cached + 1]], max_tokens=1)
-        out = plain.generate([prompt])[0]
-        assert out["cached"] == cached
-        return out
-
-    return run
-
-
-def stored_blocks(service: ServiceHarness) -> int:
-    return service.status().tiering.used_slots
-
-
-def primary_hits(service: ServiceHarness) -> int:
-    return service.status().tiering.per_tier["primary"].lookups_hit
-
-
-def on_disk(service: ServiceHarness) -> int:
-    return service.status().tiering.tiers["disk"].indexed_keys
-
-
-def offload(
-    engine: VllmEngineProcess, service: ServiceHarness, prompt: list[int], cascaded: bool = False
-) -> dict:
-    """Run ``prompt`` once so its full blocks are stored (and, with ``cascaded``, on disk)."""
-    disk_before = on_disk(service)
-    out = engine.generate([prompt])[0]
-    if cascaded:
-        wait_until(
-            lambda: on_disk(service) >= disk_before + FULL_BLOCKS, 30.0, "the cascade to disk", 0.1
-        )
-    return out
-
-
-def same_output(got: dict, want: dict) -> None:
-    assert got["tokens"] == want["tokens"]
-    assert got["logprobs"] == want["logprobs"]
+pytestmark = pytest.mark.parametrize("case", ["llama", "gemma3"], indirect=True, scope="module")
 
 
 # ---- tests --------------------------------------------------------------------------------------
 
 
-def test_same_prompt_after_reset_prefix_cache_is_served_by_kvoffload(engines, service, reference):
+def test_same_prompt_after_reset_prefix_cache_is_served_by_kvoffload(
+    engines, service, reference, case
+):
     engine = engines.get("a")
-    prompt = new_prompt()
-    first = offload(engine, service, prompt, cascaded=True)
+    prompt = case.new_prompt()
+    first = offload(engine, service, case, prompt, cascaded=True)
     assert first["cached"] == 0
     hits_before = primary_hits(service)
 
     assert engine.reset_prefix_cache()
     second = engine.generate([prompt])[0]
 
-    assert second["cached"] == FULL_TOKENS
-    assert primary_hits(service) - hits_before == FULL_BLOCKS
-    same_output(second, reference(prompt, FULL_TOKENS))
+    assert second["cached"] == case.full_tokens
+    assert primary_hits(service) - hits_before == case.keys
+    same_output(second, reference(prompt, case.full_tokens))
 
 
 def _with_pool_overwritten(service: ServiceHarness, run: Callable[[], dict]) -> dict:
@@ -191,27 +72,28 @@ def _with_pool_overwritten(service: ServiceHarness, run: Callable[[], dict]) -> 
             pool.close()
 
 
-def test_corrupted_kv_changes_the_output(engines, service, reference):
+def test_corrupted_kv_changes_the_output(engines, service, reference, case):
     """The model is sensitive to its KV: with load verification off, the same load from a
-    pool whose bytes were overwritten gives other tokens (so the identical outputs in the
+    pool whose bytes were overwritten gives another output (so the identical outputs in the
     other tests mean something)."""
     engine = engines.get("b", verify_loads=False)
-    prompt = new_prompt()
-    offload(engine, service, prompt)
+    prompt = case.new_prompt()
+    offload(engine, service, case, prompt)
     assert engine.reset_prefix_cache()
 
     corrupted = _with_pool_overwritten(service, lambda: engine.generate([prompt])[0])
 
-    assert corrupted["cached"] == FULL_TOKENS
-    assert corrupted["tokens"] != reference(prompt, FULL_TOKENS)["tokens"]
+    assert corrupted["cached"] == case.full_tokens
+    want = reference(prompt, case.full_tokens)
+    assert (corrupted["tokens"], corrupted["logprobs"]) != (want["tokens"], want["logprobs"])
 
 
-def test_a_corrupted_pool_block_is_never_loaded(engines, service, reference):
+def test_a_corrupted_pool_block_is_never_loaded(engines, service, reference, case):
     """Loads are verified against the checksum taken when the block was stored: overwritten
     pool slots are recomputed, and the output is that of vLLM without kvoffload."""
     engine = engines.get("a")
-    prompt = new_prompt()
-    offload(engine, service, prompt)
+    prompt = case.new_prompt()
+    offload(engine, service, case, prompt)
     assert engine.reset_prefix_cache()
 
     out = _with_pool_overwritten(service, lambda: engine.generate([prompt])[0])
@@ -220,21 +102,21 @@ def test_a_corrupted_pool_block_is_never_loaded(engines, service, reference):
     assert "kvoffload_load_corrupt" in engine.log_path.read_text()
 
 
-def test_second_engine_process_hits_the_first_ones_blocks(engines, service, reference):
-    prompt = new_prompt()
-    offload(engines.get("a"), service, prompt)
+def test_second_engine_process_hits_the_first_ones_blocks(engines, service, reference, case):
+    prompt = case.new_prompt()
+    offload(engines.get("a"), service, case, prompt)
     other = engines.get("b", verify_loads=False)
 
     out = other.generate([prompt])[0]
 
-    assert out["cached"] == FULL_TOKENS
-    same_output(out, reference(prompt, FULL_TOKENS))
+    assert out["cached"] == case.full_tokens
+    same_output(out, reference(prompt, case.full_tokens))
 
 
-def test_prefix_comes_back_from_disk_after_the_pool_is_emptied(engines, service, reference):
+def test_prefix_comes_back_from_disk_after_the_pool_is_emptied(engines, service, reference, case):
     engine = engines.get("a")
-    prompt = new_prompt()
-    offload(engine, service, prompt, cascaded=True)
+    prompt = case.new_prompt()
+    offload(engine, service, case, prompt, cascaded=True)
     with service.client("reset") as client:
         client.reset_cache()
     promoted_before = service.status().tiering.per_tier["disk"].promoted_keys_ok
@@ -242,42 +124,42 @@ def test_prefix_comes_back_from_disk_after_the_pool_is_emptied(engines, service,
 
     out = engine.generate([prompt])[0]
 
-    assert out["cached"] == FULL_TOKENS
+    assert out["cached"] == case.full_tokens
     promoted = service.status().tiering.per_tier["disk"].promoted_keys_ok
-    assert promoted - promoted_before == FULL_BLOCKS
-    same_output(out, reference(prompt, FULL_TOKENS))
+    assert promoted - promoted_before == case.keys
+    same_output(out, reference(prompt, case.full_tokens))
 
 
-def test_failed_loads_are_recomputed_once(engines, service, reference):
+def test_failed_loads_are_recomputed_once(engines, service, reference, case):
     """Every load fails (kvoffload's fault hook on the worker side): vLLM recomputes the
     blocks, the output is that of a full recompute, and the keys are looked up a bounded
     number of times (no load -> fail -> load loop)."""
     engine = engines.get("faulty", faults={"fail_fraction": 1.0, "seed": 1})
-    prompt = new_prompt()
-    offload(engine, service, prompt)
+    prompt = case.new_prompt()
+    offload(engine, service, case, prompt)
     hits_before = primary_hits(service)
     assert engine.reset_prefix_cache()
 
     out = engine.generate([prompt])[0]
 
     same_output(out, reference(prompt, 0))
-    assert primary_hits(service) - hits_before <= FULL_BLOCKS
+    assert primary_hits(service) - hits_before <= case.keys
     assert "kvoffload_load_failed" in engine.log_path.read_text()
 
 
-def test_a_killed_service_costs_a_recompute_and_hits_resume(engines, service, reference):
+def test_a_killed_service_costs_a_recompute_and_hits_resume(engines, service, reference, case):
     """The manager is killed, then the workers: vLLM keeps answering correctly at once; once
     the service is back, blocks stored before the crash (kept by the warm restart or the disk
     tier) and new ones hit again in the same vLLM."""
     engine = engines.get("a")
-    kept = new_prompt()
-    offload(engine, service, kept, cascaded=True)
+    kept = case.new_prompt()
+    offload(engine, service, case, kept, cascaded=True)
     status = service.status()
     manager_pid = status.pid
     worker_pids = [w.pid for w in status.workers.values()]
 
     os.kill(manager_pid, signal.SIGKILL)
-    prompt = new_prompt()
+    prompt = case.new_prompt()
     start = time.monotonic()
     during = engine.generate([prompt])[0]
     assert time.monotonic() - start < 20
@@ -288,36 +170,36 @@ def test_a_killed_service_costs_a_recompute_and_hits_resume(engines, service, re
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    prompt = new_prompt()
+    prompt = case.new_prompt()
     same_output(engine.generate([prompt])[0], reference(prompt, 0))
 
     wait_until(lambda: _service_back(service, manager_pid), 60, "the restarted service", 0.1)
     service.wait_workers(("cpu", "disk"), exclude_pids=worker_pids)
-    _hits_resume(engine, service, reference)
+    _hits_resume(engine, service, reference, case)
     assert engine.reset_prefix_cache()
     out = engine.generate([kept])[0]
-    assert out["cached"] == FULL_TOKENS
-    same_output(out, reference(kept, FULL_TOKENS))
+    assert out["cached"] == case.full_tokens
+    same_output(out, reference(kept, case.full_tokens))
 
 
-def test_a_hung_service_costs_a_timeout_and_hits_resume(engines, service, reference):
+def test_a_hung_service_costs_a_timeout_and_hits_resume(engines, service, reference, case):
     engine = engines.get("a")
-    engine.generate([new_prompt()])
+    engine.generate([case.new_prompt()])
     manager_pid = service.status().pid
 
     os.kill(manager_pid, signal.SIGSTOP)
     try:
-        prompt = new_prompt()
+        prompt = case.new_prompt()
         start = time.monotonic()
         out = engine.generate([prompt])[0]
         elapsed = time.monotonic() - start
-        second = new_prompt()
+        second = case.new_prompt()
         same_output(engine.generate([second])[0], reference(second, 0))
     finally:
         os.kill(manager_pid, signal.SIGCONT)
     assert elapsed < 10
     same_output(out, reference(prompt, 0))
-    _hits_resume(engine, service, reference)
+    _hits_resume(engine, service, reference, case)
 
 
 def _service_back(service: ServiceHarness, dead_pid: int) -> bool:
@@ -327,26 +209,28 @@ def _service_back(service: ServiceHarness, dead_pid: int) -> bool:
         return False
 
 
-def _hits_resume(engine: VllmEngineProcess, service: ServiceHarness, reference) -> None:
+def _hits_resume(
+    engine: VllmEngineProcess, service: ServiceHarness, reference, case: ModelCase
+) -> None:
     """Within a bounded time the same engine stores and hits again, without a restart."""
     deadline = time.monotonic() + 30
     while True:
-        prompt = new_prompt()
+        prompt = case.new_prompt()
         engine.generate([prompt])
         time.sleep(0.3)
         assert engine.reset_prefix_cache()
         out = engine.generate([prompt])[0]
-        if out["cached"] == FULL_TOKENS:
-            same_output(out, reference(prompt, FULL_TOKENS))
+        if out["cached"] == case.full_tokens:
+            same_output(out, reference(prompt, case.full_tokens))
             return
         assert time.monotonic() < deadline, "hits did not resume"
         time.sleep(1.0)
 
 
-def test_another_model_never_hits_the_first_models_blocks(engines, service, work):
-    prompt = new_prompt()
-    offload(engines.get("a"), service, prompt)
-    other_model = make_model(work / "model-b", TinyLlama(seed=1))
+def test_another_model_never_hits_the_first_models_blocks(engines, service, work, case):
+    prompt = case.new_prompt()
+    offload(engines.get("a"), service, case, prompt)
+    other_model = make_model(work / "model-b", case.other)
     other = engines.get("model-b", model=other_model)
     hits_before = primary_hits(service)
 
@@ -355,16 +239,16 @@ def test_another_model_never_hits_the_first_models_blocks(engines, service, work
     assert out["cached"] == 0
     assert primary_hits(service) == hits_before
     assert other.reset_prefix_cache()
-    assert other.generate([prompt])[0]["cached"] == FULL_TOKENS
+    assert other.generate([prompt])[0]["cached"] == case.full_tokens
 
 
-def test_a_block_corrupted_on_disk_is_recomputed(engines, service, reference):
+def test_a_block_corrupted_on_disk_is_recomputed(engines, service, reference, case):
     engine = engines.get("a")
-    prompt = new_prompt()
+    prompt = case.new_prompt()
     records_before = _disk_records(service)
-    offload(engine, service, prompt, cascaded=True)
+    offload(engine, service, case, prompt, cascaded=True)
     new_records = sorted(set(_disk_records(service)) - set(records_before), key=lambda r: r[2])
-    assert len(new_records) >= FULL_BLOCKS
+    assert len(new_records) >= case.keys
     path, offset, _ = new_records[len(new_records) // 2]
     with service.client("reset") as client:
         client.reset_cache()
@@ -377,7 +261,7 @@ def test_a_block_corrupted_on_disk_is_recomputed(engines, service, reference):
 
     out = engine.generate([prompt])[0]
 
-    assert out["cached"] < FULL_TOKENS
+    assert out["cached"] < case.full_tokens
     same_output(out, reference(prompt, out["cached"]))
     assert any(e.get("event") == "disk_block_corrupt" for e in service.log_events())
 
@@ -385,7 +269,7 @@ def test_a_block_corrupted_on_disk_is_recomputed(engines, service, reference):
 def _disk_records(service: ServiceHarness) -> list[tuple[Path, int, int]]:
     """(slab file, record offset, generation) of every valid record of the disk tier."""
     records = []
-    record_bytes = HEADER_PAGE + BLOCK_BYTES
+    record_bytes = HEADER_PAGE + service.cfg.pool.block_bytes
     for slab in sorted(Path(service.cfg.disk.root).glob("*/slab-*.kvs")):
         data = slab.read_bytes()
         fingerprint = bytes.fromhex(slab.parent.name)

@@ -1,0 +1,185 @@
+"""What the real-engine tests share: the model under test (``case``, chosen per module with an
+indirect ``case`` parameter), one service and the engines of each module, vLLM without
+kvoffload as the reference, and the checks of identical output."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload.testing.helpers import wait_until
+from kvoffload.testing.service import ServiceHarness, serve_harness
+from kvoffload.testing.vllm_engine import (
+    BLOCK_TOKENS,
+    ModelSpec,
+    TinyGemma3,
+    TinyLlama,
+    VllmEngineProcess,
+    kvoffload_transfer,
+    make_model,
+)
+
+
+@dataclass
+class ModelCase:
+    """A model the engine tests run on. ``keys``: the offload keys one prompt stores (and a
+    hit of it reads): every full block of each full-attention group, the last ``window``
+    blocks of each sliding-window group. ``block_bytes``: the largest group's bytes per block,
+    the service's pool block size."""
+
+    name: str
+    spec: ModelSpec
+    other: ModelSpec  # same architecture, other weights
+    prompt_tokens: int
+    keys: int
+    block_bytes: int
+    _prompts: random.Random = field(default_factory=lambda: random.Random(20261130))
+
+    @property
+    def full_tokens(self) -> int:
+        return self.prompt_tokens // BLOCK_TOKENS * BLOCK_TOKENS
+
+    def new_prompt(self) -> list[int]:
+        """A prompt no other test uses (random token ids, ending in a partial block)."""
+        return [self._prompts.randrange(3, 1024) for _ in range(self.prompt_tokens)]
+
+
+_PAGE = 2 * 2 * 64 * 2 * BLOCK_TOKENS  # K and V of 2 heads of 64 in bf16, one 32-token block
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+CASES = {
+    # one KV cache group: 6 full blocks per prompt
+    "llama": ModelCase(
+        "llama", TinyLlama(seed=0), TinyLlama(seed=1), 200, 6, TinyLlama().kv_bytes_per_token() * 32
+    ),
+    # Gemma 3 style: three sliding-window groups (a 64-token window: 2 blocks) and a full one,
+    # one layer each; a prompt of several windows stores 9 full blocks and 3 x 2 window blocks
+    "gemma3": ModelCase("gemma3", TinyGemma3(seed=0), TinyGemma3(seed=1), 300, 9 + 3 * 2, _PAGE),
+    # every layer sliding: one group of 4 layers, of which a prompt stores its last window
+    "gemma3-sliding": ModelCase(
+        "gemma3-sliding",
+        TinyGemma3(layer_types=(SLIDING,) * 4, seed=0),
+        TinyGemma3(layer_types=(SLIDING,) * 4, seed=1),
+        300,
+        2,
+        4 * _PAGE,
+    ),
+}
+assert CASES["gemma3"].spec.layer_types == (SLIDING,) * 3 + (FULL,)
+
+
+@pytest.fixture(scope="module")
+def case(request: pytest.FixtureRequest) -> ModelCase:
+    return CASES[request.param]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory, case: ModelCase) -> Path:
+    return tmp_path_factory.mktemp(f"vllm-{case.name}")
+
+
+@pytest.fixture(scope="module")
+def model(work: Path, case: ModelCase) -> Path:
+    return make_model(work / "model-a", case.spec)
+
+
+@pytest.fixture(scope="module")
+def service(work: Path, case: ModelCase) -> Iterator[ServiceHarness]:
+    home = work / "service"
+    home.mkdir()
+    svc = serve_harness(home, workers=("cpu", "disk"), num_slots=256, block_bytes=case.block_bytes)
+    try:
+        yield svc.start()
+    finally:
+        svc.stop()
+
+
+class Engines:
+    """Engines started on first use and stopped at the end of the module."""
+
+    def __init__(self, work: Path, model: Path, service: ServiceHarness) -> None:
+        self.work, self.model, self.service = work, model, service
+        self._started: dict[str, VllmEngineProcess] = {}
+
+    def get(self, name: str, model: Path | None = None, **connector: Any) -> VllmEngineProcess:
+        if name not in self._started:
+            # A call bound above the default 0.5 s keeps a loaded 2-core CI machine from
+            # reading a slow answer as an outage; the outage tests stay bounded by it.
+            config = (
+                None
+                if name == "plain"
+                else kvoffload_transfer(
+                    {"endpoint": self.service.endpoint, "call_timeout_s": 1.0, **connector}
+                )
+            )
+            self._started[name] = VllmEngineProcess(
+                model or self.model, self.work / f"engine-{name}.log", config
+            )
+        return self._started[name]
+
+    def stop(self) -> None:
+        for engine in self._started.values():
+            engine.request_quit()
+        for engine in self._started.values():
+            engine.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(work: Path, model: Path, service: ServiceHarness) -> Iterator[Engines]:
+    started = Engines(work, model, service)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(engines: Engines) -> Callable[[list[int], int], dict]:
+    """vLLM without kvoffload on ``prompt`` with exactly ``cached`` tokens served from its own
+    prefix cache (0: a full recompute)."""
+
+    def run(prompt: list[int], cached: int) -> dict:
+        plain = engines.get("plain")
+        assert plain.reset_prefix_cache()
+        if cached:
+            plain.generate([prompt[: cached + 1]], max_tokens=1)
+        out = plain.generate([prompt])[0]
+        assert out["cached"] == cached
+        return out
+
+    return run
+
+
+def primary_hits(service: ServiceHarness) -> int:
+    return service.status().tiering.per_tier["primary"].lookups_hit
+
+
+def on_disk(service: ServiceHarness) -> int:
+    return service.status().tiering.tiers["disk"].indexed_keys
+
+
+def offload(
+    engine: VllmEngineProcess,
+    service: ServiceHarness,
+    case: ModelCase,
+    prompt: list[int],
+    cascaded: bool = False,
+) -> dict:
+    """Run ``prompt`` once so its blocks are stored (and, with ``cascaded``, on disk)."""
+    disk_before = on_disk(service)
+    out = engine.generate([prompt])[0]
+    if cascaded:
+        wait_until(
+            lambda: on_disk(service) >= disk_before + case.keys, 30.0, "the cascade to disk", 0.1
+        )
+    return out
+
+
+def same_output(got: dict, want: dict) -> None:
+    assert got["tokens"] == want["tokens"]
+    assert got["logprobs"] == want["logprobs"]
