@@ -338,8 +338,8 @@ def vllm_worker_run(
         early = checked.take_error_blocks()
         checked.wait({j})
         out["load_complete_ms"] = (time.perf_counter() - start) * 1e3
+        checked.get_finished()  # runs the load's checks
         late = checked.take_error_blocks()
-        checked.get_finished()
         if device.type == "cuda":  # on CPU the copy, and so its check, is done at submission
             expect(not early, "load: a failure was known before the copy completed (blocking)")
             late = early | late

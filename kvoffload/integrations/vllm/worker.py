@@ -7,8 +7,8 @@ tensor one gather or scatter through a staging buffer on the GPU, per run of slo
 from the CUDA-registered pool, on a stream of the worker's (expedited loads, which vLLM 0.33
 waits for within the step, on a second one, so they do not queue behind stores). The checksums
 of stored slots and the checks of loaded ones run on the ``SlotCopier``'s threads: on CPU
-inside the submission (the copy is done by then), on CUDA once the copy's event completed
-(``get_finished`` / ``wait``), so a submission never blocks. It never talks to the manager: slot numbers arrive in the ``PoolBlocks`` the scheduler
+inside the submission (the copy is done by then), on CUDA in the ``get_finished`` that finds
+the copy's event completed, so neither a submission nor ``wait`` blocks on them. It never talks to the manager: slot numbers arrive in the ``PoolBlocks`` the scheduler
 side built, and completions leave through ``get_finished``.
 
 Every KV cache group of the model is served: a key's slot holds that group's blocks (see
@@ -316,14 +316,12 @@ class KVOffloadWorker(OffloadingWorker):
             pending.check = None
 
     def wait(self, job_ids: set[int]) -> None:
-        """Return once the jobs' copies are complete (and checked: a failed key of a load is
-        reported by then)."""
+        """Return once the jobs' copies are complete. A load's checks run at the next
+        ``get_finished`` (vLLM reads the failed blocks after it, once the step's forward ran:
+        the forward of a synchronous load does not wait for the checksums)."""
         for pending in self._pending:
             if pending.event is not None and pending.result.job_id in job_ids:
                 pending.event.synchronize()
-                if pending.check is not None:
-                    self._finish_check(pending.check)
-                    pending.check = None
 
     def shutdown(self) -> None:
         self._sync_streams()
