@@ -10,6 +10,7 @@
 | ``model_revision`` | vLLM's revision | revision in the key fingerprint |
 | ``verify_loads`` | true | check each loaded block against the checksum taken when written |
 | ``faults`` | none | kvoffload fault spec for the worker side (``fail_fraction`` of loads) |
+| ``sync_load_budget_bytes`` | 256 MiB, 0 with several KV cache groups | KV bytes per step and worker of pool hits loaded in the step that schedules them (set by the connector, read by vLLM 0.33 or ``sync_loads``) |
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ class ConnectorSettings:
             if not isinstance(extra["verify_loads"], bool):
                 raise ValueError("kv_connector_extra_config['verify_loads'] must be true or false")
             out["verify_loads"] = extra["verify_loads"]
+        budget = extra.get("sync_load_budget_bytes")
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < 0
+        ):
+            raise ValueError(
+                "kv_connector_extra_config['sync_load_budget_bytes'] must be a non-negative "
+                f"integer, got {budget!r}"
+            )
         if extra.get("faults") is not None:
             try:
                 out["faults"] = msgspec.convert(extra["faults"], FaultSpec)

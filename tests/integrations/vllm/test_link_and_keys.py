@@ -89,6 +89,8 @@ def test_settings_are_checked_and_named():
         ConnectorSettings.from_extra_config({"call_timeout_s": -1})
     with pytest.raises(ValueError, match="faults"):
         ConnectorSettings.from_extra_config({"faults": {"fail_fraction": "many"}})
+    with pytest.raises(ValueError, match="sync_load_budget_bytes"):
+        ConnectorSettings.from_extra_config({"sync_load_budget_bytes": "256M"})
 
 
 def test_endpoint_discovery_order(tmp_path: Path, monkeypatch, start_service):
