@@ -156,6 +156,8 @@ class Engine:
             raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
         bt = self.cfg.block_tokens
         req_id = f"{self.name}-{next(self._req_ids)}"
+        # Read before the lookup that may start promotions: blocks can land before it returns.
+        promoted_before = self._promoted_per_tier() if self.client is not None else None
         started = time.perf_counter()
         table = self.cache.allocate(-(-(len(prompt) + max_new_tokens - 1) // bt))
         result = Generation(req_id, len(prompt), [], torch.empty(0), 0.0, 0.0)
@@ -164,7 +166,7 @@ class Engine:
             if self.client is not None:
                 request_level = self.client.new_request(req_id)
                 prompt_keys = self.keys(prompt)
-                reused, from_pool, promoted_before = self._reuse_prefix(
+                reused, from_pool = self._reuse_prefix(
                     req_id, prompt_keys[: (len(prompt) - 1) // bt], table, result
                 )
             else:
@@ -253,20 +255,18 @@ class Engine:
 
     def _reuse_prefix(
         self, req_id: str, keys: list[bytes], table: list[int], result: Generation
-    ) -> tuple[int, int, Counter | None]:
-        """Look up, wait for promotions, load the ready prefix. Returns the blocks reused, the
-        blocks ready at the first lookup (host pool) and, when the lookup had to wait, the
-        per-tier promotion counters from before the wait (for ``_attribute``)."""
+    ) -> tuple[int, int]:
+        """Look up, wait for promotions, load the ready prefix. Returns the blocks reused and
+        the blocks ready at the first lookup (host pool)."""
         if not keys:
-            return 0, 0, None
+            return 0, 0
         outcome = self._client.lookup(req_id, keys)
         from_pool = outcome.ready_prefix
-        promoted_before = self._promoted_per_tier() if outcome.must_wait else None
         outcome, rounds = self._wait_lookup(req_id, keys, outcome)
         result.lookup_rounds = rounds
         ready = min(outcome.ready_prefix, len(keys))
         if not ready:
-            return 0, 0, None
+            return 0, 0
         job_id = self._client.load(req_id, keys[:ready], table[:ready], self.handle_id).job_id
         if job_id is None:
             raise RuntimeError(f"a load of {ready} keys was accepted without a job")
@@ -280,7 +280,7 @@ class Engine:
                 "load_partly_failed", req_id=req_id, asked=ready, reused=reused, error=done.error
             )
         result.reused_blocks = reused
-        return reused, from_pool, promoted_before
+        return reused, from_pool
 
     def _wait_lookup(
         self, req_id: str, keys: list[bytes], outcome: LookupOutcome
