@@ -11,7 +11,16 @@ Layout (little endian, ``HEADER_SIZE`` bytes)::
     key          64s  the key, zero padded
     generation   Q    writer's monotonically increasing sequence number (newest copy wins)
     header_crc   I    xxh32 of every byte before it
+    slices       H    0 (one slice: the whole payload) or 2..MAX_SLICES
+    slice_bytes  I    bytes of each slice (0 with one slice)
+    slices_crc   I    xxh32 of every byte before it (0 with one slice)
     (zero padding up to HEADER_SIZE)
+
+A block written in slices (one per tensor-parallel rank: rank ``r`` owns the payload bytes
+``[r * slice_bytes, (r + 1) * slice_bytes)``, and no rank sees the whole block) has as its
+checksum the xxh3 of its slices' xxh3 digests (``block_checksum``): each writer hashes its own
+slice, and anyone holding the payload can check the whole. A header of one slice leaves the
+slice fields zero, so it is byte for byte the header of a block without slices.
 
 A header that fails its own crc, carries another magic/version/fingerprint, or whose payload
 fails the checksum is never served: callers get ``CorruptBlock``.
@@ -30,10 +39,15 @@ MAGIC = b"KVOB"
 FORMAT_VERSION = 1
 MAX_KEY_BYTES = 64
 HEADER_SIZE = 128
+MAX_SLICES = 8
+"""Most slices a block is written in (tensor-parallel ranks that each hold a slice)."""
 
 _FIELDS = struct.Struct("<4sHHQQ16s64sQ")
 _CRC = struct.Struct("<I")
-assert _FIELDS.size + _CRC.size <= HEADER_SIZE
+_SLICES = struct.Struct("<HI")
+_SLICES_AT = _FIELDS.size + _CRC.size
+_SLICES_CRC_AT = _SLICES_AT + _SLICES.size
+assert _SLICES_CRC_AT + _CRC.size <= HEADER_SIZE
 
 
 class CorruptBlock(Exception):
@@ -42,11 +56,27 @@ class CorruptBlock(Exception):
 
 @dataclass(frozen=True, slots=True)
 class BlockHeader:
+    """``slices`` > 1: the payload was written in that many slices of ``slice_bytes`` and
+    ``checksum`` is their ``block_checksum``; 1: ``checksum`` is the payload's xxh3."""
+
     key: bytes
     payload_len: int
     checksum: int
     fingerprint: bytes
     generation: int = 0
+    slices: int = 1
+    slice_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.slices > 1 and not (
+            self.slices <= MAX_SLICES
+            and self.slice_bytes > 0
+            and self.slices * self.slice_bytes <= self.payload_len
+        ):
+            raise ValueError(
+                f"{self.slices} slices of {self.slice_bytes} bytes do not fit a payload of "
+                f"{self.payload_len} (at most {MAX_SLICES} slices)"
+            )
 
     def encode(self) -> bytes:
         body = _FIELDS.pack(
@@ -59,8 +89,11 @@ class BlockHeader:
             self.key,
             self.generation,
         )
-        crc = _CRC.pack(xxhash.xxh32_intdigest(body))
-        return (body + crc).ljust(HEADER_SIZE, b"\0")
+        head = body + _CRC.pack(xxhash.xxh32_intdigest(body))
+        if self.slices > 1:
+            head += _SLICES.pack(self.slices, self.slice_bytes)
+            head += _CRC.pack(xxhash.xxh32_intdigest(head))
+        return head.ljust(HEADER_SIZE, b"\0")
 
 
 def deployment_fingerprint(block_bytes: int, layout_id: str) -> bytes:
@@ -72,6 +105,24 @@ def deployment_fingerprint(block_bytes: int, layout_id: str) -> bytes:
 def payload_checksum(payload) -> int:
     """xxh3_64 of a bytes-like payload (buffer protocol, no copy)."""
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def slice_checksums(payload, slices: int, slice_bytes: int) -> list[int]:
+    """The xxh3 of each of the payload's first ``slices`` slices of ``slice_bytes``."""
+    view = memoryview(payload).cast("B")
+    return [payload_checksum(view[r * slice_bytes : (r + 1) * slice_bytes]) for r in range(slices)]
+
+
+def combine_checksums(digests: list[int]) -> int:
+    """The checksum of a block written in slices: the xxh3 of its slices' digests."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
+
+
+def block_checksum(payload, slices: int = 1, slice_bytes: int = 0) -> int:
+    """The checksum a header of ``slices`` slices carries for ``payload``."""
+    if slices <= 1:
+        return payload_checksum(payload)
+    return combine_checksums(slice_checksums(payload, slices, slice_bytes))
 
 
 CHECKSUM_CHUNK_BYTES = 1 << 20
@@ -104,18 +155,27 @@ def copy_with_checksum(dst: np.ndarray, src: np.ndarray) -> int:
 
 
 def make_header(
-    key: bytes, payload, fingerprint: bytes, generation: int = 0, checksum: int | None = None
+    key: bytes,
+    payload,
+    fingerprint: bytes,
+    generation: int = 0,
+    checksum: int | None = None,
+    slices: int = 1,
+    slice_bytes: int = 0,
 ) -> BlockHeader:
-    """The header of ``payload`` stored under ``key``; ``checksum``: the payload's xxh3 when the
-    caller already has it (taken when the bytes were written), computed when None."""
+    """The header of ``payload`` stored under ``key``; ``checksum``: the payload's
+    ``block_checksum`` (of ``slices`` slices) when the caller already has it (taken when the
+    bytes were written), computed when None."""
     if not 1 <= len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"key length {len(key)} outside 1..{MAX_KEY_BYTES}")
     return BlockHeader(
         key=key,
         payload_len=len(memoryview(payload).cast("B")),
-        checksum=payload_checksum(payload) if checksum is None else checksum,
+        checksum=block_checksum(payload, slices, slice_bytes) if checksum is None else checksum,
         fingerprint=fingerprint,
         generation=generation,
+        slices=slices,
+        slice_bytes=slice_bytes,
     )
 
 
@@ -137,7 +197,26 @@ def decode_header(raw, fingerprint: bytes) -> BlockHeader:
         raise CorruptBlock("deployment fingerprint differs")
     if not 1 <= key_len <= MAX_KEY_BYTES:
         raise CorruptBlock("bad key length")
-    return BlockHeader(key[:key_len], payload_len, checksum, fp, generation)
+    slices, slice_bytes = _decode_slices(raw)
+    try:
+        return BlockHeader(
+            key[:key_len], payload_len, checksum, fp, generation, slices, slice_bytes
+        )
+    except ValueError as exc:
+        raise CorruptBlock(str(exc)) from None
+
+
+def _decode_slices(raw: bytes) -> tuple[int, int]:
+    ext = raw[_SLICES_AT : _SLICES_CRC_AT + _CRC.size]
+    if len(ext) < _SLICES.size + _CRC.size or not any(ext):
+        return 1, 0
+    (crc,) = _CRC.unpack_from(raw, _SLICES_CRC_AT)
+    if xxhash.xxh32_intdigest(raw[:_SLICES_CRC_AT]) != crc:
+        raise CorruptBlock("slice fields checksum mismatch")
+    slices, slice_bytes = _SLICES.unpack_from(raw, _SLICES_AT)
+    if slices < 2:
+        raise CorruptBlock(f"bad slice count {slices}")
+    return slices, slice_bytes
 
 
 def verify_payload(header: BlockHeader, key: bytes, payload) -> None:
@@ -147,5 +226,5 @@ def verify_payload(header: BlockHeader, key: bytes, payload) -> None:
     view = memoryview(payload).cast("B")
     if len(view) != header.payload_len:
         raise CorruptBlock(f"payload length {len(view)} != {header.payload_len}")
-    if payload_checksum(view) != header.checksum:
+    if block_checksum(view, header.slices, header.slice_bytes) != header.checksum:
         raise CorruptBlock("payload checksum mismatch")

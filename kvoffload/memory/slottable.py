@@ -7,6 +7,11 @@ fingerprint, generation = the job id); the manager clears it whenever the slot i
 to a new key. A restarted manager rebuilds its primary index from these headers. The table holds
 metadata only, never block bytes.
 
+A block written in slices (one per tensor-parallel rank) also keeps its slices' digests beside
+its header (the headers come first in the segment, then ``MAX_SLICES`` digests per slot), so a
+rank can check its own slice after a restart too. The digests need no checksum of their own:
+they are read only when they combine into the header's checksum.
+
 Ownership is the pool's: the supervisor ``create``s (mode 0600) and ``unlink``s the segment;
 every other process ``attach``es and ``close``s its own mapping. Writes are not atomic across
 processes: a reader that sees a half-written or half-cleared header fails its crc and skips it.
@@ -15,14 +20,28 @@ processes: a reader that sees a half-written or half-cleared header fails its cr
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator
+import struct
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from kvoffload.memory.blockformat import HEADER_SIZE, BlockHeader, CorruptBlock, decode_header
+from kvoffload.memory.blockformat import (
+    HEADER_SIZE,
+    MAX_SLICES,
+    BlockHeader,
+    CorruptBlock,
+    combine_checksums,
+    decode_header,
+)
 from kvoffload.memory.shmseg import OwnedSegment, attach_segment, close_mapping, create_segment
 
 _ZERO_HEADER = bytes(HEADER_SIZE)
+_DIGESTS = struct.Struct(f"<{MAX_SLICES}Q")
+
+
+def table_bytes(num_slots: int) -> int:
+    """Bytes of the table segment of ``num_slots`` slots (headers, then slice digests)."""
+    return num_slots * (HEADER_SIZE + _DIGESTS.size)
 
 
 class SlotTable(OwnedSegment):
@@ -42,14 +61,14 @@ class SlotTable(OwnedSegment):
         """Create and map a new, all-zero table (FileExistsError if ``name`` exists)."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        mapping = create_segment(name, num_slots * HEADER_SIZE, "slot table")
+        mapping = create_segment(name, table_bytes(num_slots), "slot table")
         return cls(name, num_slots, mapping, creator=True)
 
     @classmethod
     def attach(cls, name: str, num_slots: int) -> SlotTable:
         """Map an existing table. FileNotFoundError if absent; ValueError if its size is not
         ``num_slots`` headers."""
-        size = num_slots * HEADER_SIZE
+        size = table_bytes(num_slots)
 
         def check_size(actual: int) -> None:
             if actual != size:
@@ -76,15 +95,38 @@ class SlotTable(OwnedSegment):
             raise IndexError(f"slot {slot} out of range [0, {self._num_slots})")
         return slot * HEADER_SIZE
 
-    def write(self, slot: int, header: BlockHeader) -> None:
-        """Describe ``slot`` with ``header`` (call only after the slot's bytes are complete)."""
-        offset = self._offset(slot)
-        self._live()[offset : offset + HEADER_SIZE] = header.encode()
+    def _digests_offset(self, slot: int) -> int:
+        return self._num_slots * HEADER_SIZE + self._offset(slot) // HEADER_SIZE * _DIGESTS.size
+
+    def write(self, slot: int, header: BlockHeader, slice_checksums: Sequence[int] = ()) -> None:
+        """Describe ``slot`` with ``header`` (call only after the slot's bytes are complete);
+        ``slice_checksums``: the digests of a header of several slices (ValueError unless they
+        combine into its checksum)."""
+        offset, live = self._offset(slot), self._live()
+        if header.slices > 1:
+            if len(slice_checksums) != header.slices or (
+                combine_checksums(list(slice_checksums)) != header.checksum
+            ):
+                raise ValueError(f"slot {slot}: the slice digests do not make the checksum")
+            at = self._digests_offset(slot)
+            padded = [*slice_checksums, *[0] * (MAX_SLICES - header.slices)]
+            live[at : at + _DIGESTS.size] = _DIGESTS.pack(*padded)
+        live[offset : offset + HEADER_SIZE] = header.encode()
 
     def clear(self, slot: int) -> None:
         """Forget what ``slot`` held."""
         offset = self._offset(slot)
         self._live()[offset : offset + HEADER_SIZE] = _ZERO_HEADER
+
+    def slice_checksums(self, slot: int, header: BlockHeader) -> list[int]:
+        """The digests of each slice of the block ``header`` (read from ``slot``) describes:
+        ``[header.checksum]`` for a block of one slice; empty when the stored digests do not
+        make the header's checksum (torn, or overwritten since)."""
+        if header.slices <= 1:
+            return [header.checksum]
+        at = self._digests_offset(slot)
+        digests = list(_DIGESTS.unpack(self._live()[at : at + _DIGESTS.size]))[: header.slices]
+        return digests if combine_checksums(digests) == header.checksum else []
 
     def read(self, slot: int, fingerprint: bytes) -> BlockHeader | None:
         """The valid header of ``slot`` for this deployment, or None (zero, torn or foreign)."""
@@ -102,7 +144,9 @@ class SlotTable(OwnedSegment):
         return list(self._iter_valid(fingerprint))
 
     def _iter_valid(self, fingerprint: bytes) -> Iterator[tuple[int, BlockHeader]]:
-        rows = np.frombuffer(self._live(), dtype=np.uint8).reshape(self._num_slots, HEADER_SIZE)
+        rows = np.frombuffer(
+            self._live(), dtype=np.uint8, count=self._num_slots * HEADER_SIZE
+        ).reshape(self._num_slots, HEADER_SIZE)
         try:
             used = np.flatnonzero(rows.any(axis=1)).tolist()
         finally:

@@ -5,7 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvoffload.memory.blockformat import CHECKSUM_CHUNK_BYTES, copy_with_checksum, payload_checksum
+from kvoffload.memory.blockformat import (
+    CHECKSUM_CHUNK_BYTES,
+    CorruptBlock,
+    block_checksum,
+    combine_checksums,
+    copy_with_checksum,
+    decode_header,
+    make_header,
+    payload_checksum,
+    slice_checksums,
+    verify_payload,
+)
 
 
 @pytest.mark.parametrize("size", [4096, CHECKSUM_CHUNK_BYTES, 2 * CHECKSUM_CHUNK_BYTES + 12288])
@@ -20,3 +31,39 @@ def test_copy_with_checksum_needs_a_contiguous_destination() -> None:
     src = np.ones(8192, dtype=np.uint8)
     with pytest.raises(ValueError, match="contiguous"):
         copy_with_checksum(np.zeros(16384, dtype=np.uint8)[::2], src)
+
+
+FP = bytes(range(16))
+
+
+def test_a_block_in_slices_checks_every_slice_and_its_header_round_trips() -> None:
+    payload = np.random.default_rng(1).integers(0, 256, size=4 * 8192, dtype=np.uint8)
+    digests = slice_checksums(payload, 2, 8192)  # two ranks of 8 KiB, then an unused tail
+    header = make_header(b"k" * 16, payload, FP, 7, combine_checksums(digests), 2, 8192)
+    assert header.checksum == block_checksum(payload, 2, 8192)
+
+    decoded = decode_header(header.encode(), FP)
+    assert (decoded.slices, decoded.slice_bytes, decoded.checksum) == (2, 8192, header.checksum)
+    verify_payload(decoded, b"k" * 16, payload)
+    payload[3 * 8192] ^= 1  # outside both slices: nobody wrote or reads it
+    verify_payload(decoded, b"k" * 16, payload)
+    payload[8192 + 5] ^= 1  # inside rank 1's slice
+    with pytest.raises(CorruptBlock, match="checksum"):
+        verify_payload(decoded, b"k" * 16, payload)
+
+
+def test_a_header_of_one_slice_is_the_header_without_slices() -> None:
+    payload = np.arange(8192, dtype=np.uint8)
+    one = make_header(b"k" * 16, payload, FP)
+    assert one.encode()[116:] == bytes(12)  # the slice fields stay zero
+    assert decode_header(one.encode(), FP).slices == 1
+
+
+def test_torn_slice_fields_are_refused() -> None:
+    payload = np.arange(4 * 4096, dtype=np.uint8)
+    raw = bytearray(make_header(b"k" * 16, payload, FP, slices=4, slice_bytes=4096).encode())
+    raw[116] ^= 1  # the slice count
+    with pytest.raises(CorruptBlock, match="slice"):
+        decode_header(bytes(raw), FP)
+    with pytest.raises(ValueError, match="do not fit"):
+        make_header(b"k" * 16, payload, FP, slices=4, slice_bytes=8192)

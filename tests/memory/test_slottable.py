@@ -10,7 +10,12 @@ import uuid
 
 import pytest
 
-from kvoffload.memory.blockformat import HEADER_SIZE, BlockHeader, deployment_fingerprint
+from kvoffload.memory.blockformat import (
+    HEADER_SIZE,
+    BlockHeader,
+    combine_checksums,
+    deployment_fingerprint,
+)
 from kvoffload.memory.slottable import SlotTable
 from kvoffload.server.warmstart import newest_per_key
 
@@ -95,3 +100,28 @@ def test_attach_checks_existence_and_size_and_only_the_creator_unlinks(table):
     other.close()
     with pytest.raises(FileExistsError):
         SlotTable.create(table.name, 8)
+
+
+def test_a_block_in_slices_keeps_its_slice_digests_beside_its_header(table):
+    digests = [11, 22, 33]
+    header = BlockHeader(
+        b"t" * 16, 3 * 4096, combine_checksums(digests), FP, 5, slices=3, slice_bytes=4096
+    )
+    table.write(2, header, digests)
+    read = table.read(2, FP)
+    assert read == header and table.slice_checksums(2, read) == digests
+    with pytest.raises(ValueError, match="digests"):
+        table.write(3, header, [11, 22, 34])  # they do not make the checksum
+    one = BlockHeader(b"u" * 16, 4096, 99, FP)
+    table.write(4, one)
+    assert table.slice_checksums(4, one) == [99]
+
+    other = [1, 2, 3]
+    table.write(
+        2,
+        BlockHeader(
+            b"v" * 16, 3 * 4096, combine_checksums(other), FP, 6, slices=3, slice_bytes=4096
+        ),
+        other,
+    )
+    assert table.slice_checksums(2, header) == []  # the digests of another block: not served

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
-from kvoffload.memory.blockformat import HEADER_SIZE, CorruptBlock, decode_header, payload_checksum
+from kvoffload.memory.blockformat import HEADER_SIZE, CorruptBlock, block_checksum, decode_header
 from workers.disk.layout import SlabLayout
 from workers.disk.rawio import PAGE_SIZE, preadv_all
 
@@ -74,7 +74,9 @@ def scan_slab(
             if header.payload_len != layout.block_bytes or not whole:
                 result.invalid.append(record)
                 continue
-            if verify and payload_checksum(payload) != header.checksum:
+            if verify and block_checksum(payload, header.slices, header.slice_bytes) != (
+                header.checksum
+            ):
                 result.corrupt.append((header.key, record))
                 continue
             result.found.append((header.key, record, header.generation))
