@@ -305,10 +305,12 @@ class KVOffloadClient:
         keys: list[bytes],
         success: bool = True,
         successful_keys: list[bytes] | None = None,
-        checksums: list[int] | None = None,
+        checksums: list[list[int]] | None = None,
         wait: bool = True,
+        slice_bytes: int = 0,
     ) -> None:
-        """``checksums``: the xxh3 of each written slot (see ``protocol.CompleteStore``), so the
+        """``checksums``: the digests of each written slot, one per slice of ``slice_bytes``
+        (one, the whole slot's xxh3, without slices: see ``protocol.CompleteStore``), so the
         blocks survive a manager restart. ``wait=False`` sends the call without waiting for
         its reply (one round trip less; an error lands in ``deferred_errors``)."""
         fields: dict[str, Any] = {
@@ -317,6 +319,7 @@ class KVOffloadClient:
             "success": success,
             "successful_keys": successful_keys,
             "checksums": checksums,
+            "slice_bytes": slice_bytes,
         }
         if wait:
             self._call(p.CompleteStore, **fields)

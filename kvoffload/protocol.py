@@ -32,7 +32,7 @@ from kvoffload.vocab import LookupResult as LookupResult
 from kvoffload.vocab import MissReason as MissReason
 from kvoffload.vocab import must_wait as must_wait
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
@@ -176,16 +176,20 @@ class PrepareStore(_Msg, tag="prepare_store"):
 
 
 class CompleteStore(_Msg, tag="complete_store"):
-    """``checksums``: optional xxh3 of each written slot (``blockformat.payload_checksum``),
-    co-indexed with ``keys``; with slot headers on, the manager then stamps the slots of the keys
-    that landed, so they survive a manager restart (verified like every adopted block)."""
+    """``checksums``: optional, co-indexed with ``keys``: the digests of each written slot's
+    slices in rank order: one, the xxh3 of the whole slot (``blockformat.payload_checksum``),
+    for a block one writer wrote; one per tensor-parallel rank for a block written in slices
+    of ``slice_bytes`` (``blockformat.slice_checksums``). With slot headers on, the manager
+    then stamps the slots of the keys that landed, so they survive a manager restart (verified
+    like every adopted block)."""
 
     rid: int
     req_id: str
     keys: list[bytes]
     success: bool = True
     successful_keys: list[bytes] | None = None
-    checksums: list[int] | None = None
+    checksums: list[list[int]] | None = None
+    slice_bytes: int = 0
 
 
 class PrepareLoad(_Msg, tag="prepare_load"):
@@ -297,8 +301,9 @@ class LookupReply(_Msg, tag="lookup_reply"):
     """``results``/``reasons``: one byte per evaluated key (``LookupResult`` / ``MissReason``
     values), up to and including the first MISS. ``slots``: empty unless the lookup asked to
     ``pin``; then co-indexed with ``results``, the pinned slot of each HIT key and -1 for the
-    others. ``checksums``: with ``slots``, the xxh3 of each pinned slot's block as recorded
-    when it was written (0: none recorded), so a reader can verify what it copies."""
+    others. ``checksums``: with ``slots``, the digests of each pinned slot's block as recorded
+    when it was written (see ``CompleteStore``; empty: none recorded), so a reader can verify
+    what it copies, slice by slice."""
 
     rid: int
     results: bytes
@@ -306,7 +311,7 @@ class LookupReply(_Msg, tag="lookup_reply"):
     hit_prefix: int
     ready_prefix: int
     slots: list[int] = []
-    checksums: list[int] = []
+    checksums: list[list[int]] = []
 
 
 class JobAccepted(_Msg, tag="job_accepted"):

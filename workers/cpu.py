@@ -44,7 +44,7 @@ import xxhash
 
 from kvoffload.config import Config
 from kvoffload.logs import get_logger
-from kvoffload.memory.blockformat import copy_and_hash
+from kvoffload.memory.blockformat import BlockChecksum, copy_and_hash
 from kvoffload.memory.cuda_host import cuda_device_count
 from kvoffload.memory.kvcache import SharedKVCache, rebuild_cuda_ipc_tensor
 from kvoffload.memory.pool import HostPool
@@ -442,7 +442,9 @@ class CpuBackend(NoIndexBackend):
             return
         for key, slot, checksum in zip(keys, slots, checksums, strict=True):
             try:
-                headers.stamp(slot, key, job.job_id, checksum)
+                headers.stamp(
+                    slot, key, job.job_id, None if checksum is None else BlockChecksum(checksum)
+                )
             except Exception as exc:
                 log.error(
                     "slot_header_write_failed",

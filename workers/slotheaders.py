@@ -9,7 +9,14 @@ generation is the job id, so the newest copy of a key wins when a restarted mana
 from __future__ import annotations
 
 from kvoffload.config import Config
-from kvoffload.memory.blockformat import BlockHeader, deployment_fingerprint, payload_checksum
+from kvoffload.memory.blockformat import (
+    BlockChecksum,
+    BlockHeader,
+    block_checksum,
+    deployment_fingerprint,
+    payload_checksum,
+    slice_checksums,
+)
 from kvoffload.memory.pool import HostPool
 from kvoffload.memory.slottable import SlotTable
 
@@ -33,22 +40,38 @@ class SlotHeaders:
         table = SlotTable.attach(table_name, pool.num_slots)
         return cls(table, pool, deployment_fingerprint(pool.block_bytes, cfg.pool.layout_id))
 
-    def stamp(self, slot: int, key: bytes, generation: int, checksum: int | None = None) -> None:
-        """Describe ``slot`` as holding ``key``. ``checksum``: the xxh3 of the slot's bytes when
-        the caller already verified it against a stored header; computed from the slot if None."""
+    def stamp(
+        self, slot: int, key: bytes, generation: int, checksum: BlockChecksum | None = None
+    ) -> None:
+        """Describe ``slot`` as holding ``key``. ``checksum``: the slot's checksum when the
+        caller already verified it against a stored header; the xxh3 of the slot computed now
+        if None. A block of several slices also gets its slices' digests, taken from the slot
+        (ValueError if they do not make ``checksum``: the bytes changed since)."""
+        data = self._pool.slot_array(slot)
         if checksum is None:
-            checksum = payload_checksum(self._pool.slot_array(slot))
-        header = BlockHeader(key, self._pool.block_bytes, checksum, self._fingerprint, generation)
-        self._table.write(slot, header)
+            checksum = BlockChecksum(payload_checksum(data))
+        digests: list[int] = []
+        if checksum.slices > 1:
+            digests = slice_checksums(data, checksum.slices, checksum.slice_bytes)
+        header = BlockHeader(
+            key,
+            self._pool.block_bytes,
+            checksum.value,
+            self._fingerprint,
+            generation,
+            checksum.slices,
+            checksum.slice_bytes,
+        )
+        self._table.write(slot, header, digests)
 
-    def checksum_of(self, slot: int, key: bytes) -> int | None:
-        """The checksum stamped for ``key`` in ``slot``'s header: the xxh3 its writer took of
+    def checksum_of(self, slot: int, key: bytes) -> BlockChecksum | None:
+        """The checksum stamped for ``key`` in ``slot``'s header: the one its writers took of
         the bytes when they landed. None when the slot has no valid header of this deployment
         for ``key`` and this block size (then nobody vouched for the bytes)."""
         header = self._table.read(slot, self._fingerprint)
         if header is None or header.key != key or header.payload_len != self._pool.block_bytes:
             return None
-        return header.checksum
+        return header.block_checksum
 
     def check(self, slot: int, key: bytes) -> str:
         """ "" when ``slot`` has a header for ``key`` that matches the slot's bytes, else why not."""
@@ -59,8 +82,11 @@ class SlotHeaders:
             return "header names another key"
         if header.payload_len != self._pool.block_bytes:
             return f"header length {header.payload_len} != block size {self._pool.block_bytes}"
-        if payload_checksum(self._pool.slot_array(slot)) != header.checksum:
+        data = self._pool.slot_array(slot)
+        if block_checksum(data, header.slices, header.slice_bytes) != header.checksum:
             return "checksum mismatch"
+        if header.slices > 1 and not self._table.slice_checksums(slot, header):
+            return "slice checksums lost"
         return ""
 
     def close(self) -> None:

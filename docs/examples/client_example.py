@@ -186,17 +186,17 @@ def direct_path(client: KVOffloadClient, info, keys: list[bytes]) -> None:
         prepared = client.prepare_store("direct", keys)  # only the keys not stored yet
         for key, slot in zip(prepared.keys, prepared.slots, strict=True):
             pool.slot(slot)[:] = payloads[keys.index(key)]
-        checksums = [payload_checksum(pool.slot(slot)) for slot in prepared.slots]
+        checksums = [[payload_checksum(pool.slot(slot))] for slot in prepared.slots]
         client.complete_store("direct", prepared.keys, checksums=checksums)
 
         # The vLLM integration's read: a pinned lookup returns each HIT's slot and checksum.
         outcome = client.lookup("direct", keys, pin=True)
         # slots and checksums stop after the first MISS: keys may be longer
         pinned = [key for key, slot in zip(keys, outcome.slots, strict=False) if slot >= 0]
-        for key, slot, checksum in zip(keys, outcome.slots, outcome.checksums, strict=False):
+        for key, slot, digests in zip(keys, outcome.slots, outcome.checksums, strict=False):
             if slot >= 0:
                 data = bytes(pool.slot(slot))
-                check(payload_checksum(data) == checksum, "pinned slot matches its checksum")
+                check([payload_checksum(data)] == digests, "pinned slot matches its checksum")
                 check(data == payloads[keys.index(key)], "pinned slot holds the stored block")
         client.complete_load("direct", pinned)  # release the pins
 

@@ -324,11 +324,14 @@ def vllm_worker_run(
         expect(torch.equal(got, want), "store: the pool slots differ from the KV blocks")
         expect(
             sums
-            == {k: payload_checksum(pool.slot_array(s)) for k, s in zip(keys, slots, strict=True)},
+            == {
+                k: {0: payload_checksum(pool.slot_array(s))}
+                for k, s in zip(keys, slots, strict=True)
+            },
             "store: the reported checksums differ from the slots'",
         )
         load_spec = spec(pool, keys, slots)
-        load_spec.checksums = [sums.get(k, 0) for k in keys]
+        load_spec.checksums = [[sums[k][0]] if k in sums else [] for k in keys]
         bad = count // 2
         pool.slot_array(slots[bad])[3] ^= 0x5A  # one slot changes after it was written
         j = next(job)

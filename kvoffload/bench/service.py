@@ -225,7 +225,7 @@ def engine_store(
             for key, slot in zip(slots.keys, slots.slots, strict=True)
         ]
     )
-    client.complete_store(req, list(slots.keys), checksums=sums, wait=wait)
+    client.complete_store(req, list(slots.keys), checksums=[[s] for s in sums], wait=wait)
 
 
 def engine_load(

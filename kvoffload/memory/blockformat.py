@@ -55,6 +55,16 @@ class CorruptBlock(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class BlockChecksum:
+    """A block's checksum as a header carries it: ``value`` is its ``block_checksum`` of
+    ``slices`` slices of ``slice_bytes`` (one slice: the payload's xxh3)."""
+
+    value: int
+    slices: int = 1
+    slice_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class BlockHeader:
     """``slices`` > 1: the payload was written in that many slices of ``slice_bytes`` and
     ``checksum`` is their ``block_checksum``; 1: ``checksum`` is the payload's xxh3."""
@@ -94,6 +104,10 @@ class BlockHeader:
             head += _SLICES.pack(self.slices, self.slice_bytes)
             head += _CRC.pack(xxhash.xxh32_intdigest(head))
         return head.ljust(HEADER_SIZE, b"\0")
+
+    @property
+    def block_checksum(self) -> BlockChecksum:
+        return BlockChecksum(self.checksum, self.slices, self.slice_bytes)
 
 
 def deployment_fingerprint(block_bytes: int, layout_id: str) -> bytes:
@@ -159,23 +173,23 @@ def make_header(
     payload,
     fingerprint: bytes,
     generation: int = 0,
-    checksum: int | None = None,
-    slices: int = 1,
-    slice_bytes: int = 0,
+    checksum: BlockChecksum | None = None,
 ) -> BlockHeader:
-    """The header of ``payload`` stored under ``key``; ``checksum``: the payload's
-    ``block_checksum`` (of ``slices`` slices) when the caller already has it (taken when the
-    bytes were written), computed when None."""
+    """The header of ``payload`` stored under ``key``; ``checksum``: the payload's checksum
+    when the caller already has it (taken when the bytes were written, maybe in slices), the
+    payload's xxh3 computed now when None."""
     if not 1 <= len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"key length {len(key)} outside 1..{MAX_KEY_BYTES}")
+    if checksum is None:
+        checksum = BlockChecksum(payload_checksum(payload))
     return BlockHeader(
         key=key,
         payload_len=len(memoryview(payload).cast("B")),
-        checksum=block_checksum(payload, slices, slice_bytes) if checksum is None else checksum,
+        checksum=checksum.value,
         fingerprint=fingerprint,
         generation=generation,
-        slices=slices,
-        slice_bytes=slice_bytes,
+        slices=checksum.slices,
+        slice_bytes=checksum.slice_bytes,
     )
 
 

@@ -18,6 +18,7 @@ import msgspec
 import structlog
 
 from kvoffload import protocol as p
+from kvoffload.memory.blockformat import MAX_SLICES
 from kvoffload.protocol import ErrorCode
 from kvoffload.server.handles import KVHandles
 from kvoffload.server.jobs import WorkerChannel
@@ -254,7 +255,7 @@ class ClientApi:
     ) -> p.LookupReply:
         """The reply to ``msg`` from its evaluation ``reply``, pinning its HITs if asked."""
         slots: list[int] = []
-        checksums: list[int] = []
+        checksums: list[list[int]] = []
         if msg.pin:
             # results, and so slots, stop after the first MISS: msg.keys may be longer
             hit_keys = [
@@ -265,7 +266,7 @@ class ClientApi:
             slots = [next(pinned) if r is LookupResult.HIT else -1 for r in reply.results]
             warm = self.state.warm
             checksums = [
-                warm.checksum_of(slot, key) if warm is not None and slot >= 0 else 0
+                warm.slice_checksums_of(slot, key) if warm is not None and slot >= 0 else []
                 for key, slot in zip(msg.keys, slots, strict=False)
             ]
         return p.LookupReply(
@@ -331,10 +332,8 @@ class ClientApi:
         """Allowed after the request finished: a store prepared before may complete later."""
         self._check_keys(msg.keys)
         scoped = session.scoped(msg.req_id)
-        if msg.checksums is not None and len(msg.checksums) != len(msg.keys):
-            raise RequestError(
-                ErrorCode.BAD_REQUEST, f"{len(msg.keys)} keys but {len(msg.checksums)} checksums"
-            )
+        if msg.checksums is not None:
+            check_store_checksums(msg, msg.checksums, self.state.cfg.pool.block_bytes)
         if not session.close_open_store(scoped, msg.keys):
             raise RequestError(
                 ErrorCode.NOT_PREPARED, "no prepared store with these keys for this request"
@@ -344,9 +343,10 @@ class ClientApi:
         if msg.checksums is not None and warm is not None:
             # stamp the slot headers of the keys that are now ready
             generation = self.tiering.next_job_id()
-            for key, checksum in zip(msg.keys, msg.checksums, strict=True):
+            for key, digests in zip(msg.keys, msg.checksums, strict=True):
                 if self.tiering.primary.lookup(key) is LookupResult.HIT:
-                    warm.stamp(self.tiering.primary.slot_of(key), key, checksum, generation)
+                    slot = self.tiering.primary.slot_of(key)
+                    warm.stamp(slot, key, digests, msg.slice_bytes, generation)
         self.state.dispatch_tier_jobs()
         return p.Ok(msg.rid)
 
@@ -440,3 +440,24 @@ class ClientApi:
 def _worth_waiting(results: list[LookupResult]) -> bool:
     """A held lookup waits while nothing is ready and something may still become ready."""
     return LookupResult.HIT not in results and p.must_wait(results)
+
+
+def check_store_checksums(
+    msg: p.CompleteStore, checksums: list[list[int]], block_bytes: int
+) -> None:
+    """BAD_REQUEST unless every key of ``msg`` has the digests of one block: one, or one per
+    slice of ``msg.slice_bytes`` that fit a block of ``block_bytes``."""
+    if len(checksums) != len(msg.keys):
+        raise RequestError(
+            ErrorCode.BAD_REQUEST, f"{len(msg.keys)} keys but {len(checksums)} checksums"
+        )
+    for digests in checksums:
+        sliced = len(digests) > 1
+        if not 1 <= len(digests) <= MAX_SLICES or (
+            sliced and not 0 < msg.slice_bytes * len(digests) <= block_bytes
+        ):
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"{len(digests)} checksums of slices of {msg.slice_bytes} bytes do not "
+                f"describe a block of {block_bytes} bytes (1 to {MAX_SLICES} slices)",
+            )

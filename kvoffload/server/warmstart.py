@@ -23,7 +23,7 @@ import structlog
 
 from kvoffload import protocol as p
 from kvoffload.config import Config
-from kvoffload.memory.blockformat import BlockHeader, deployment_fingerprint
+from kvoffload.memory.blockformat import BlockHeader, combine_checksums, deployment_fingerprint
 from kvoffload.memory.slottable import SlotTable
 from kvoffload.runtime.runspec import RunSpec
 from kvoffload.tiering import TieringLedger
@@ -100,18 +100,31 @@ class WarmRestart:
             "slot_headers_found", headers=len(found), adopted=len(winners), duplicates=len(losers)
         )
 
-    def stamp(self, slot: int, key: bytes, checksum: int, generation: int) -> None:
-        """Describe ``slot`` as holding ``key`` whose bytes have xxh3 ``checksum`` (a direct
-        store that landed; a restarted manager verifies the slot before serving it)."""
-        self._table.write(
-            slot, BlockHeader(key, self._block_bytes, checksum, self._fingerprint, generation)
+    def stamp(
+        self, slot: int, key: bytes, digests: list[int], slice_bytes: int, generation: int
+    ) -> None:
+        """Describe ``slot`` as holding ``key`` whose bytes have ``digests``: the xxh3 of the
+        whole slot, or of each of its slices of ``slice_bytes`` (a direct store that landed; a
+        restarted manager verifies the slot before serving it)."""
+        sliced = len(digests) > 1
+        header = BlockHeader(
+            key,
+            self._block_bytes,
+            combine_checksums(digests) if sliced else digests[0],
+            self._fingerprint,
+            generation,
+            slices=len(digests),
+            slice_bytes=slice_bytes if sliced else 0,
         )
+        self._table.write(slot, header, digests)
 
-    def checksum_of(self, slot: int, key: bytes) -> int:
-        """The xxh3 the slot's header records for ``key``; 0 when the slot has no header for
-        it (a write that stamps nothing, or slot headers off)."""
+    def slice_checksums_of(self, slot: int, key: bytes) -> list[int]:
+        """The digests the slot's header records for ``key`` (see ``stamp``); empty when the
+        slot has no header for it (a write that stamps nothing, or slot headers off)."""
         header = self._table.read(slot, self._fingerprint)
-        return header.checksum if header is not None and header.key == key else 0
+        if header is None or header.key != key:
+            return []
+        return self._table.slice_checksums(slot, header)
 
     def clear_invalidated(self) -> None:
         """Clear the headers of the slots the primary index freed or reassigned since the last call."""

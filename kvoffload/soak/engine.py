@@ -493,7 +493,7 @@ class SoakEngine:
         for key, slot in zip(out.keys, out.slots, strict=True):
             block = self._pool.slot_array(slot)
             block[:] = expected_block(key, self.block_bytes)
-            checksums.append(payload_checksum(block))
+            checksums.append([payload_checksum(block)])
         self._call(self._client.complete_store, req, out.keys, True, None, checksums)
         self._acked(out.keys)
         self.counters["store_blocks_ok"] += len(out.keys)

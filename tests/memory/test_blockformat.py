@@ -7,6 +7,7 @@ import pytest
 
 from kvoffload.memory.blockformat import (
     CHECKSUM_CHUNK_BYTES,
+    BlockChecksum,
     CorruptBlock,
     block_checksum,
     combine_checksums,
@@ -39,7 +40,9 @@ FP = bytes(range(16))
 def test_a_block_in_slices_checks_every_slice_and_its_header_round_trips() -> None:
     payload = np.random.default_rng(1).integers(0, 256, size=4 * 8192, dtype=np.uint8)
     digests = slice_checksums(payload, 2, 8192)  # two ranks of 8 KiB, then an unused tail
-    header = make_header(b"k" * 16, payload, FP, 7, combine_checksums(digests), 2, 8192)
+    header = make_header(
+        b"k" * 16, payload, FP, 7, BlockChecksum(combine_checksums(digests), 2, 8192)
+    )
     assert header.checksum == block_checksum(payload, 2, 8192)
 
     decoded = decode_header(header.encode(), FP)
@@ -61,9 +64,11 @@ def test_a_header_of_one_slice_is_the_header_without_slices() -> None:
 
 def test_torn_slice_fields_are_refused() -> None:
     payload = np.arange(4 * 4096, dtype=np.uint8)
-    raw = bytearray(make_header(b"k" * 16, payload, FP, slices=4, slice_bytes=4096).encode())
+    raw = bytearray(
+        make_header(b"k" * 16, payload, FP, checksum=BlockChecksum(1, 4, 4096)).encode()
+    )
     raw[116] ^= 1  # the slice count
     with pytest.raises(CorruptBlock, match="slice"):
         decode_header(bytes(raw), FP)
     with pytest.raises(ValueError, match="do not fit"):
-        make_header(b"k" * 16, payload, FP, slices=4, slice_bytes=8192)
+        make_header(b"k" * 16, payload, FP, checksum=BlockChecksum(1, 4, 8192))

@@ -49,7 +49,7 @@ def cold(start_service):
                 copy_with_checksum(pool.slot_array(slot), rows[i])
                 for i, slot in enumerate(prepared.slots)
             ]
-            client.complete_store("writer", keys, checksums=sums)
+            client.complete_store("writer", keys, checksums=[[s] for s in sums])
             client.finish_request("writer")
             wait_until(
                 lambda: service.status().tiering.tiers["disk"].indexed_keys == len(keys),
@@ -110,7 +110,7 @@ def test_completions_sent_without_waiting_take_effect_in_order_and_report_errors
             prepared = client.prepare_store("r", keys)
             row = np.arange(BLOCK, dtype=np.uint8)
             sums = [copy_with_checksum(pool.slot_array(s), row) for s in prepared.slots]
-            client.complete_store("r", keys, checksums=sums, wait=False)
+            client.complete_store("r", keys, checksums=[[s] for s in sums], wait=False)
             outcome = client.lookup("r", keys, pin=True)
             assert outcome.results == [HIT, HIT]
             client.complete_load("r", keys, wait=False)

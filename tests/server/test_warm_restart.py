@@ -15,7 +15,7 @@ import pytest
 from kvoffload.client import KVOffloadClient, KVOffloadError, ServiceUnavailable
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.memory.pool import HostPool
-from kvoffload.testing.helpers import keys_for, random_kv_cache
+from kvoffload.testing.helpers import keys_for, random_kv_cache, wait_until
 from kvoffload.testing.service import shm_names_containing
 from kvoffload.tiering import LookupResult
 
@@ -211,3 +211,89 @@ def test_an_unreachable_service_raises_service_unavailable(tmp_path):
         KVOffloadClient(f"ipc://{tmp_path}/nobody.sock", timeout_s=0.3)
     assert err.value.code == "unavailable" and isinstance(err.value, TimeoutError)
     assert isinstance(err.value, KVOffloadError) and time.monotonic() - started < 2.0
+
+
+def test_blocks_written_in_slices_keep_every_slice_digest_across_a_restart(start_service):
+    """Tensor parallelism writes each block in slices, one per rank, and no rank sees the whole:
+    the block is stamped with every slice's digest, a pinned lookup hands them out, a restarted
+    manager verifies the block slice by slice, and a block with a changed slice is dropped."""
+    from kvoffload.memory.blockformat import slice_checksums
+
+    service = start_service()
+    keys = keys_for("sliced", 4)
+    half = BLOCK // 2
+    with service.client("ranks") as client:
+        info = client.info
+        pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
+        try:
+            client.new_request("r")
+            prepared = client.prepare_store("r", keys)
+            digests = []
+            for i, slot in enumerate(prepared.slots):
+                pool.slot_array(slot)[:] = (i * 37 + 5) % 251
+                digests.append(slice_checksums(pool.slot_array(slot), 2, half))
+            with pytest.raises(KVOffloadError, match="slices"):
+                client.complete_store("r", keys, checksums=[[1, 2, 3]] * 4, slice_bytes=half)
+            client.complete_store("r", keys, checksums=digests, slice_bytes=half)
+
+            outcome = client.lookup("r", keys, pin=True)
+            assert outcome.results == [HIT] * 4 and outcome.checksums == digests
+            client.complete_load("r", keys)
+            pool.slot_array(prepared.slots[1])[half + 3] ^= 0x01  # rank 1's slice changes
+        finally:
+            pool.close()
+        client.finish_request("r")
+
+    after = wait_for_new_manager(service, kill_manager(service))
+
+    assert (after.warm_restart.verified, after.warm_restart.dropped) == (3, 1)
+    with service.client("after") as client:
+        client.new_request("r2")
+        outcome = client.lookup("r2", [keys[0], keys[2], keys[3]], pin=True)
+        assert outcome.results == [HIT] * 3
+        assert outcome.checksums == [digests[0], digests[2], digests[3]]
+        client.complete_load("r2", [keys[0], keys[2], keys[3]])
+        assert client.lookup("r2", [keys[1]]).results == [MISS]
+        client.finish_request("r2")
+
+
+def test_a_block_in_slices_comes_back_from_disk_with_its_slice_digests(start_service):
+    """The disk record keeps the block's slice layout and checksum; the promotion verifies the
+    slices it read and stamps the slot with their digests again, so every rank can check its
+    slice of a block that came back from disk."""
+    from kvoffload.memory.blockformat import slice_checksums
+
+    service = start_service(workers=("cpu", "disk"))
+    keys = keys_for("sliced-disk", 3)
+    quarter = BLOCK // 4
+    with service.client("ranks") as client:
+        info = client.info
+        pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
+        try:
+            client.new_request("r")
+            prepared = client.prepare_store("r", keys)
+            digests = []
+            for i, slot in enumerate(prepared.slots):
+                pool.slot_array(slot)[:] = (i * 11 + 3) % 253
+                digests.append(slice_checksums(pool.slot_array(slot), 4, quarter))
+            client.complete_store("r", keys, checksums=digests, slice_bytes=quarter)
+            client.finish_request("r")
+            wait_until(
+                lambda: service.status().tiering.tiers["disk"].indexed_keys == len(keys),
+                20.0,
+                "the cascade to disk",
+            )
+            client.reset_cache()  # the pool forgets them: they come back from disk
+
+            client.new_request("r2")
+            outcome = client.lookup("r2", keys, pin=True, wait_ms=10_000)
+            while outcome.must_wait:
+                outcome = client.lookup("r2", keys, pin=True, wait_ms=10_000)
+            assert outcome.results == [HIT] * 3 and outcome.checksums == digests
+            for slot, want in zip(outcome.slots, digests, strict=True):
+                assert slice_checksums(pool.slot_array(slot), 4, quarter) == want
+            client.complete_load("r2", keys)
+            client.finish_request("r2")
+        finally:
+            pool.close()
+    assert service.status().tiering.per_tier["disk"].promoted_keys_ok == len(keys)

@@ -53,6 +53,7 @@ import structlog
 from kvoffload.memory.blockformat import (
     HEADER_SIZE,
     MAX_KEY_BYTES,
+    BlockChecksum,
     BlockHeader,
     CorruptBlock,
     decode_header,
@@ -256,12 +257,16 @@ class DiskStore:
     # ---- block I/O -------------------------------------------------------------------------
 
     def put(
-        self, key: bytes, src, evicted: list[bytes] | None = None, checksum: int | None = None
+        self,
+        key: bytes,
+        src,
+        evicted: list[bytes] | None = None,
+        checksum: BlockChecksum | None = None,
     ) -> list[bytes]:
         """Store ``src`` (a buffer of exactly ``block_bytes``) under ``key``; returns the keys
-        evicted to make room (at most one). ``checksum``: the xxh3 of ``src`` taken when its
-        bytes were written (stored as is, so bytes that changed since fail their check when
-        read); computed from ``src`` when None. Raises StoreFull, or the OSError of a failed
+        evicted to make room (at most one). ``checksum``: the checksum of ``src`` taken when its
+        bytes were written, maybe in slices (stored as is, so bytes that changed since fail
+        their check when read); the xxh3 of ``src`` computed when None. Raises StoreFull, or the OSError of a failed
         write; then the new bytes are not visible and the key's previous copy may be gone too.
         ``evicted``, when given, receives the evicted keys as soon as they leave the index, so
         the caller learns of them even when the write then fails; each eviction is logged
@@ -270,7 +275,7 @@ class DiskStore:
         _check_key(key)
         view = self._payload_view(src, writable=False)
         if checksum is None:
-            checksum = payload_checksum(view)
+            checksum = BlockChecksum(payload_checksum(view))
         with self._lock:
             reservation = self._index.reserve(key)
         if reservation.evicted:
@@ -289,7 +294,13 @@ class DiskStore:
                 fd = slab_file.direct
             page = self._write_page()
             page[:HEADER_SIZE] = BlockHeader(
-                key, len(view), checksum, self._layout.fingerprint, reservation.generation
+                key,
+                len(view),
+                checksum.value,
+                self._layout.fingerprint,
+                reservation.generation,
+                checksum.slices,
+                checksum.slice_bytes,
             ).encode()
             header_may_be_valid = True
             self._fault("write_record", key)

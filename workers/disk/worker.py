@@ -46,7 +46,7 @@ from contextlib import closing
 
 from kvoffload.config import Config
 from kvoffload.logs import get_logger
-from kvoffload.memory.blockformat import CorruptBlock, deployment_fingerprint
+from kvoffload.memory.blockformat import BlockChecksum, CorruptBlock, deployment_fingerprint
 from kvoffload.memory.pool import HostPool
 from kvoffload.protocol import Job, JobKind, KVHandle
 from kvoffload.status import DiskWorkerStats
@@ -247,7 +247,7 @@ class DiskBackend:
             self._count("transient_errors")
             return f"transient: {exc}"
         if self._headers is not None:
-            self._headers.stamp(slot, key, generation, header.checksum)
+            self._headers.stamp(slot, key, generation, header.block_checksum)
         return ""
 
     def _promote_all(self, job: Job, changed: list[bytes]) -> Generator[str, None, None]:
@@ -309,7 +309,7 @@ class DiskBackend:
         self,
         key: bytes,
         src: memoryview,
-        stamped: int | None,
+        stamped: BlockChecksum | None,
         changed: list[bytes],
         evicted: list[bytes],
     ) -> str:

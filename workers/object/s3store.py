@@ -34,6 +34,7 @@ from obstore.store import S3Store
 
 from kvoffload.memory.blockformat import (
     HEADER_SIZE,
+    BlockChecksum,
     BlockHeader,
     CorruptBlock,
     decode_header,
@@ -200,10 +201,14 @@ class S3BlockStore:
         )
 
     def put(
-        self, key: bytes, src: memoryview, corrupt: bool = False, checksum: int | None = None
+        self,
+        key: bytes,
+        src: memoryview,
+        corrupt: bool = False,
+        checksum: BlockChecksum | None = None,
     ) -> None:
         """Store src (block_bytes long) under key; visible to readers only once complete.
-        ``checksum``: the xxh3 of ``src`` taken when its bytes were written (stored as is, so
+        ``checksum``: the checksum of ``src`` taken when its bytes were written (stored as is, so
         bytes that changed since fail verification when read); computed from ``src`` when None.
 
         The request body is the header followed by the slot itself: no copy of the block is

@@ -251,7 +251,7 @@ class ObjectBackend(NoIndexBackend):
                     )
                     self._store.put(key, view, corrupt=corrupt, checksum=stamped)
             if promote and self._headers is not None:
-                self._headers.stamp(slot, key, job.job_id, header.checksum)
+                self._headers.stamp(slot, key, job.job_id, header.block_checksum)
         except ReleaseFailed as exc:
             held, outcome = exc.transfer, exc.transfer_error
             self._count(slot_release_failures=1)

@@ -18,8 +18,9 @@ class PoolBlocks(LoadStoreSpec):
     store, the slots were reserved by ``prepare_store`` and are written by the workers.
     ``req_id`` is vLLM's request id, so a worker can say whose transfer failed.
     ``manager_pid`` is the manager that reserved the slots: they are only valid while it lives.
-    ``checksums`` (loads only, co-indexed with ``keys``): the xxh3 each block had when it was
-    written, 0 where none was recorded; a worker verifies the slots against them."""
+    ``checksums`` (loads only, co-indexed with ``keys``): the digests each block had when it
+    was written (one for the whole slot, or one per rank's slice), empty where none was
+    recorded; a worker verifies its bytes of each slot against them."""
 
     req_id: str
     pool_name: str
@@ -28,4 +29,4 @@ class PoolBlocks(LoadStoreSpec):
     keys: list[bytes]
     slots: list[int]
     manager_pid: int
-    checksums: list[int] = field(default_factory=list)
+    checksums: list[list[int]] = field(default_factory=list)

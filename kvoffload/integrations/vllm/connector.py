@@ -74,19 +74,20 @@ class KVOffloadWorkerMetadata(OffloadingWorkerMetadata):
 
     failed_loads: dict[str, list[bytes]] = field(default_factory=dict)
     failed_stores: list[bytes] = field(default_factory=list)
-    store_checksums: dict[bytes, int] = field(default_factory=dict)
+    store_checksums: dict[bytes, dict[int, int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         base = super().aggregate(other)
         assert isinstance(base, OffloadingWorkerMetadata)
         loads = {req: list(keys) for req, keys in self.failed_loads.items()}
         stores = list(self.failed_stores)
-        checksums = dict(self.store_checksums)
+        checksums = {key: dict(digests) for key, digests in self.store_checksums.items()}
         if isinstance(other, KVOffloadWorkerMetadata):
             for req, keys in other.failed_loads.items():
                 loads.setdefault(req, []).extend(keys)
             stores.extend(other.failed_stores)
-            checksums.update(other.store_checksums)
+            for key, digests in other.store_checksums.items():
+                checksums.setdefault(key, {}).update(digests)
         return KVOffloadWorkerMetadata(
             completed_jobs=base.completed_jobs,
             transfer_stats=base.transfer_stats,

@@ -9,8 +9,9 @@ key's group, in that group's tensor order:
     pool block = rank 0 [chunk block 0: t0 page | t1 page | ...][chunk block 1: ...] ...
                  rank 1 [...]
 
-``block_stride`` is the largest group's bytes per block (the sum of its pages), so every group
-fits; a smaller group leaves the rest of each stride unused. ``per_rank_bytes =
+``block_stride`` is vLLM's bytes per block of one rank (given, so the scheduler side, which
+sees no pages, lays slots out as the workers do), at least the largest group's pages, so every
+group fits; a smaller group leaves the rest of each stride unused. ``per_rank_bytes =
 blocks_per_chunk * block_stride``. The pool's ``block_bytes`` must be at least ``copies *
 per_rank_bytes``; the rest of the block is left unused.
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 
 class GeometryError(ValueError):
     """The pool's block size cannot hold vLLM's block (message names both numbers)."""
@@ -32,22 +35,33 @@ class GeometryError(ValueError):
 @dataclass(frozen=True)
 class BlockLayout:
     """``group_pages[g]``: the page bytes of each KV tensor of the ``g``-th offloaded group, in
-    the order of vLLM's offloading config (the order of a transfer's ``group_sizes``)."""
+    the order of vLLM's offloading config (the order of a transfer's ``group_sizes``).
+    ``stride``: the bytes of one vLLM block of one rank in a slot; 0: the largest group's."""
 
     group_pages: tuple[tuple[int, ...], ...]
     blocks_per_chunk: int
     rank: int
     world_size: int
     replicated: bool = False
+    stride: int = 0
 
     def __post_init__(self) -> None:
         if not self.group_pages or not all(self.group_pages):
             raise ValueError(f"every KV cache group needs at least one page: {self.group_pages}")
+        if self.stride and self.stride < self.largest_group_bytes:
+            raise ValueError(
+                f"the KV pages of the largest group sum to {self.largest_group_bytes} bytes per "
+                f"block, more than the stride of {self.stride}"
+            )
+
+    @property
+    def largest_group_bytes(self) -> int:
+        return max(sum(pages) for pages in self.group_pages)
 
     @property
     def block_stride(self) -> int:
-        """Bytes of one vLLM block of this rank in a slot: the largest group's pages."""
-        return max(sum(pages) for pages in self.group_pages)
+        """Bytes of one vLLM block of this rank in a slot."""
+        return self.stride or self.largest_group_bytes
 
     @property
     def per_rank_bytes(self) -> int:
@@ -65,10 +79,16 @@ class BlockLayout:
         return not self.replicated or self.rank == 0
 
     @property
-    def writes_whole_block(self) -> bool:
-        """Whether this rank's store writes every byte a key's block holds, so it can take
-        the block's checksum."""
-        return self.copies == 1 and self.writes
+    def slice_index(self) -> int:
+        """Which of a block's slice digests is this rank's (one slice: the whole slot)."""
+        return 0 if self.copies == 1 else self.rank
+
+    def checked_bytes(self, slot: np.ndarray) -> np.ndarray:
+        """What this rank's digest of a slot covers: the whole slot when one copy lives in it
+        (one rank, or a replicated layout), else this rank's slice."""
+        if self.copies == 1:
+            return slot
+        return slot[self.rank * self.per_rank_bytes : (self.rank + 1) * self.per_rank_bytes]
 
     @property
     def needed_block_bytes(self) -> int:

@@ -77,7 +77,7 @@ class _Request:
 
     ctx: ReqContext
     generation: int = -1  # link generation the request is registered at; -1: not registered
-    pinned: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # HIT: (slot, checksum)
+    pinned: dict[bytes, tuple[int, list[int]]] = field(default_factory=dict)  # (slot, digests)
     uncertain: dict[bytes, LookupResult] = field(default_factory=dict)  # last HIT_PENDING/RETRY
     missed: set[bytes] = field(default_factory=set)
     failed: set[bytes] = field(default_factory=set)  # loads that failed: MISS for good
@@ -98,18 +98,24 @@ class KVOffloadManager(OffloadingManager):
         secondary_source: CacheHitSource = CacheHitSource.DISK,
         engine_info: Mapping[str, str | int | float | bool] | None = None,
         endpoint_setting: str = "",
+        slices: int = 1,
+        slice_bytes: int = 0,
     ) -> None:
         """``secondary_source``: how vLLM's hit-source metrics label blocks that kvoffload
         promoted from one of its secondary tiers (blocks already in its host pool are HOST).
         ``engine_info``: this engine's facts for ``config_info``; ``endpoint_setting``: the
-        endpoint the settings name ("" when it is discovered)."""
+        endpoint the settings name ("" when it is discovered). ``slices``: the digests a
+        stored block needs (one per tensor-parallel rank's slice of ``slice_bytes``, or one for
+        a block one rank writes whole): a block stamped with fewer is never served."""
         self._link = link
         self._fingerprint = fingerprint
         self._secondary_source = secondary_source
         self._requests: dict[str, _Request] = {}
         self._touched: dict[bytes, None] = {}
         self._failed_stores: set[bytes] = set()
-        self._store_checksums: dict[bytes, int] = {}
+        self._store_checksums: dict[bytes, dict[int, int]] = {}
+        self._slices = slices
+        self._slice_bytes = slice_bytes if slices > 1 else 0
         self.stats = StatsAccumulator()
         self._outages_seen = 0
         self._generation_seen = link.generation
@@ -318,8 +324,8 @@ class KVOffloadManager(OffloadingManager):
         results = [LookupResult[code.name] for code in outcome.results]
         for i, (key, result) in enumerate(zip(keys, results, strict=False)):
             if result is LookupResult.HIT:
-                checksum = outcome.checksums[i] if i < len(outcome.checksums) else 0
-                state.pinned[key] = (outcome.slots[i], checksum)
+                digests = outcome.checksums[i] if i < len(outcome.checksums) else []
+                state.pinned[key] = (outcome.slots[i], digests)
                 if key in state.uncertain:
                     state.promoted.add(key)
                 state.uncertain.pop(key, None)
@@ -353,7 +359,7 @@ class KVOffloadManager(OffloadingManager):
         its lookup) gets ``NO_SLOT``, so its load fails and vLLM recomputes it."""
         state = self._state(req_context)
         nkeys = [self._key(k) for k in keys]
-        pinned = [state.pinned.pop(k, (NO_SLOT, 0)) for k in nkeys]
+        pinned = [state.pinned.pop(k, (NO_SLOT, [])) for k in nkeys]
         slots = [slot for slot, _ in pinned]
         state.loading.update(k for k, s in zip(nkeys, slots, strict=True) if s != NO_SLOT)
         state.load_generation = self._link.generation
@@ -367,7 +373,7 @@ class KVOffloadManager(OffloadingManager):
             keys=nkeys,
             slots=slots,
             manager_pid=info.manager_pid if info is not None else 0,
-            checksums=[checksum for _, checksum in pinned],
+            checksums=[digests for _, digests in pinned],
         )
 
     def _release_unloaded_pins(self, state: _Request) -> None:
@@ -419,10 +425,12 @@ class KVOffloadManager(OffloadingManager):
         """Stores of ``nkeys`` failed in a worker: their ``complete_store`` reports failure."""
         self._failed_stores.update(nkeys)
 
-    def note_store_checksums(self, checksums: dict[bytes, int]) -> None:
-        """The xxh3 of slots the workers wrote, sent with ``complete_store`` so the service
-        stamps those slots and keeps the blocks across a manager restart."""
-        self._store_checksums.update(checksums)
+    def note_store_checksums(self, checksums: dict[bytes, dict[int, int]]) -> None:
+        """Each rank's digest (by slice index) of the slots the workers wrote, sent with
+        ``complete_store`` once every rank's is in, so the service stamps those slots and
+        keeps the blocks across a manager restart."""
+        for key, digests in checksums.items():
+            self._store_checksums.setdefault(key, {}).update(digests)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
@@ -484,9 +492,12 @@ class KVOffloadManager(OffloadingManager):
         nkeys = [self._key(k) for k in keys]
         failed = self._failed_stores.intersection(nkeys)
         self._failed_stores.difference_update(failed)
+        digests = [self._store_checksums.pop(k, {}) for k in nkeys]
+        # a block without every rank's digest is not ready: it is never stamped nor served
+        incomplete = {k for k, d in zip(nkeys, digests, strict=True) if len(d) < self._slices}
+        failed |= incomplete
         ok = [k for k in nkeys if k not in failed] if success else []
-        sums = [self._store_checksums.pop(k) for k in nkeys if k in self._store_checksums]
-        checksums = sums if len(sums) == len(nkeys) else None
+        checksums = [[d.get(i, 0) for i in range(self._slices)] for d in digests]
         if state is not None:
             state.open_stores = max(0, state.open_stores - 1)
         try:
@@ -499,6 +510,7 @@ class KVOffloadManager(OffloadingManager):
                     success=not failed and success,
                     successful_keys=ok if failed else None,
                     checksums=checksums,
+                    slice_bytes=self._slice_bytes,
                 )
             )
         except (ServiceDown, KVOffloadError) as exc:
@@ -506,8 +518,10 @@ class KVOffloadManager(OffloadingManager):
             log.debug("kvoffload_store_lost req_id=%s error=%s", req_context.req_id, exc)
         else:
             self.stats.add(Counter.STORED_BLOCKS, len(ok))
-            if failed:
-                self.stats.add(Counter.STORES_DROPPED, len(failed), "copy_failed")
+            if failed - incomplete:
+                self.stats.add(Counter.STORES_DROPPED, len(failed - incomplete), "copy_failed")
+            if incomplete:
+                self.stats.add(Counter.STORES_DROPPED, len(incomplete), "checksum_missing")
         self._count_outage()
         if state is not None:
             self._maybe_forget(state)

@@ -116,6 +116,8 @@ class KVOffloadSpec(OffloadingSpec):
             self.fingerprint,
             engine_info=self._engine_info(),
             endpoint_setting=settings.endpoint or os.environ.get(ENDPOINT_ENV, ""),
+            slices=1 if self.replicated_layout else self.config.parallel.world_size,
+            slice_bytes=self.blocks_per_chunk * self.rank_block_bytes,
         )
         if link.connect_now() and link.info is not None:
             self._manager.set_secondary_source(_secondary_source(link.info.tiers))
@@ -150,12 +152,8 @@ class KVOffloadSpec(OffloadingSpec):
             rank=self.config.parallel.rank,
             world_size=self.config.parallel.world_size,
             replicated=self.replicated_layout,
+            stride=self.rank_block_bytes,
         )
-        if layout.block_stride > self.rank_block_bytes:
-            raise ValueError(
-                f"the KV pages of this worker's largest group sum to {layout.block_stride} "
-                f"bytes per block, more than the {self.rank_block_bytes} vLLM reports"
-            )
         if len(layout.group_pages) > 1:
             log.info(
                 "kvoffload_kv_groups groups=%d bytes_per_block=%s unused_in_smallest=%.1f%%",

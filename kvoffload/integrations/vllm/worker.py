@@ -55,13 +55,13 @@ log = integration_logger(__name__)
 @dataclass
 class TransferReport:
     """For the scheduler side, since the last ``take_report``: keys whose loads failed (per
-    vLLM request id), keys whose stores failed, and the xxh3 of each slot a store wrote in
-    full (only when this worker writes whole blocks: one rank, or rank 0 of a replicated
-    layout)."""
+    vLLM request id), keys whose stores failed, and for each stored key this rank's digest of
+    what it wrote, by slice index (``BlockLayout.slice_index``: the rank, or 0 for the whole
+    slot when one rank writes all of it)."""
 
     failed_loads: dict[str, list[bytes]] = field(default_factory=dict)
     failed_stores: list[bytes] = field(default_factory=list)
-    store_checksums: dict[bytes, int] = field(default_factory=dict)
+    store_checksums: dict[bytes, dict[int, int]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.failed_loads or self.failed_stores or self.store_checksums)
@@ -213,7 +213,7 @@ class KVOffloadWorker(OffloadingWorker):
             self._report.failed_stores.extend(dst_spec.keys)
             self._finish(job_id, 0, start)
             return True
-        self._finish(job_id, moved, start, dst_spec if self._layout.writes_whole_block else None)
+        self._finish(job_id, moved, start, dst_spec)
         return True
 
     def submit_load(
@@ -361,13 +361,23 @@ class KVOffloadWorker(OffloadingWorker):
         return out
 
     def _corrupt_slots(self, spec: PoolBlocks, loaded: set[int]) -> set[int]:
-        """Indexes of the loaded keys whose slot no longer has the checksum recorded when it
-        was written. The slots stay pinned while this runs, so a match proves the copied bytes
-        are the ones written."""
+        """Indexes of the loaded keys whose bytes for this rank (its slice, or the whole slot)
+        no longer have the digest recorded when they were written, or whose block was written
+        in another layout (another number of slices). The slots stay pinned while this runs,
+        so a match proves the copied bytes are the ones written."""
         pool = self._pools[spec.pool_name]
-        checked = sorted(i for i in loaded if i < len(spec.checksums) and spec.checksums[i])
-        sums = self._copier.checksums([pool.slot_array(spec.slots[i]) for i in checked])
-        bad = {i for i, got in zip(checked, sums, strict=True) if got != spec.checksums[i]}
+        layout = self._layout
+        recorded = {i: spec.checksums[i] for i in loaded if i < len(spec.checksums)}
+        checked = sorted(i for i, digests in recorded.items() if len(digests) == layout.copies)
+        bad = {i for i, digests in recorded.items() if digests and len(digests) != layout.copies}
+        sums = self._copier.checksums(
+            [layout.checked_bytes(pool.slot_array(spec.slots[i])) for i in checked]
+        )
+        bad |= {
+            i
+            for i, got in zip(checked, sums, strict=True)
+            if got != recorded[i][layout.slice_index]
+        }
         if bad:
             log.error(
                 "kvoffload_load_corrupt req_id=%s blocks=%d: the pool slots do not match their "
@@ -378,13 +388,18 @@ class KVOffloadWorker(OffloadingWorker):
         return bad
 
     def _checksum(self, spec: PoolBlocks) -> None:
-        """Checksum the slots a finished store wrote, so the manager can stamp them and a
+        """Checksum what a finished store wrote of each slot (this rank's slice, or the whole
+        slot), so the manager can stamp the slots once every rank's digest is in, and a
         restarted manager keeps them."""
         pool = self._pools.get(spec.pool_name)
         if pool is None:
             return
-        sums = self._copier.checksums([pool.slot_array(slot) for slot in spec.slots])
-        self._report.store_checksums.update(zip(spec.keys, sums, strict=True))
+        layout = self._layout
+        sums = self._copier.checksums(
+            [layout.checked_bytes(pool.slot_array(slot)) for slot in spec.slots]
+        )
+        for key, digest in zip(spec.keys, sums, strict=True):
+            self._report.store_checksums.setdefault(key, {})[layout.slice_index] = digest
 
     # ---- copies ---------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks  # noqa: E402
 from kvoffload.integrations.vllm.layout import BlockLayout, GeometryError, transfer_rows  # noqa: E402
 from kvoffload.integrations.vllm.worker import KVOffloadWorker  # noqa: E402
+from kvoffload.memory.blockformat import payload_checksum  # noqa: E402
 from kvoffload.memory.pool import HostPool  # noqa: E402
 
 LAYERS = 2
@@ -150,7 +151,7 @@ def test_store_checksums_are_reported_for_whole_blocks(pool):
     w = KVOffloadWorker(kv_caches(seed=0), BlockLayout(((PAGE,) * LAYERS,), 1, 0, 1))
     w.submit_store(1, gpu([2]), blocks(pool, [b"k" * 16], [6]))
     w.get_finished()
-    assert w.take_report().store_checksums == {b"k" * 16: payload_checksum(pool.slot_array(6))}
+    assert w.take_report().store_checksums == {b"k" * 16: {0: payload_checksum(pool.slot_array(6))}}
 
 
 def test_geometry_error_names_both_sizes_and_the_settings():
@@ -197,12 +198,12 @@ def test_rows_pair_blocks_with_keys():
 
 
 def test_loads_are_verified_against_the_checksum_taken_at_store(pool):
-    from kvoffload.memory.blockformat import payload_checksum
+    from kvoffload.memory.blockformat import slice_checksums
 
     w = worker(kv_caches(seed=0), 0)
     w.submit_store(1, gpu([1, 2]), blocks(pool, [b"a" * 16, b"b" * 16], [0, 1]))
-    sums = [payload_checksum(pool.slot_array(s)) for s in (0, 1)]
-    pool.slot_array(1)[100] ^= 0xFF  # the block of "b" changes after it was written
+    sums = [slice_checksums(pool.slot_array(s), WORLD, LAYERS * PAGE) for s in (0, 1)]
+    pool.slot_array(1)[100] ^= 0xFF  # rank 0's slice of "b" changes after it was written
     spec = blocks(pool, [b"a" * 16, b"b" * 16], [0, 1])
     spec.checksums = sums
 
@@ -232,7 +233,7 @@ def test_large_transfers_split_between_copy_threads_keep_every_byte_and_checksum
         w.get_finished()
         sums = w.take_report().store_checksums
         assert sums == {
-            k: payload_checksum(big.slot_array(s)) for k, s in zip(keys, slots, strict=True)
+            k: {0: payload_checksum(big.slot_array(s))} for k, s in zip(keys, slots, strict=True)
         }
         for slot in slots:
             for layer, cache in enumerate(tensors):
@@ -241,7 +242,7 @@ def test_large_transfers_split_between_copy_threads_keep_every_byte_and_checksum
 
         big.slot_array(4)[7] ^= 0xFF  # one block changes after it was written
         spec = blocks(big, keys, slots)
-        spec.checksums = [sums[k] for k in keys]
+        spec.checksums = [[sums[k][0]] for k in keys]
         w.submit_load(2, spec, gpu(list(range(count, 2 * count))))
         assert w.take_error_blocks() == {count + 4}
         for i in (0, 1, 2, 3, 5):
@@ -352,7 +353,7 @@ def test_a_replicated_layout_keeps_one_copy_that_every_rank_reads(pool):
         fresh = kv_caches(seed=8)
         reader = KVOffloadWorker(fresh, layout)
         spec = blocks(pool, keys, slots)
-        spec.checksums = [sums[k] for k in keys]
+        spec.checksums = [[sums[k][0]] for k in keys]
         reader.submit_load(2, spec, gpu([9, 10]))
         assert reader.get_finished()[0].success and reader.take_error_blocks() == set()
         for layer in range(LAYERS):
@@ -437,3 +438,36 @@ def test_an_unregistered_worker_copies_nothing_until_restored(pool):
     w.get_finished()
     assert not w.take_report().failed_loads and w.take_error_blocks() == set()
     assert torch.equal(caches.tensors[0].tensor[2], caches.tensors[0].tensor[1])
+
+
+def test_each_rank_checks_its_own_slice_and_a_block_of_another_layout_is_refused(pool):
+    """Tensor parallelism: each rank hashes its own slice when it stores, and checks its own
+    slice against that digest when it loads. A rank whose slice changed fails the key (vLLM
+    then recomputes the blocks on every rank); a block stored with another number of ranks
+    fails on every rank."""
+    ranks = [kv_caches(seed=20 + r) for r in range(WORLD)]
+    keys, slots = [b"t1" * 8, b"t2" * 8], [6, 7]
+    digests: dict[bytes, dict[int, int]] = {}
+    for rank, caches in enumerate(ranks):
+        w = worker(caches, rank)
+        w.submit_store(1, gpu([4, 5]), blocks(pool, keys, slots))
+        w.get_finished()
+        for key, by_rank in w.take_report().store_checksums.items():
+            assert set(by_rank) == {rank}  # its own slice only
+            digests.setdefault(key, {}).update(by_rank)
+    recorded = [[digests[k][r] for r in range(WORLD)] for k in keys]
+    pool.slot_array(7)[LAYERS * PAGE + 10] ^= 0xFF  # rank 1's slice of "t2" changes
+
+    def load(rank: int, checksums: list[list[int]]) -> tuple[set[int], dict]:
+        loader = worker(kv_caches(seed=30 + rank), rank)
+        spec = blocks(pool, keys, slots)
+        spec.checksums = checksums
+        loader.submit_load(2, spec, gpu([8, 9]))
+        assert loader.get_finished()[0].success
+        return loader.take_error_blocks(), loader.take_report().failed_loads
+
+    assert load(0, recorded) == (set(), {})  # rank 0's slices are intact
+    assert load(1, recorded) == ({9}, {"req": [b"t2" * 8]})
+    one_rank = [[payload_checksum(pool.slot_array(s))] for s in slots]  # a TP=1 block's digest
+    for rank in range(WORLD):
+        assert load(rank, one_rank) == ({8, 9}, {"req": keys})
