@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 
 import msgspec
 
 from kvoffload.config import Config, ConfigError, load_config
+from kvoffload.extras import MissingExtra
 from kvoffload.logs import configure_logging
 from kvoffload.runtime.discovery import NoServiceFound, find_endpoint
 from kvoffload.status import ManagerStatus
+
+EXIT_REFUSED = 2
+"""An invalid configuration, a set-up the service cannot run, a missing extra."""
+EXIT_PIPE_CLOSED = 128 + signal.SIGPIPE
 
 
 def _load(args) -> Config:
@@ -19,17 +26,25 @@ def _load(args) -> Config:
         return load_config(args.config)
     except ConfigError as exc:
         print(f"kvoffload: invalid configuration: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_REFUSED) from None
 
 
 def cmd_serve(args) -> int:
+    from kvoffload.runtime.preflight import StartRefused
     from kvoffload.runtime.supervisor import Supervisor
 
     cfg = _load(args)
     configure_logging("supervisor", cfg.service.log_level)
     supervisor = Supervisor(cfg)
-    supervisor.start()
-    return supervisor.run_forever()
+    try:
+        supervisor.start()
+    except StartRefused as exc:
+        print(f"kvoffload: cannot start: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    code = supervisor.run_forever()
+    if supervisor.failure is not None:
+        print(f"kvoffload: stopped: {supervisor.failure}", file=sys.stderr)
+    return code
 
 
 def cmd_status(args) -> int:
@@ -40,7 +55,9 @@ def cmd_status(args) -> int:
         endpoint = find_endpoint(args.endpoint, cfg)
     except NoServiceFound as exc:
         raise SystemExit(f"kvoffload: {exc}") from None
-    with KVOffloadClient(endpoint, timeout_s=5.0, name="status") as client:
+    with KVOffloadClient(
+        endpoint, timeout_s=5.0, name="status", curve_keys=_curve_keys(args)
+    ) as client:
         status = client.status()
     if args.json:
         print(
@@ -52,6 +69,25 @@ def cmd_status(args) -> int:
         print(f"endpoint: {endpoint}")
         print(format_status(status))
     return 0
+
+
+def _curve_keys(args) -> tuple[bytes, bytes, bytes] | None:
+    """(client public, client secret, server public) from ``--curve-secret`` and
+    ``--curve-server-key``, for a tcp:// endpoint; None without them."""
+    if not (args.curve_secret or args.curve_server_key):
+        return None
+    if not (args.curve_secret and args.curve_server_key):
+        raise SystemExit("kvoffload: --curve-secret and --curve-server-key go together")
+    import zmq.auth
+
+    try:
+        public, secret = zmq.auth.load_certificate(args.curve_secret)
+        server, _ = zmq.auth.load_certificate(args.curve_server_key)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"kvoffload: cannot read the CURVE keys: {exc}") from None
+    if secret is None:
+        raise SystemExit(f"kvoffload: {args.curve_secret} holds no secret key")
+    return public, secret, server
 
 
 def format_status(status: ManagerStatus) -> str:
@@ -66,6 +102,13 @@ def format_status(status: ManagerStatus) -> str:
         "",
         f"{'tier':<10}{'hit':>10}{'pending':>10}{'retry':>10}{'miss':>10}{'jobs':>8}{'failed':>8}{'evicted':>9}",
     ]
+    if refused := status.client_handshakes_refused:
+        by_reason = ", ".join(f"{reason} {n}" for reason, n in refused.items() if n)
+        lines.insert(
+            3,
+            f"refused client handshakes: {sum(refused.values())}"
+            + (f" ({by_reason})" if by_reason else ""),
+        )
     for name, c in t.per_tier.items():
         jobs = c.promotion_jobs + c.cascade_jobs + c.probe_jobs
         failed = c.promotion_jobs_failed + c.cascade_jobs_failed + c.probe_jobs_failed
@@ -131,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--config", help="TOML config file of the running service")
     status.add_argument("--endpoint", help="client endpoint (default: find the live run)")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    status.add_argument(
+        "--curve-secret", help="this client's CURVE secret key file (a tcp:// endpoint)"
+    )
+    status.add_argument("--curve-server-key", help="the service's CURVE public key file")
     status.set_defaults(func=cmd_status)
 
     demo = sub.add_parser(
@@ -173,8 +220,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run a command. A missing extra is one line and exit code 2; a closed output pipe ends
+    the command quietly with 141 (128 + SIGPIPE), as a Unix tool killed by SIGPIPE reports."""
+    try:
+        args = build_parser().parse_args(argv)
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
+    except MissingExtra as exc:
+        print(f"kvoffload: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except BrokenPipeError:
+        # Python would report the failed flush of stdout at exit: point it at /dev/null
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_PIPE_CLOSED
 
 
 if __name__ == "__main__":

@@ -66,11 +66,49 @@ def level_number(level: str) -> int:
         raise ValueError(f"unknown log level {level!r}; expected one of {sorted(LEVELS)}") from None
 
 
+class _LogStream:
+    """A log stream that, once its reader is gone (a closed pipe), drops what is written instead
+    of raising: a process of the service keeps running when the collector of its logs goes
+    away (``kvoffload serve 2>&1 | head``, a restarted log daemon)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+        self.reader_gone = False
+
+    def write(self, text: str) -> int:
+        if not self.reader_gone:
+            try:
+                self._out.write(text)
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.reader_gone:
+            try:
+                self._out.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def _gone(self) -> None:
+        """From now on write nothing; the stream's file descriptor is pointed at /dev/null, so
+        the interpreter's own last flush at exit does not fail either."""
+        self.reader_gone = True
+        try:
+            fd = self._out.fileno()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+
+
 def configure_logging(proc: str, level: str = "info", stream: TextIO | None = None) -> None:
     """Send structlog and stdlib ``logging`` events to ``stream`` (default: ``sys.stderr``) as
-    JSON lines, dropping events below ``level``. Calling it again replaces the configuration."""
+    JSON lines, dropping events below ``level``. Calling it again replaces the configuration.
+    When the stream's reader goes away (a closed pipe), events are dropped, never raised."""
     min_level = level_number(level)
-    out = stream if stream is not None else sys.stderr
+    out: Any = _LogStream(stream if stream is not None else sys.stderr)
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,

@@ -185,3 +185,6 @@ class ManagerStatus(_Status):
     worker_restarts_seen: int
     clients: int
     warm_restart: WarmRestartStatus | None
+    client_handshakes_refused: dict[str, int] = {}
+    """Client connections the CURVE gate of a tcp:// endpoint refused, by reason (empty on
+    an ipc:// endpoint; ``kvoffload.server.handshakes``)."""

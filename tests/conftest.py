@@ -8,6 +8,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from kvoffload.testing.helpers import skip_without_extra
 from kvoffload.testing.s3server import S3Server
 from kvoffload.testing.service import ServiceHarness, serve_harness, services
 
@@ -26,7 +27,8 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     create_bucket(name), client(), stop()/start(), pause()/resume()).
 
     A test that stops or pauses it brings it back before returning. Stopped at the end of the
-    run; its pid is verified gone."""
+    run; its pid is verified gone. Skipped without the object extra."""
+    skip_without_extra("object")
     server = S3Server(tmp_path_factory.mktemp("s3server"))
     server.start()
     yield server

@@ -20,7 +20,9 @@ returned is the one ``JobDone`` of that job sent; a release that raises is retri
 eventfd polled next to the DEALER.
 
 Exit codes: 0 after shutdown (control, SIGTERM or SIGINT), 1 on start-up failure or hello
-timeout, 2 when the manager refuses the hello or the run spec is invalid.
+timeout, 2 when the manager refuses the hello or the run spec is invalid, 3 when the backend
+cannot start for a reason a restart cannot fix (``FatalStartError``, a missing module; the
+reason goes to the supervisor, ``kvoffload.runtime.runspec.exit_fatal``).
 """
 
 from __future__ import annotations
@@ -58,7 +60,15 @@ from kvoffload.protocol import (
     decode_manager_message,
     encode,
 )
-from kvoffload.runtime.runspec import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, RunSpec, load_runspec
+from kvoffload.runtime.runspec import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    FatalStartError,
+    RunSpec,
+    exit_fatal,
+    load_runspec,
+)
 from kvoffload.status import MediumStats, WorkerLoopStats, WorkerStats
 from workers.backend import (
     AttachRefused,
@@ -495,12 +505,16 @@ def run_worker(
         if headers is not None:
             backend.use_slot_headers(headers)
         backend.start(pool, faults)
-    except Exception:
-        log.exception("backend_start_failed", worker=backend.name)
+    except Exception as exc:
+        fatal = isinstance(exc, (FatalStartError, ImportError))
+        if fatal:
+            log.error("backend_start_failed", worker=backend.name, fatal=True, reason=str(exc))
+        else:
+            log.exception("backend_start_failed", worker=backend.name)
         if headers is not None:
             headers.close()
         pool.close()
-        return EXIT_FAILED
+        return exit_fatal(str(exc)) if fatal else EXIT_FAILED
     worker = _Worker(backend, spec, cfg, pool, faults, backend.job_threads(cfg), hello_timeout_s)
     previous = {
         sig: signal.signal(sig, lambda *_: worker.request_stop())

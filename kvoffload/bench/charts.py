@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvoffload.bench.cells import Cell
+from kvoffload.extras import require_extra
 
 THROUGHPUT_TITLES = {
     "cpu": "cpu worker copies",
@@ -26,7 +27,9 @@ def _size_label(size: int, unit: str) -> str:
 
 
 def plot_cells(cells: list[Cell], directory: Path) -> list[Path]:
-    """One PNG per suite with charted cells; the paths written."""
+    """One PNG per suite with charted cells; the paths written (MissingExtra without
+    matplotlib)."""
+    require_extra("bench --plot", "bench")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.bench.cells import EXTRACTORS, Cell, merge_rounds
+from kvoffload.extras import missing_extra, require_extra
 
 
 class Suite(enum.StrEnum):
@@ -66,8 +67,8 @@ def _missing_modules(*names: str) -> str | None:
 
 
 def _object_missing(args: argparse.Namespace) -> str | None:
-    if reason := _missing_modules("boto3", "obstore"):
-        return f"{reason} (the object extra)"
+    if reason := missing_extra("object"):
+        return reason
     from kvoffload.testing.s3server import S3ServerError, find_weed_binary
 
     try:
@@ -172,7 +173,7 @@ SUITES = {
                     "--lengths 256 --repeats 1",
                 ),
             ),
-            lambda args: _missing_modules("torch"),
+            lambda args: missing_extra("engine"),
         ),
         SuiteSpec(
             Suite.VLLM,
@@ -254,6 +255,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     from kvoffload.bench.progress import Progress
 
+    if args.plot:
+        require_extra("bench --plot", "bench")
     chosen = list(Suite) if "all" in args.suites else [Suite(s) for s in dict.fromkeys(args.suites)]
     results = Path(args.results).resolve()
     (results / "logs").mkdir(parents=True, exist_ok=True)

@@ -43,13 +43,16 @@ class RunDirError(Exception):
 
 class OwnerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Contents of ``owner-<run_id>.json``. ``create_time`` is the owner's process start time
-    (psutil), used to tell a live owner from a reused pid; None when it could not be read."""
+    (psutil), used to tell a live owner from a reused pid; None when it could not be read.
+    ``disk_root``: the absolute disk tier directory of the run ("" without one), so a second
+    run on it is refused."""
 
     pid: int
     run_id: str
     started_at: float
     create_time: float | None = None
     shm_names: list[str] = []
+    disk_root: str = ""
 
 
 def _owner_path(base: Path, run_id: str) -> Path:
@@ -192,8 +195,9 @@ class RunDir:
         self._record = record
 
     @classmethod
-    def create(cls, base: Path) -> RunDir:
-        """Secure ``base``, pick a fresh run id and write this process's owner file."""
+    def create(cls, base: Path, disk_root: str = "") -> RunDir:
+        """Secure ``base``, pick a fresh run id and write this process's owner file (with the
+        run's ``disk_root``, if any)."""
         base = _secure_base(Path(base))
         while True:
             run_id = secrets.token_hex(4)
@@ -206,6 +210,7 @@ class RunDir:
             started_at=time.time(),
             create_time=_process_create_time(pid),
             shm_names=[],
+            disk_root=disk_root,
         )
         _write_owner(base, record)
         return cls(base, record)

@@ -19,6 +19,30 @@ EXIT_FAILED = 1
 EXIT_REFUSED = 2
 """A child that exits with this code refused its configuration (bad credentials, missing bucket,
 protocol mismatch): restarting it cannot help, so it stays down and its tier's jobs fail."""
+EXIT_FATAL = 3
+"""A child that cannot start for a reason that will not change by itself (its disk root locked
+by another store, an incompatible layout, a missing module, a port in use): it writes the
+reason to the file named by ``FATAL_REASON_ENV`` and exits; the supervisor stops the service
+once a child failed to start so a few times in a row."""
+FATAL_REASON_ENV = "KVOFFLOAD_FATAL_REASON_FILE"
+"""Set by the supervisor for each child it restarts: where an ``EXIT_FATAL`` reason goes."""
+
+
+class FatalStartError(Exception):
+    """A start-up failure a restart cannot fix. The message is the reason for the operator:
+    the setting, its value and the fix."""
+
+
+def exit_fatal(reason: str) -> int:
+    """Leave ``reason`` where the supervisor reads it (when it said where) and return
+    ``EXIT_FATAL``, the exit code for it."""
+    path = os.environ.get(FATAL_REASON_ENV)
+    if path:
+        try:
+            Path(path).write_text(reason)
+        except OSError:
+            pass
+    return EXIT_FATAL
 
 
 class RunSpec(msgspec.Struct, forbid_unknown_fields=True):

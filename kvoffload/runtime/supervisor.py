@@ -2,12 +2,19 @@
 workers and the configured engines, restarts crashed workers (and the manager) with backoff,
 and on SIGTERM/SIGINT drains, stops every child and removes every segment and socket it made.
 
+Before it creates anything it checks the set-up (``kvoffload.runtime.preflight``): one that
+cannot run is refused with ``StartRefused`` and leaves nothing behind. A child that cannot start
+for a reason a restart cannot fix (exit code ``EXIT_FATAL``, or a program that cannot be run)
+is tried ``FATAL_START_BOUND`` times in a row, then the service stops with that reason
+(``failure``); other exits keep their backoff restarts.
+
 The supervisor owns the pool and its slot header table: both outlive manager and worker
 restarts, so a restarted manager rebuilds its primary index from the headers.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -22,8 +29,15 @@ import structlog
 from kvoffload.config import Config, resolve_runtime_dir
 from kvoffload.memory.pool import HostPool
 from kvoffload.memory.slottable import SlotTable
-from kvoffload.runtime.rundir import RunDir, cleanup_stale
-from kvoffload.runtime.runspec import EXIT_REFUSED, RunSpec, write_runspec
+from kvoffload.runtime.preflight import SHM_DIR, StartRefused, check_shm_space, check_startup
+from kvoffload.runtime.rundir import RunDir, RunDirError, cleanup_stale
+from kvoffload.runtime.runspec import (
+    EXIT_FATAL,
+    EXIT_REFUSED,
+    FATAL_REASON_ENV,
+    RunSpec,
+    write_runspec,
+)
 
 log = structlog.get_logger()
 
@@ -32,6 +46,21 @@ HEALTHY_AFTER_S = 30.0
 KILL_REAP_S = 5.0
 """How long ``stop`` waits for a SIGKILLed child to be reaped before it removes the segments
 anyway (a process stuck in the kernel may not die at once)."""
+FATAL_START_BOUND = 3
+"""Start failures in a row that a restart cannot fix (``EXIT_FATAL``) before the service stops."""
+
+
+@dataclass(frozen=True)
+class StartFailure:
+    """Why the service stopped: ``child`` could not start, ``attempts`` times, for ``reason``."""
+
+    child: str
+    reason: str
+    attempts: int
+
+    def __str__(self) -> str:
+        what = self.child if self.child == "manager" else f"{self.child} worker"
+        return f"the {what} cannot start ({self.attempts} attempts): {self.reason}"
 
 
 @dataclass
@@ -46,6 +75,12 @@ class Child:
     restarts: int = 0
     backoff_s: float = 0.0
     restart_at: float | None = None
+    fatal_starts: int = 0
+    """Start failures in a row that a restart cannot fix."""
+    reason_file: Path | None = None
+    """Where the child writes why it cannot start (``EXIT_FATAL``)."""
+    spawn_error: str = ""
+    """Why the last attempt to run its program failed ("" when it ran)."""
 
     @property
     def pid(self) -> int | None:
@@ -62,16 +97,41 @@ class Supervisor:
         self.slot_table: SlotTable | None = None
         self.spec: RunSpec | None = None
         self.children: dict[str, Child] = {}
+        self.failure: StartFailure | None = None
+        """Set when a child could not start ``FATAL_START_BOUND`` times; the service stops."""
         self._stop_requested = False
 
     # ---- start ----------------------------------------------------------------------------
 
     def start(self) -> RunSpec:
+        """Check the set-up, then create the run directory and the pool and start the children.
+        StartRefused (nothing left behind) when the set-up cannot run."""
         base = resolve_runtime_dir(self.cfg)
+        check_startup(self.cfg, base)
         removed = cleanup_stale(base)
         if removed:
             log.info("stale_runs_removed", removed=removed)
-        self.rundir = RunDir.create(base)
+        try:
+            return self._start(base)
+        except BaseException as exc:
+            self.stop(quiet=True)
+            if isinstance(exc, RunDirError):
+                raise StartRefused(
+                    "service.runtime_dir", str(base), str(exc), "choose another directory"
+                ) from None
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                check_shm_space(self.cfg)  # StartRefused naming the free space, if short now
+                raise StartRefused(
+                    "pool.num_slots",
+                    self.cfg.pool.num_slots,
+                    f"the host pool could not be allocated in {SHM_DIR}: {exc.strerror}",
+                    f"lower pool.num_slots or pool.block_bytes, or make {SHM_DIR} larger",
+                ) from None
+            raise
+
+    def _start(self, base: Path) -> RunSpec:
+        disk_root = os.path.abspath(self.cfg.disk.root) if self.cfg.disk.enabled else ""
+        self.rundir = RunDir.create(base, disk_root=disk_root)
         pool_name = self.rundir.shm_name("pool")
         self.rundir.record_shm(pool_name)
         self.pool = HostPool.create(pool_name, self.cfg.pool.num_slots, self.cfg.pool.block_bytes)
@@ -93,7 +153,12 @@ class Supervisor:
         write_runspec(spec_path, self.spec)
         self._plan_children(spec_path, client_endpoint)
         for child in self.children.values():
-            self._spawn(child)
+            if child.restart:
+                child.reason_file = self.rundir.file_path(f"{child.name}-fatal")
+            if not self._spawn(child):
+                engine = child.name.removeprefix("engine")
+                setting = f"engines[{engine}].command" if engine != child.name else child.name
+                raise StartRefused(setting, child.argv, self._fatal_reason(child), "fix the path")
         log.info(
             "service_started",
             run_id=self.spec.run_id,
@@ -150,13 +215,25 @@ class Supervisor:
     def _add(self, child: Child) -> None:
         self.children[child.name] = child
 
-    def _spawn(self, child: Child) -> None:
+    def _spawn(self, child: Child) -> bool:
+        """Start ``child``; False when its program cannot be run (the reason is in its
+        reason file, or logged for a child without one)."""
         env = {**os.environ, **child.env}
+        child.spawn_error = ""
+        if child.reason_file is not None:
+            env[FATAL_REASON_ENV] = str(child.reason_file)
+            child.reason_file.unlink(missing_ok=True)
         out = open(self.log_path, "ab") if self.log_path is not None else None
         try:
             child.proc = subprocess.Popen(
                 child.argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out
             )
+        except OSError as exc:
+            child.spawn_error = f"cannot run {child.argv[0]}: {exc.strerror}"
+            log.error("child_spawn_failed", child=child.name, reason=child.spawn_error)
+            child.proc = None
+            child.restart_at = None
+            return False
         finally:
             if out is not None:
                 out.close()
@@ -170,6 +247,7 @@ class Supervisor:
         log.info(
             "child_started", child=child.name, child_pid=child.proc.pid, restarts=child.restarts
         )
+        return True
 
     # ---- watch ----------------------------------------------------------------------------
 
@@ -182,7 +260,7 @@ class Supervisor:
                 time.sleep(0.05)
         finally:
             self.stop()
-        return 0
+        return EXIT_REFUSED if self.failure is not None else 0
 
     def _on_signal(self, signum, _frame) -> None:
         log.info("supervisor_signal", signal=signal.Signals(signum).name)
@@ -191,30 +269,76 @@ class Supervisor:
     def watch_once(self) -> None:
         """Reap exited children and restart the restartable ones when their backoff is over."""
         now = time.monotonic()
-        initial = self.cfg.supervisor.restart_backoff_initial_s
-        ceiling = self.cfg.supervisor.restart_backoff_max_s
         for child in self.children.values():
+            if child.restart_at is not None:
+                if now >= child.restart_at and not self._restart(child, now):
+                    return
+                continue
             if child.proc is None:
                 continue
             code = child.proc.poll()
             if code is None:
                 if now - child.started_at > HEALTHY_AFTER_S:
                     child.backoff_s = 0.0
+                    child.fatal_starts = 0
                 continue
-            if child.restart_at is None:
-                self._log_exit(child, code)
-                if child.name == "manager":
-                    self._fence_workers()
-                if not child.restart or code == EXIT_REFUSED:
-                    child.proc = None
-                    continue
-                child.backoff_s = (
-                    initial if child.backoff_s == 0 else min(child.backoff_s * 2, ceiling)
-                )
-                child.restart_at = now + child.backoff_s
-            elif now >= child.restart_at:
-                child.restarts += 1
-                self._spawn(child)
+            self._log_exit(child, code)
+            if child.name == "manager":
+                self._fence_workers()
+            if not child.restart or code == EXIT_REFUSED:
+                child.proc = None
+                continue
+            child.fatal_starts = child.fatal_starts + 1 if code == EXIT_FATAL else 0
+            if self._give_up(child):
+                return
+            self._schedule_restart(child, now)
+
+    def _schedule_restart(self, child: Child, now: float) -> None:
+        sup = self.cfg.supervisor
+        child.backoff_s = (
+            sup.restart_backoff_initial_s
+            if child.backoff_s == 0
+            else min(child.backoff_s * 2, sup.restart_backoff_max_s)
+        )
+        child.restart_at = now + child.backoff_s
+
+    def _restart(self, child: Child, now: float) -> bool:
+        """Start ``child`` again; False when it could not be run and the service gives up."""
+        child.restarts += 1
+        if self._spawn(child):
+            return True
+        child.fatal_starts += 1
+        if self._give_up(child):
+            return False
+        self._schedule_restart(child, now)
+        return True
+
+    def _give_up(self, child: Child) -> bool:
+        """After ``FATAL_START_BOUND`` start failures of ``child`` in a row that a restart
+        cannot fix: log it as one event, keep the reason in ``failure`` and stop the service."""
+        if child.fatal_starts < FATAL_START_BOUND:
+            return False
+        self.failure = StartFailure(child.name, self._fatal_reason(child), child.fatal_starts)
+        log.error(
+            "service_stopped_start_failure",
+            child=child.name,
+            reason=self.failure.reason,
+            attempts=child.fatal_starts,
+        )
+        child.proc = None
+        self._stop_requested = True
+        return True
+
+    @staticmethod
+    def _fatal_reason(child: Child) -> str:
+        if child.spawn_error:
+            return child.spawn_error
+        try:
+            if child.reason_file is not None:
+                return child.reason_file.read_text().strip() or "no reason given"
+        except OSError:
+            pass
+        return "no reason given"
 
     def _fence_workers(self) -> None:
         """The manager died: kill every tier worker before a new manager hands out slots. A copy
@@ -239,6 +363,8 @@ class Supervisor:
             fields["signal"] = signal.Signals(-code).name
         if child.restart and code == EXIT_REFUSED:
             log.error("child_refused_to_start", **fields)
+        elif child.restart and code == EXIT_FATAL:
+            log.error("child_cannot_start", reason=self._fatal_reason(child), **fields)
         elif child.restart:
             log.error("child_exited", **fields)
         else:
@@ -250,8 +376,9 @@ class Supervisor:
 
     # ---- stop -----------------------------------------------------------------------------
 
-    def stop(self) -> None:
-        """Drain through the manager, stop every child, unlink the pool and run files.
+    def stop(self, quiet: bool = False) -> None:
+        """Drain through the manager, stop every child, unlink the pool and run files
+        (``quiet``: without logging it, after a refused start).
 
         Bounded: the manager gets ``drain_timeout_s + stop_grace_s`` after its SIGTERM, then
         every other child one common ``stop_grace_s`` after theirs; a child still running then
@@ -272,7 +399,9 @@ class Supervisor:
             self.slot_table = None
         if self.rundir is not None:
             self.rundir.remove()
-        log.info("service_stopped")
+            self.rundir = None
+        if not quiet:
+            log.info("service_stopped")
 
 
 def _terminate(children: list[Child], grace_s: float) -> None:

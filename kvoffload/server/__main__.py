@@ -3,9 +3,11 @@
 import argparse
 import sys
 
-from kvoffload.logs import configure_logging
-from kvoffload.runtime.runspec import load_runspec
+from kvoffload.logs import configure_logging, get_logger
+from kvoffload.runtime.runspec import FatalStartError, exit_fatal, load_runspec
 from kvoffload.server.loop import serve
+
+log = get_logger()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,7 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = load_runspec(args.spec)
     cfg = spec.load_config()
     configure_logging("manager", cfg.service.log_level)
-    serve(spec)
+    try:
+        serve(spec)
+    except FatalStartError as exc:
+        log.error("manager_cannot_start", reason=str(exc))
+        return exit_fatal(str(exc))
     return 0
 
 

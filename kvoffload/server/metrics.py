@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvoffload import protocol as p
+from kvoffload.runtime.runspec import FatalStartError
 from kvoffload.tiering.types import CascadeDrop
 from kvoffload.vocab import TIER_JOB_KINDS
 
@@ -107,6 +108,7 @@ class ManagerCollector(Collector):
         yield from _tier_families(status["tiering"])
         yield from _worker_families(status["workers"], worker_totals)
         yield from _warm_restart_families(status.get("warm_restart"))
+        yield from _handshake_families(status.get("client_handshakes_refused") or {})
 
 
 class _WorkerCounters:
@@ -312,6 +314,19 @@ def _warm_restart_families(warm: Mapping[str, Any] | None) -> Iterator[Metric]:
     yield family
 
 
+def _handshake_families(refused: Mapping[str, int]) -> Iterator[Metric]:
+    if not refused:
+        return
+    family = CounterMetricFamily(
+        PREFIX + "client_handshakes_refused",
+        "Client connections the CURVE gate of a tcp:// endpoint refused, by reason.",
+        labels=["reason"],
+    )
+    for reason, count in refused.items():
+        family.add_metric([reason], count)
+    yield family
+
+
 def _label(value: Any) -> str:
     return str(getattr(value, "value", value))
 
@@ -354,7 +369,13 @@ class MetricsEndpoint:
         )
         self._dispatched: dict[int, tuple[str, str, float]] = {}
         self._worker_pids: dict[str, int] = {}
-        self._server, _ = start_http_server(port, addr=host, registry=self._registry)
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=self._registry)
+        except OSError as exc:
+            raise FatalStartError(
+                f"service.metrics_port = {port}: cannot listen on {host}:{port}: "
+                f"{exc.strerror}; stop the process using it or choose another port"
+            ) from exc
 
     @property
     def port(self) -> int:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 from kvoffload.config import ServiceConfig
+from kvoffload.runtime.runspec import FatalStartError
+from kvoffload.server.handshakes import CurveGate
 
 # Frames a little over the protocol limit still arrive, so the manager can answer them with a
 # typed "bad_message" error; beyond this, ZeroMQ drops the connection of the sender.
@@ -18,26 +18,35 @@ TRANSPORT_SLACK_BYTES = 1 << 20
 
 def bind_client_socket(
     zctx: zmq.Context, endpoint: str, svc: ServiceConfig
-) -> tuple[zmq.Socket, ThreadAuthenticator | None]:
+) -> tuple[zmq.Socket, CurveGate | None]:
     """ROUTER for engine clients. A tcp:// endpoint is served only with CURVE: the server's
-    secret key file and a directory of authorized client public keys."""
+    secret key file and a directory of authorized client public keys, checked by a
+    ``CurveGate`` that logs and counts the handshakes it refuses. FatalStartError when the
+    endpoint cannot be listened on (a port in use)."""
     sock = zctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, svc.max_message_bytes + TRANSPORT_SLACK_BYTES)
-    auth = None
+    gate = None
     if endpoint.startswith("tcp://"):
         if not (svc.curve_server_secret_file and svc.curve_authorized_dir):
             raise ValueError("a tcp:// client endpoint requires CURVE keys (service.curve_*)")
-        auth = ThreadAuthenticator(zctx)
-        auth.start()
-        auth.configure_curve(domain="*", location=str(Path(svc.curve_authorized_dir)))
         public, secret = zmq.auth.load_certificate(svc.curve_server_secret_file)
         sock.curve_publickey = public
         sock.curve_secretkey = secret
         sock.curve_server = True
-    sock.bind(endpoint)
+        gate = CurveGate(zctx, sock, svc.curve_authorized_dir)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        if gate is not None:
+            gate.stop()
+        sock.close()
+        raise FatalStartError(
+            f"service.client_endpoint = {endpoint!r}: cannot listen: {exc.strerror}; stop the "
+            "process using it or choose another endpoint"
+        ) from exc
     _restrict_ipc_file(endpoint)
-    return sock, auth
+    return sock, gate
 
 
 def bind_job_socket(zctx: zmq.Context, endpoint: str, max_message_bytes: int) -> zmq.Socket:

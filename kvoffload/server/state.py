@@ -211,4 +211,5 @@ class ManagerState:
             "worker_restarts_seen": self.registry.restarts_seen,
             "clients": len(self.sessions),
             "warm_restart": self.warm.snapshot() if self.warm is not None else None,
+            "client_handshakes_refused": self.auth.counts() if self.auth is not None else {},
         }

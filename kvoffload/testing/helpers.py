@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 
+from kvoffload.extras import EXTRAS, missing_extra, missing_modules
 from kvoffload.memory.kvcache import SharedKVCache
 
 T = TypeVar("T")
@@ -38,6 +39,18 @@ def wait_until(
             raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
     return value
+
+
+def skip_without_extra(extra: str, modules: Sequence[str] | None = None) -> None:
+    """Skip the calling test (or, at module level, the whole test module) when a module of
+    ``extra`` (or of ``modules``) is missing; the reason names the extra to install."""
+    __tracebackhide__ = True  # pytest reports the skip at the caller's line
+    reason = missing_extra(extra, modules)
+    if reason is not None:
+        import pytest
+
+        for name in missing_modules(EXTRAS[extra] if modules is None else modules):
+            pytest.importorskip(name, reason=f"needs {reason}")
 
 
 def free_port() -> int:

@@ -26,9 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import boto3
-from botocore.config import Config
-
 GRPC_PORT_OFFSET = 10000
 _UNIX_SOCKET_PATH_MAX = 100
 
@@ -283,7 +280,11 @@ class S3Server:
         access_key: str | None = None,
         secret_key: str | None = None,
     ):
-        """A plain boto3 S3 client for this server (path-style, no retries)."""
+        """A plain boto3 S3 client for this server (path-style, no retries); boto3 comes with
+        the object extra and is imported here, so the module itself needs no extra."""
+        import boto3
+        from botocore.config import Config
+
         return boto3.client(
             "s3",
             endpoint_url=self.endpoint,

@@ -14,6 +14,7 @@ import pytest
 from kvoffload.bench.cells import Cell, merge_rounds
 from kvoffload.bench.peer import LATENCY_OPS, OPS, kvoffload_round
 from kvoffload.bench.runner import Suite
+from kvoffload.testing.helpers import skip_without_extra
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -38,6 +39,7 @@ def test_help_lists_every_suite_with_a_line() -> None:
 
 
 def test_quick_tiering_and_cpu_write_json_with_ratios_and_a_chart(tmp_path: Path) -> None:
+    skip_without_extra("bench")
     done = bench("tiering", "cpu", "--quick", "--plot", "--results", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "bench_summary.json").read_text())
@@ -61,6 +63,21 @@ def test_quick_tiering_and_cpu_write_json_with_ratios_and_a_chart(tmp_path: Path
     assert data.startswith(PNG_MAGIC) and len(data) > 20_000
     assert f"chart: {chart}" in done.stdout
     assert "memcpy 1 thread" in done.stdout
+
+
+def test_plot_without_matplotlib_names_the_bench_extra(tmp_path: Path) -> None:
+    """Refused before any suite runs, in one line naming the extra."""
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; from kvoffload.cli import main; "
+        f"sys.exit(main(['bench', 'tiering', '--quick', '--plot', '--results', {str(tmp_path)!r}]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "kvoffload: bench --plot needs matplotlib, which is not installed; install the bench "
+        "extra: pip install 'kvoffload[bench]'"
+    ]
+    assert not (tmp_path / "bench_tiering.json").exists(), "no suite ran"
 
 
 def test_peer_without_lmcache_says_skipped_and_why(tmp_path: Path) -> None:

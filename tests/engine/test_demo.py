@@ -16,9 +16,13 @@ import structlog
 from kvoffload.cli import build_parser
 from kvoffload.config import load_config
 from kvoffload.demo import run_demo
-from kvoffload.engine import Engine
-from kvoffload.memory.kvcache import SharedKVCache
-from kvoffload.memory.pool import HostPool
+from kvoffload.testing.helpers import skip_without_extra
+
+skip_without_extra("engine")
+
+from kvoffload.engine import Engine  # noqa: E402
+from kvoffload.memory.kvcache import SharedKVCache  # noqa: E402
+from kvoffload.memory.pool import HostPool  # noqa: E402
 
 SMALL = [
     "--conversations",

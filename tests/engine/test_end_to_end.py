@@ -14,11 +14,15 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
-import torch
 
-from kvoffload.engine import DEMO_MODEL, Engine, Generation, TinyDecoder
-from kvoffload.testing.helpers import wait_until
-from tests.workers.object.test_object_worker import object_config
+from kvoffload.testing.helpers import skip_without_extra
+
+skip_without_extra("engine")
+
+import torch  # noqa: E402
+
+from kvoffload.engine import DEMO_MODEL, Engine, Generation, TinyDecoder  # noqa: E402
+from kvoffload.testing.helpers import wait_until  # noqa: E402
 
 BT = DEMO_MODEL.block_tokens
 PREFIX_BLOCKS = 6
@@ -176,6 +180,8 @@ def test_second_engine_process_reuses_the_first_engines_blocks(
 def test_prefix_from_the_object_tier_after_reset(start_service, engines, model, s3_server) -> None:
     """Disk tier off: after the cascade to S3 and a reset, the prefix is promoted from the object
     tier (a probe first: RETRY, then HIT_PENDING, then HIT)."""
+    from tests.workers.object.test_object_worker import object_config  # needs the object extra
+
     bucket = s3_server.create_bucket(f"kvo-engine-{uuid.uuid4().hex[:12]}")
     service = start_service(
         workers=("cpu", "object"),

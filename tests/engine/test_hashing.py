@@ -10,7 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from kvoffload.engine.hashing import KEY_BYTES, block_keys
+from kvoffload.testing.helpers import skip_without_extra
+
+skip_without_extra("engine")  # kvoffload.engine imports torch
+
+from kvoffload.engine.hashing import KEY_BYTES, block_keys  # noqa: E402
 
 MODEL = b"model-a"
 BT = 16

@@ -6,9 +6,14 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
-from kvoffload.engine import DEMO_MODEL, Engine, ModelConfig, PagedKVCache, TinyDecoder
+from kvoffload.testing.helpers import skip_without_extra
+
+skip_without_extra("engine")
+
+import torch  # noqa: E402
+
+from kvoffload.engine import DEMO_MODEL, Engine, ModelConfig, PagedKVCache, TinyDecoder  # noqa: E402
 
 ATOL = 1e-4
 

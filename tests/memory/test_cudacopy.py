@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from kvoffload.testing.helpers import skip_without_extra
+
+skip_without_extra("engine")
+
+import torch  # noqa: E402
 
 from kvoffload.memory.cudacopy import Part, SlotRegion, StageBuffer, copy_slots  # noqa: E402
 

@@ -8,16 +8,21 @@ import stat
 import numpy as np
 import posix_ipc
 import pytest
-import torch
 
-from kvoffload.memory.kvcache import (
+from kvoffload.testing.helpers import skip_without_extra
+
+skip_without_extra("engine")
+
+import torch  # noqa: E402
+
+from kvoffload.memory.kvcache import (  # noqa: E402
     SharedKVCache,
     handle_problem,
     layout,
     segment_problem,
     unique_kv_name,
 )
-from kvoffload.protocol import (
+from kvoffload.protocol import (  # noqa: E402
     AttachKV,
     CudaIpcFields,
     HandleKind,

@@ -4,7 +4,9 @@ and isolation between clients."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -14,13 +16,16 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.auth
+from zmq.utils import z85
 
 from kvoffload import protocol as p
 from kvoffload.client import KVOffloadClient, KVOffloadError
 from kvoffload.config import ConfigError, ServiceConfig, load_config
+from kvoffload.server.handshakes import LOG_BURST, fingerprint
 from kvoffload.server.sockets import bind_client_socket
 from kvoffload.soak.probe import ProbeEngine
 from kvoffload.testing.helpers import free_port, keys_for
+from kvoffload.testing.metrics import scrape_metrics
 from kvoffload.testing.service import services
 
 NO_DISK = {"enabled": False}
@@ -116,6 +121,99 @@ def test_curve_admits_the_authorized_key_only(tmp_path, start_service):
         assert engine.store(req, keys_stored).success
         done, wrong = engine.load(req, keys_stored)
         assert done.success and wrong == []
+
+
+def test_refused_handshakes_are_logged_rate_limited_and_counted(tmp_path, start_service):
+    """Unknown keys, clients without CURVE, a wrong server key and raw junk get no answer, as
+    before; each is logged with the peer address, the key fingerprint (when the handshake got
+    to the key) and the reason, at most LOG_BURST lines per window, and counted by reason in
+    the status, the metrics and ``kvoffload status``."""
+    keys, authorized = tmp_path / "keys", tmp_path / "authorized"
+    keys.mkdir()
+    authorized.mkdir()
+    server_public_file, server_secret_file = zmq.auth.create_certificates(keys, "server")
+    client_public_file, client_secret_file = zmq.auth.create_certificates(keys, "client")
+    stranger_public_file, stranger_secret_file = zmq.auth.create_certificates(keys, "stranger")
+    shutil.copy(client_public_file, authorized)
+    server_public, _ = zmq.auth.load_certificate(server_public_file)
+    client_keys = (*zmq.auth.load_certificate(client_secret_file), server_public)
+    stranger_keys = (*zmq.auth.load_certificate(stranger_secret_file), server_public)
+    wrong_server = (*client_keys[:2], zmq.auth.load_certificate(client_public_file)[0])
+    port, metrics_port = free_port(), free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    harness = start_service(
+        curve_keys=client_keys,
+        disk=NO_DISK,
+        service={
+            "client_endpoint": endpoint,
+            "curve_server_secret_file": str(server_secret_file),
+            "curve_authorized_dir": str(authorized),
+            "metrics_port": metrics_port,
+        },
+    )
+    for keys_tried in (stranger_keys, None, wrong_server):
+        with pytest.raises(TimeoutError):
+            KVOffloadClient(endpoint, curve_keys=keys_tried, timeout_s=0.5)
+    flood = 40
+    for i in range(flood):
+        with socket.create_connection(("127.0.0.1", port)) as junk:
+            junk.sendall(b"GET / HTTP/1.0\r\n\r\n" if i % 2 else os.urandom(64))
+    with KVOffloadClient(endpoint, curve_keys=client_keys, timeout_s=5.0) as client:
+        assert "cpu" in client.status().workers, "the authorized client still gets in"
+
+    def counted(status: dict) -> bool:
+        refused = status["client_handshakes_refused"]
+        # a client without CURVE: the server sees the mechanism mismatch, or, when the client
+        # saw it first and hung up, a failed handshake
+        return (
+            refused["unknown_key"] >= 1
+            and refused["no_curve"] + refused["handshake_failed"] >= 1
+            and refused["bad_curve"] >= 1
+            and sum(refused.values()) >= 3 + flood
+        )
+
+    status = harness.wait_status(counted, 20)
+    assert status is not None, (harness.poll_status() or {}).get("client_handshakes_refused")
+    refused = status["client_handshakes_refused"]
+    total = sum(refused.values())
+    events = [e for e in harness.log_events() if e["event"] == "client_handshake_refused"]
+    stranger = zmq.auth.load_certificate(stranger_public_file)[0]
+    unknown = [e for e in events if e["reason"] == "unknown_key"]
+    assert unknown and unknown[0]["key_fingerprint"] == fingerprint(z85.decode(stranger))
+    assert unknown[0]["key_fingerprint"] in Path(stranger_public_file).read_text()
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", unknown[0]["peer"]), unknown[0]
+    assert events[0]["reason"] == "unknown_key"
+    # a peer gone before its address could be read is "unknown"
+    assert all(re.fullmatch(r"127\.0\.0\.1:\d+|unknown", e["peer"]) for e in events), events
+    assert all(e["key_fingerprint"] is None for e in events if e["reason"] != "unknown_key")
+    assert len(events) <= 2 * LOG_BURST < total, "a flood does not fill the log"
+
+    def by_reason(families: dict) -> dict[str, float]:
+        family = families.get("kvoffload_client_handshakes_refused")
+        return {s.labels["reason"]: s.value for s in family.samples} if family else {}
+
+    metrics = scrape_metrics(metrics_port, lambda f: sum(by_reason(f).values()) >= total)
+    assert all(by_reason(metrics)[reason] >= n for reason, n in refused.items())
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvoffload.cli",
+            "status",
+            "--endpoint",
+            endpoint,
+            "--curve-secret",
+            str(client_secret_file),
+            "--curve-server-key",
+            str(server_public_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    line = next(x for x in shown.stdout.splitlines() if x.startswith("refused client handshakes:"))
+    assert int(line.split()[3]) >= total and "unknown_key " in line and "bad_curve " in line, line
 
 
 def test_keys_of_wrong_length_are_refused_and_path_like_keys_stay_opaque(start_service):

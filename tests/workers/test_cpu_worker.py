@@ -12,11 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from kvoffload.memory.cuda_host import cuda_device_count
-from kvoffload.memory.kvcache import SharedKVCache
-from kvoffload.protocol import (
+from kvoffload.testing.helpers import skip_without_extra
+
+skip_without_extra("engine")
+
+import torch  # noqa: E402
+
+from kvoffload.memory.cuda_host import cuda_device_count  # noqa: E402
+from kvoffload.memory.kvcache import SharedKVCache  # noqa: E402
+from kvoffload.protocol import (  # noqa: E402
     AttachKV,
     CudaIpcFields,
     DetachKV,
@@ -28,12 +33,12 @@ from kvoffload.protocol import (
     KVHandle,
     TensorSpec,
 )
-from kvoffload.status import CpuWorkerStats
-from kvoffload.testing.helpers import REPO_ROOT
-from tests.workers.conftest import write_spec
-from workers.backend import AttachRefused
-from workers.cpu import UNKNOWN_HANDLE, CpuBackend
-from workers.faults import FaultInjector
+from kvoffload.status import CpuWorkerStats  # noqa: E402
+from kvoffload.testing.helpers import REPO_ROOT  # noqa: E402
+from tests.workers.conftest import write_spec  # noqa: E402
+from workers.backend import AttachRefused  # noqa: E402
+from workers.cpu import UNKNOWN_HANDLE, CpuBackend  # noqa: E402
+from workers.faults import FaultInjector  # noqa: E402
 
 KiB = 1024
 ROW = 64 * KiB

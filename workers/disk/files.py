@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kvoffload.runtime.locks import flock_holder
 from workers.disk.errors import LayoutError
 from workers.disk.layout import LOCK_FILE, SlabLayout, fsync_directory
 from workers.disk.rawio import O_DIRECT
@@ -60,7 +61,9 @@ class SlabFiles:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise LayoutError(f"{layout.directory} is open in another DiskStore") from None
+            holder = flock_holder(layout.directory / LOCK_FILE)
+            by = f" (pid {holder})" if holder is not None else ""
+            raise LayoutError(f"{layout.directory} is open in another DiskStore{by}") from None
         self._lock_fd = fd
 
     def open_existing(self, layout: SlabLayout) -> list[int]:

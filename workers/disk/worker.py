@@ -37,6 +37,7 @@ computed the checksum, so the stored copy is indexed but fails its checksum when
 from __future__ import annotations
 
 import errno
+import json
 import mmap
 import threading
 from collections import Counter
@@ -49,9 +50,10 @@ from kvoffload.logs import get_logger
 from kvoffload.memory.blockformat import BlockChecksum, CorruptBlock, deployment_fingerprint
 from kvoffload.memory.pool import HostPool
 from kvoffload.protocol import Job, JobKind, KVHandle
+from kvoffload.runtime.runspec import FatalStartError
 from kvoffload.status import DiskWorkerStats
 from workers.backend import BackendOutcome
-from workers.disk.errors import StoreFull, TransientIOError
+from workers.disk.errors import LayoutError, StoreFull, TransientIOError
 from workers.disk.fanout import fan_out
 from workers.disk.slab import DiskStore
 from workers.faults import FaultInjector
@@ -67,6 +69,10 @@ failing them would only strand records until the next start)."""
 SPACE_OPS = frozenset({"allocate", "write_record"})
 """Store operations where an injected full disk (``enospc_fraction``) fires, as ENOSPC would."""
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_UNUSABLE_DIRECTORY = frozenset(
+    {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST}
+)
+"""Errors of opening ``disk.root`` that a restart cannot fix."""
 GONE_REASONS = frozenset({"absent", "corrupt"})
 """Promotion failures that confirm the store no longer holds the key (reported absent)."""
 FULL_REASONS = frozenset({"store_full", "no_space"})
@@ -141,7 +147,21 @@ class DiskBackend:
             direct_io=DIRECT_IO[disk.io],
             fault_hook=self._on_store_op,
         )
-        store.open()
+        setting = f"disk.root = {json.dumps(disk.root)}"
+        try:
+            store.open()
+        except LayoutError as exc:
+            raise FatalStartError(
+                f"{setting}: {exc}; stop the other store or service using it, or give this "
+                "service another disk.root"
+            ) from exc
+        except OSError as exc:
+            if exc.errno not in _UNUSABLE_DIRECTORY:
+                raise
+            raise FatalStartError(
+                f"{setting}: {exc.strerror}: {exc.filename}; point disk.root at a directory "
+                "this user can write"
+            ) from exc
         self._store = store
         self._writers = ThreadPoolExecutor(disk.write_threads, thread_name_prefix="disk-write")
         self._readers = ThreadPoolExecutor(disk.read_threads, thread_name_prefix="disk-read")

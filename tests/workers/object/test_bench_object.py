@@ -6,9 +6,13 @@ import json
 import uuid
 from pathlib import Path
 
-from kvoffload.bench import object as bench_object
-from kvoffload.bench.cells import object_cells
-from kvoffload.testing.s3server import S3Server
+from kvoffload.testing.helpers import skip_without_extra
+
+skip_without_extra("object")
+
+from kvoffload.bench import object as bench_object  # noqa: E402
+from kvoffload.bench.cells import object_cells  # noqa: E402
+from kvoffload.testing.s3server import S3Server  # noqa: E402
 
 
 def test_ratios_are_medians_of_per_round_ratios() -> None:

@@ -15,25 +15,30 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from botocore.exceptions import ClientError
 
-from kvoffload.config import Config, ObjectConfig, PoolConfig
-from kvoffload.memory.blockformat import HEADER_SIZE, deployment_fingerprint
-from kvoffload.memory.kvcache import SharedKVCache
-from kvoffload.memory.pool import HostPool
-from kvoffload.memory.slottable import SlotTable
-from kvoffload.protocol import FaultSpec, Job, JobKind
-from kvoffload.runtime.runspec import EXIT_REFUSED, RunSpec
-from kvoffload.status import ObjectWorkerStats, WorkerStats
-from kvoffload.testing.helpers import REPO_ROOT, random_kv_cache, wait_until
-from kvoffload.testing.s3server import S3Server, object_section
-from kvoffload.testing.service import shm_names_containing, to_toml
-from kvoffload.tiering import LookupResult
-from workers.backend import Backend
-from workers.faults import FaultInjector
-from workers.object.breaker import CircuitBreaker
-from workers.object.worker import ObjectBackend
-from workers.slotheaders import SlotHeaders
+from kvoffload.testing.helpers import skip_without_extra
+
+skip_without_extra("object")
+
+from botocore.exceptions import ClientError  # noqa: E402
+
+from kvoffload.config import Config, ObjectConfig, PoolConfig  # noqa: E402
+from kvoffload.memory.blockformat import HEADER_SIZE, deployment_fingerprint  # noqa: E402
+from kvoffload.memory.kvcache import SharedKVCache  # noqa: E402
+from kvoffload.memory.pool import HostPool  # noqa: E402
+from kvoffload.memory.slottable import SlotTable  # noqa: E402
+from kvoffload.protocol import FaultSpec, Job, JobKind  # noqa: E402
+from kvoffload.runtime.runspec import EXIT_REFUSED, RunSpec  # noqa: E402
+from kvoffload.status import ObjectWorkerStats, WorkerStats  # noqa: E402
+from kvoffload.testing.helpers import REPO_ROOT, random_kv_cache, wait_until  # noqa: E402
+from kvoffload.testing.s3server import S3Server, object_section  # noqa: E402
+from kvoffload.testing.service import shm_names_containing, to_toml  # noqa: E402
+from kvoffload.tiering import LookupResult  # noqa: E402
+from workers.backend import Backend  # noqa: E402
+from workers.faults import FaultInjector  # noqa: E402
+from workers.object.breaker import CircuitBreaker  # noqa: E402
+from workers.object.worker import ObjectBackend  # noqa: E402
+from workers.slotheaders import SlotHeaders  # noqa: E402
 
 BLOCK = 65536
 SLOTS = 16

@@ -10,13 +10,18 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
-from botocore.exceptions import ClientError
-from obstore.exceptions import GenericError, PermissionDeniedError
-from structlog.testing import capture_logs
 
-from kvoffload.memory.blockformat import HEADER_SIZE, CorruptBlock, deployment_fingerprint
-from kvoffload.testing.s3server import S3Server
-from workers.object import (
+from kvoffload.testing.helpers import skip_without_extra
+
+skip_without_extra("object")
+
+from botocore.exceptions import ClientError  # noqa: E402
+from obstore.exceptions import GenericError, PermissionDeniedError  # noqa: E402
+from structlog.testing import capture_logs  # noqa: E402
+
+from kvoffload.memory.blockformat import HEADER_SIZE, CorruptBlock, deployment_fingerprint  # noqa: E402
+from kvoffload.testing.s3server import S3Server  # noqa: E402
+from workers.object import (  # noqa: E402
     BreakerOpen,
     CircuitBreaker,
     ObjectStoreConfigError,
@@ -24,9 +29,9 @@ from workers.object import (
     S3BlockStore,
     TransientObjectError,
 )
-from workers.object.classify import ErrorKind, classify
-from workers.object.naming import normalize_prefix, object_name
-from workers.object.retry import RetryPolicy
+from workers.object.classify import ErrorKind, classify  # noqa: E402
+from workers.object.naming import normalize_prefix, object_name  # noqa: E402
+from workers.object.retry import RetryPolicy  # noqa: E402
 
 BLOCK = 64 << 10
 FINGERPRINT = deployment_fingerprint(BLOCK, "test-layout")
