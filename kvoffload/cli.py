@@ -119,7 +119,7 @@ def format_status(status: ManagerStatus) -> str:
     lines.append("")
     lines.append(
         f"{'cascades':<10}{'ok':>10}{'waiting':>10}{'retried':>10}"
-        f"{'dropped: evicted':>18}{'tier full':>11}{'retry bound':>13}"
+        f"{'dropped: evicted':>18}{'tier full':>11}{'retry bound':>13}{'dirty':>8}"
     )
     for name, tier in t.tiers.items():
         c = t.per_tier[name]
@@ -127,7 +127,13 @@ def format_status(status: ManagerStatus) -> str:
             f"{name:<10}{c.cascaded_keys_ok:>10}{tier.cascade_backlog:>10}"
             f"{c.cascade_keys_resubmitted:>10}{c.cascade_dropped_evicted:>18}"
             f"{c.cascade_dropped_tier_full:>11}{c.cascade_dropped_retry_bound:>13}"
+            f"{tier.dirty_keys:>8}"
         )
+    lines.append(
+        f"write-back: {t.held_slots} slots held for their cascade; stores refused "
+        f"{t.store_allocation_failures} ({t.stores_refused_dirty} for lack of clean room, "
+        f"{t.store_backpressure_s:.1f}s refusing)"
+    )
     lines.append("")
     lines.append(
         f"{'worker':<10}{'pid':>8}{'heartbeat':>11}{'inflight':>10}{'degraded':>10}{'restarts':>10}"

@@ -113,7 +113,9 @@ class DiskConfig(_Section, frozen=True):
 
 
 class ObjectConfig(_Section, frozen=True):
-    """The S3-compatible object tier; off until ``enabled`` and an ``endpoint`` are set."""
+    """The S3-compatible object tier; off until ``enabled`` and an ``endpoint`` are set.
+    ``writeback``: ``best_effort`` evicts blocks whose PUT has not landed when the pool needs
+    room (given up, counted); ``hold`` keeps them, refusing stores instead (as the disk tier)."""
 
     enabled: bool = False
     endpoint: str = ""
@@ -129,6 +131,7 @@ class ObjectConfig(_Section, frozen=True):
     breaker_failure_threshold: Positive = 5
     breaker_cooldown_s: PositiveSeconds = 1.0
     breaker_max_cooldown_s: float = 30.0
+    writeback: Literal["best_effort", "hold"] = "best_effort"
     cpu_affinity: Cores = ()
 
 

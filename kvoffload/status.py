@@ -28,6 +28,9 @@ class TierState(_Status):
     tracked_requests: int
     online: bool
     cascade_backlog: int
+    dirty_keys: int = 0
+    """Keys in the host pool whose cascade to this tier has not landed (waiting or in flight)."""
+    cascade_inflight_keys: int = 0
 
 
 class TieringStatus(_Status):
@@ -48,6 +51,12 @@ class TieringStatus(_Status):
     promoted_keys_consumed: int
     promotion_amplification: float | None
     per_tier: dict[str, TierCounters]
+    held_slots: int = 0
+    """Slots held for a tier that must get their block first (write-back: never evicted)."""
+    stores_refused_dirty: int = 0
+    """Stores refused (``no_space``) while held blocks took the room they needed."""
+    store_backpressure_s: float = 0.0
+    """Seconds from a refused store to the next store that got slots, summed."""
 
 
 class PoolStatus(_Status):

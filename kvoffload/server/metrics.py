@@ -56,11 +56,13 @@ POOL_GAUGES = {
     "writing_slots": "Host pool slots being written.",
     "unverified_slots": "Host pool slots adopted by a warm restart and not verified yet.",
     "unread_promotion_pins": "Slots pinned by promotions that landed and were not read yet.",
+    "held_slots": "Host pool slots held until a tier that must get their block has it.",
 }
 GLOBAL_COUNTERS = {
     "hit_pending_expired": "(request, key) pairs that stayed HIT_PENDING past the deadline.",
     "promotion_allocation_failures": "Promotions that found no free pool slot.",
     "store_allocation_failures": "Stores that found no free pool slot (no_space).",
+    "stores_refused_dirty": "Stores refused (no_space) while held blocks took the room.",
     "promoted_keys": "Keys promoted into the host pool.",
     "promoted_keys_consumed": "Promoted keys that an engine then loaded.",
 }
@@ -195,6 +197,11 @@ def _manager_families(status: Mapping[str, Any]) -> Iterator[Metric]:
     )
     for name, doc in GLOBAL_COUNTERS.items():
         yield _counter(name, doc, tiering[name])
+    yield _counter(
+        "store_backpressure_seconds",
+        "Seconds from a refused store to the next store that got slots.",
+        tiering["store_backpressure_s"],
+    )
     amplification = tiering.get("promotion_amplification")
     if amplification is not None:
         yield _gauge(
@@ -249,12 +256,16 @@ def _tier_families(tiering: Mapping[str, Any]) -> Iterator[Metric]:
     backlog = gauge("tier_cascade_backlog", "Keys waiting for a cascade to the tier.")
     indexed = gauge("tier_indexed_keys", "Keys the manager knows the tier holds (indexed tiers).")
     verdicts = gauge("tier_verdicts", "Cached probe verdicts (probed tiers).")
+    dirty = gauge("tier_dirty_keys", "Blocks in the host pool not yet on the tier.")
+    inflight = gauge("tier_cascade_inflight_keys", "Keys of the tier's cascades in flight.")
     for tier, info in tiering["tiers"].items():
         online.add_metric([tier], int(info["online"]))
         backlog.add_metric([tier], info["cascade_backlog"])
         indexed.add_metric([tier], info["indexed_keys"])
         verdicts.add_metric([tier], info["verdicts"])
-    yield from (online, backlog, indexed, verdicts)
+        dirty.add_metric([tier], info["dirty_keys"])
+        inflight.add_metric([tier], info["cascade_inflight_keys"])
+    yield from (online, backlog, indexed, verdicts, dirty, inflight)
 
 
 def _worker_families(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -24,14 +24,20 @@ from kvoffload.server.sockets import bind_client_socket, bind_job_socket
 from kvoffload.server.warmstart import WarmRestart
 from kvoffload.server.workers import WorkerRegistry
 from kvoffload.status import ManagerStatus
-from kvoffload.tiering import Locality, Medium, TieringLedger, TierSpec, TransferResult
+from kvoffload.tiering import Locality, Medium, TieringLedger, TierSpec, TransferResult, WriteBack
 
 log = structlog.get_logger()
 
 CPU_WORKER = "cpu"
-CASCADE_PIN_SHARE = 0.25
-"""Share of the pool's slots that cascades in flight may pin, all tiers together; the other
-keys to cascade wait unpinned, so the pool never fills with them."""
+CASCADE_JOB_BYTES = 4 << 20
+"""Bytes of blocks in one cascade job (at least one block): jobs small enough that a tier's
+results, and the slots they let go, come back while the rest is written."""
+CASCADE_JOBS_PER_THREAD = 2
+"""Cascade jobs in flight per writer thread of a tier's worker: one being written, one queued
+behind it, so the medium never waits for the manager."""
+OBJECT_PIN_SHARE = 0.25
+"""Share of the pool's slots that the object tier's cascades in flight may pin: its blocks are
+not held (``WriteBack.BEST_EFFORT``), so a slow or hung store never fills the pool."""
 
 
 class RequestError(Exception):
@@ -62,13 +68,42 @@ class WaitingLookup:
 
 
 def tier_specs(cfg: Config) -> list[TierSpec]:
+    """The secondary tiers and their write-back (docs/design/tiering.md, section 4): the disk
+    tier holds every block until its cascade landed (``HOLD``); the object tier gets its blocks
+    best effort unless ``object.writeback = "hold"``. Cascades in flight follow each worker's
+    writer threads (``CASCADE_JOBS_PER_THREAD`` jobs of ``CASCADE_JOB_BYTES`` each); best
+    effort, the object tier's stay within ``OBJECT_PIN_SHARE`` of the pool."""
+    job_keys = max(1, CASCADE_JOB_BYTES // cfg.pool.block_bytes)
     specs = []
     if cfg.disk.enabled:
-        specs.append(TierSpec("disk", Medium.STORAGE, Locality.LOCAL, indexed=True))
+        inflight = job_keys * CASCADE_JOBS_PER_THREAD * cfg.disk.write_threads
+        specs.append(
+            TierSpec(
+                "disk",
+                Medium.STORAGE,
+                Locality.LOCAL,
+                indexed=True,
+                max_inflight_cascade_keys=inflight,
+                max_cascade_job_keys=job_keys,
+                writeback=WriteBack.HOLD,
+            )
+        )
     if cfg.object.enabled:
-        specs.append(TierSpec("object", Medium.STORAGE, Locality.REMOTE, indexed=False))
-    pins = max(1, int(cfg.pool.num_slots * CASCADE_PIN_SHARE) // max(1, len(specs)))
-    return [replace(spec, max_inflight_cascade_keys=pins) for spec in specs]
+        inflight = job_keys * CASCADE_JOBS_PER_THREAD * cfg.object.io_threads
+        if cfg.object.writeback == "best_effort":
+            inflight = min(inflight, max(1, int(cfg.pool.num_slots * OBJECT_PIN_SHARE)))
+        specs.append(
+            TierSpec(
+                "object",
+                Medium.STORAGE,
+                Locality.REMOTE,
+                indexed=False,
+                max_inflight_cascade_keys=inflight,
+                max_cascade_job_keys=job_keys,
+                writeback=WriteBack(cfg.object.writeback),
+            )
+        )
+    return specs
 
 
 class ManagerState:

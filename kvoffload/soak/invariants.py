@@ -9,7 +9,10 @@ what a run leaves behind; each broken one is a ``Violation``.
   by the cpu worker;
 - durability: every acknowledged block comes back after ``reset_cache``, unless the service
   logged it as given up (``cascade_dropped``: evicted first, tier full, retry bound) or as lost
-  by a tier (evicted by the disk tier, or a corrupt copy removed);
+  by a tier (evicted by the disk tier, or a corrupt copy removed). A block given up for the
+  disk tier as ``evicted`` (it left the pool before reaching the disk) is a loss, never an
+  excuse: the disk tier holds every block until its cascade landed, so with a disk that had
+  room only a cache reset with the disk offline may drop one;
 - manager RSS: the peak stays under a limit;
 - leftovers: no shared-memory segment, runtime file or process of the run after shutdown.
 """
@@ -149,12 +152,45 @@ def check_client_mappings(segments: list[str]) -> list[Violation]:
     return [Violation("client_kv_still_mapped", {"segments": segments})] if segments else []
 
 
+def is_disk_eviction(event: dict) -> bool:
+    """A block given up for the disk tier because it left the pool first (a loss, not an
+    excuse: see the module docstring)."""
+    return (
+        event.get("event") == "cascade_dropped"
+        and event.get("tier") == "disk"
+        and event.get("reason") == "evicted"
+    )
+
+
+def disk_evicted_keys(log_events: list[dict]) -> set[bytes]:
+    """The keys the service gave up for the disk tier as ``evicted``."""
+    return {
+        bytes.fromhex(name)
+        for event in log_events
+        if is_disk_eviction(event)
+        for name in event.get("keys", [])
+    }
+
+
+def check_disk_evictions(evicted: set[bytes]) -> list[Violation]:
+    """Blocks that left the pool before reaching the disk tier are losses."""
+    if not evicted:
+        return []
+    return [
+        Violation(
+            "evicted_before_reaching_disk",
+            {"count": len(evicted), "keys": sorted(k.hex() for k in evicted)[:10]},
+        )
+    ]
+
+
 def excused_keys(log_events: list[dict]) -> dict[bytes, str]:
-    """Keys the service logged as given up or lost by a tier, with the first excuse seen."""
+    """Keys the service logged as given up or lost by a tier, with the first excuse seen
+    (a disk ``evicted`` drop excuses nothing)."""
     excused: dict[bytes, str] = {}
     for event in log_events:
         excuse = LOSS_EVENTS.get(event.get("event", ""))
-        if excuse is None:
+        if excuse is None or is_disk_eviction(event):
             continue
         if "keys" in event:
             names = event["keys"]

@@ -38,11 +38,13 @@ from kvoffload.soak.invariants import (
     Violation,
     check_acknowledged_blocks,
     check_client_mappings,
+    check_disk_evictions,
     check_leftovers,
     check_quiescent,
     check_rss,
     check_sessions_gone,
     check_workers_up,
+    disk_evicted_keys,
     excused_keys,
     is_quiescent,
     judge_engine_events,
@@ -354,14 +356,19 @@ class SoakRun:
             return
         finally:
             self.reader.read([report])
-        excused = excused_keys(harness.log_events())
+        log_events = harness.log_events()
+        excused = excused_keys(log_events)
         self.violations += check_acknowledged_blocks(missing, excused)
+        disk_evicted = disk_evicted_keys(log_events)
+        self.violations += check_disk_evictions(disk_evicted)
         reasons = Counter(excused[key] for key in missing if key in excused)
         self.durability = {
             "acknowledged": len(acked),
             "came_back": len(acked) - len(missing),
             "excused": dict(sorted(reasons.items())),
             "lost": sum(1 for key in missing if key not in excused),
+            "evicted_before_reaching_disk": len(disk_evicted),
+            "acknowledged_evicted_before_reaching_disk": len(disk_evicted.intersection(acked)),
         }
 
     # ---- summary --------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from kvoffload.tiering.types import (
     TierMatcher,
     TransferJob,
     TransferResult,
+    WriteBack,
     parse_tier_filter,
 )
 from kvoffload.vocab import JobKind, LookupResult, MissReason
@@ -43,5 +44,6 @@ __all__ = [
     "TieringLedger",
     "TransferJob",
     "TransferResult",
+    "WriteBack",
     "parse_tier_filter",
 ]

@@ -2,11 +2,17 @@
 
 Every key that lands in the primary tier (a store, or an adopted block) is cascaded to every
 secondary tier that does not hold it. Keys a tier cannot take now (its worker is offline, see
-``TieringLedger.set_tier_online``, or its cascades in flight already pin
-``max_inflight_cascade_keys``) and keys whose cascade failed wait in the tier's backlog, unpinned;
-a failed key is retried with exponential backoff. A key is given up only for a ``CascadeDrop``
-reason (it was evicted first, the tier is full, or ``max_attempts`` failed), each counted per
-tier and logged (``cascade_dropped``) with its keys.
+``TieringLedger.set_tier_online``, its cascades in flight already pin
+``max_inflight_cascade_keys``, or older keys wait before them) and keys whose cascade failed wait
+in the tier's backlog, in order; a failed key is retried with exponential backoff. A cascade
+goes out as jobs of at most ``max_cascade_job_keys`` keys. A key is given up only for a
+``CascadeDrop`` reason (it was evicted first, the tier is full, or ``max_attempts`` failed), each
+counted per tier and logged (``cascade_dropped``) with its keys.
+
+From the moment a key is queued for a tier until its cascade lands or it is given up, it is
+*dirty* for that tier (``TierCascades.dirty``). A ``WriteBack.HOLD`` tier holds its dirty keys
+in the pool (``PrimaryIndex.hold``), so eviction never takes them; a ``BEST_EFFORT`` tier's dirty
+keys are evicted last (``writeback.Eviction``) and then given up as ``evicted``.
 
 Request-level tiers also get the keys of a store that were already present: ready ones at once,
 the ones still being written parked on their request until their write lands.
@@ -26,7 +32,7 @@ from kvoffload.logs import get_logger
 from kvoffload.tiering.primary import PrimaryIndex
 from kvoffload.tiering.secondary import SecondaryTier
 from kvoffload.tiering.stats import TieringStats
-from kvoffload.tiering.types import CascadeDrop, Key, RequestState, TransferJob
+from kvoffload.tiering.types import CascadeDrop, Key, RequestState, TransferJob, WriteBack
 from kvoffload.vocab import JobKind, LookupResult
 
 log = get_logger()
@@ -47,11 +53,13 @@ class PendingCascade:
 @dataclass(slots=True)
 class TierCascades:
     """One tier's cascade state: the keys waiting for a cascade (``backlog``), when the backlog
-    is worth looking at again (``due_at``), and the keys its cascades in flight pin."""
+    is worth looking at again (``due_at``), the keys its cascades in flight pin, and its dirty
+    keys (in the backlog or in a cascade in flight)."""
 
     backlog: OrderedDict[Key, PendingCascade] = field(default_factory=OrderedDict)
     due_at: float = 0.0
     inflight_keys: int = 0
+    dirty: dict[Key, None] = field(default_factory=dict)
 
 
 class Cascades:
@@ -84,12 +92,15 @@ class Cascades:
 
     def submit(self, tier_idx: int, keys: list[Key], req_id: str | None) -> None:
         """Cascade the ready keys the tier does not hold: as many as it has room for now, the
-        others into its backlog."""
+        others into its backlog (all of them when older keys wait there, so the backlog goes
+        out in order)."""
         tier, state = self.tiers[tier_idx], self.per_tier[tier_idx]
         keys = [k for k in dict.fromkeys(keys) if not tier.knows(k) and k not in state.backlog]
         if not keys:
             return
-        room = self.room(tier_idx, len(keys))
+        self._dirty(tier_idx, keys)
+        waiting = any(not entry.in_flight for entry in state.backlog.values())
+        room = 0 if waiting else self.room(tier_idx, len(keys))
         if room < len(keys):
             now = self._clock()
             for key in keys[room:]:
@@ -115,9 +126,32 @@ class Cascades:
         return max(0, min(wanted, bound - self.per_tier[tier_idx].inflight_keys))
 
     def _send(self, tier_idx: int, keys: list[Key], req_id: str | None) -> None:
-        slots = self.primary.pin(keys)
-        self.per_tier[tier_idx].inflight_keys += len(keys)
-        self._submit(TransferJob(0, tier_idx, JobKind.CASCADE, keys, slots, req_id))
+        """Cascade jobs of at most ``max_cascade_job_keys`` keys each; each pins its slots."""
+        step = self.tiers[tier_idx].spec.max_cascade_job_keys or len(keys)
+        for first in range(0, len(keys), step):
+            chunk = keys[first : first + step]
+            slots = self.primary.pin(chunk)
+            self.per_tier[tier_idx].inflight_keys += len(chunk)
+            self._submit(TransferJob(0, tier_idx, JobKind.CASCADE, chunk, slots, req_id))
+
+    def _dirty(self, tier_idx: int, keys: list[Key]) -> None:
+        """Ready keys become dirty for the tier (a HOLD tier holds them in the pool, once per
+        key however many of its cascades are under way)."""
+        dirty = self.per_tier[tier_idx].dirty
+        fresh = [k for k in keys if k not in dirty]
+        dirty.update(dict.fromkeys(fresh))
+        if self.tiers[tier_idx].spec.writeback is WriteBack.HOLD:
+            self.primary.hold(fresh)
+
+    def _clean(self, tier_idx: int, keys: Iterable[Key]) -> None:
+        """Keys are no longer dirty for the tier (stored, or given up): a HOLD tier lets go of
+        the ones still in the pool."""
+        dirty = self.per_tier[tier_idx].dirty
+        gone = [k for k in keys if k in dirty]
+        for key in gone:
+            del dirty[key]
+        if self.tiers[tier_idx].spec.writeback is WriteBack.HOLD:
+            self.primary.release([k for k in gone if self.primary.is_held(k)])
 
     # ---- request-level tiers: keys already present ----------------------------------------
 
@@ -164,6 +198,7 @@ class Cascades:
         tier.stored(ok)
         for key in ok:
             state.backlog.pop(key, None)
+        self._clean(tier_idx, ok)
         now = self._clock()
         retry_bound: list[Key] = []
         for key in failed:
@@ -173,6 +208,7 @@ class Cascades:
             entry = state.backlog.get(key)
             if entry is None:
                 entry = state.backlog[key] = PendingCascade()
+                self._dirty(tier_idx, [key])  # a second cascade of a key already clean
             entry.in_flight = False
             entry.attempts += 1
             if entry.attempts >= self.max_attempts:
@@ -185,6 +221,7 @@ class Cascades:
             state.due_at = 0.0  # room was freed and retries were scheduled: look again
         self._drop(tier_idx, [k for k in failed if k in full], CascadeDrop.TIER_FULL)
         self._drop(tier_idx, retry_bound, CascadeDrop.RETRY_BOUND)
+        self._clean(tier_idx, [*full, *retry_bound])
 
     # ---- backlogs -------------------------------------------------------------------------
 
@@ -197,8 +234,9 @@ class Cascades:
                 self._retry(tier_idx, now)
 
     def _retry(self, tier_idx: int, now: float) -> None:
-        """Submit the backlog keys that are due, ready and within the tier's room; forget the
-        ones the tier now holds; give up the ones evicted meanwhile."""
+        """Submit the backlog keys that are due, ready and within the tier's room, in backlog
+        order; forget the ones the tier now holds; give up the ones evicted meanwhile. The scan
+        stops once the room is used (a cascade's result looks again)."""
         tier, state = self.tiers[tier_idx], self.per_tier[tier_idx]
         room = self.room(tier_idx, len(state.backlog))
         batch: list[Key] = []
@@ -206,6 +244,8 @@ class Cascades:
         evicted: list[Key] = []
         due_at = math.inf
         for key, entry in state.backlog.items():
+            if len(batch) >= room:
+                break
             if entry.in_flight:
                 continue
             if tier.knows(key):
@@ -224,6 +264,7 @@ class Cascades:
             del state.backlog[key]
         state.due_at = due_at
         self._drop(tier_idx, evicted, CascadeDrop.EVICTED)
+        self._clean(tier_idx, settled + evicted)
         if batch:
             for key in batch:
                 state.backlog[key].in_flight = True
@@ -242,9 +283,14 @@ class Cascades:
         """The tier's worker is back: look at its backlog at once."""
         self.per_tier[tier_idx].due_at = 0.0
 
-    def waiting_keys(self) -> list[Key]:
-        """Keys in any backlog (evicted to make room only when nothing else can)."""
-        return [k for state in self.per_tier for k in state.backlog]
+    def best_effort_dirty(self) -> list[dict[Key, None]]:
+        """The dirty keys of each BEST_EFFORT tier (evicted only when nothing else can make
+        room; a HOLD tier's are held, never evicted)."""
+        return [
+            state.dirty
+            for tier, state in zip(self.tiers, self.per_tier, strict=True)
+            if tier.spec.writeback is WriteBack.BEST_EFFORT
+        ]
 
     def evicted(self, keys: Iterable[Key]) -> None:
         """Keys left the primary tier: those still waiting for a cascade are given up."""
@@ -252,13 +298,16 @@ class Cascades:
         for tier_idx, state in enumerate(self.per_tier):
             gone = [k for k in keys if state.backlog.pop(k, None) is not None]
             self._drop(tier_idx, gone, CascadeDrop.EVICTED)
+            self._clean(tier_idx, gone)
 
     def give_up_all(self) -> None:
-        """The primary tier is emptied: every key still in a backlog is given up as evicted."""
+        """The primary tier is emptied: every key still in a backlog is given up as evicted
+        (no cascade is in flight then: every dirty key is in a backlog)."""
         for tier_idx, state in enumerate(self.per_tier):
             left = list(state.backlog)
             state.backlog.clear()
             self._drop(tier_idx, left, CascadeDrop.EVICTED)
+            self._clean(tier_idx, list(state.dirty))
 
     def flush(self) -> None:
         """Make every backlog key due now, backoff or not."""

@@ -7,7 +7,9 @@ from its tier or from ``fail_worker_jobs`` / ``expire_probes``.
 
 Pinning rules: ``prepare_load`` pins (caller releases with ``complete_load``); a cascade pins its
 slots until its result is applied; a landed promotion is pinned for its request until the request
-loads it or finishes (within ``unread_promotion_cap`` slots).
+loads it or finishes (within ``unread_promotion_cap`` slots). A key whose cascade to a
+``WriteBack.HOLD`` tier has not landed is held in the pool, never evicted; a store that finds no
+other room is refused (``writeback.Eviction``).
 
 Its parts, each in its module: ``PrefixLookup`` (a request's prefix across the tiers),
 ``Promotions`` (queued per step, landed, protected until read), ``Cascades`` (durable cascades
@@ -53,6 +55,7 @@ from kvoffload.tiering.types import (
     TransferResult,
     UnknownRequest,
 )
+from kvoffload.tiering.writeback import Eviction
 from kvoffload.vocab import JobKind
 
 log = get_logger()
@@ -101,6 +104,7 @@ class TieringLedger:
             backoff_s=cascade_backoff_s,
             backoff_max_s=cascade_backoff_max_s,
         )
+        self.eviction = Eviction(self.primary, self.cascades, self.stats, clock)
         unread_cap = (
             max(1, num_slots // 4) if unread_promotion_cap is None else unread_promotion_cap
         )
@@ -242,8 +246,9 @@ class TieringLedger:
             raise RequestFinishedError(f"request {req_id!r} is finished")
         allocated = self._allocate(keys, set(keys))
         if allocated is None:
-            self.stats.store_allocation_failures += 1
+            self.eviction.store_refused(keys)
             return None
+        self.eviction.store_allocated(allocated)
         new_keys, slots, evicted = allocated
         self._record_evictions(evicted)
         if new_keys:
@@ -283,14 +288,8 @@ class TieringLedger:
             raise ProtocolViolation("successful_keys is not a subset of the stored keys")
 
     def _allocate(self, keys: Sequence[Key], protected: Collection[Key]) -> Allocation | None:
-        """``PrimaryIndex.allocate`` that evicts keys still waiting for a cascade only when
-        nothing else can make room."""
-        waiting = self.cascades.waiting_keys()
-        if waiting:
-            allocated = self.primary.allocate(keys, {*protected, *waiting})
-            if allocated is not None:
-                return allocated
-        return self.primary.allocate(keys, protected)
+        """``PrimaryIndex.allocate`` under the write-back rules (``writeback.Eviction``)."""
+        return self.eviction.allocate(keys, protected)
 
     def flush_cascade_backlogs(self) -> None:
         """Make every backlog key due now, backoff or not (before a ``reset_cache``)."""
@@ -450,7 +449,12 @@ class TieringLedger:
             "cascade_backlog": self.cascade_backlog(),
             "requests": len(self._requests),
             "tiers": {
-                t.name: {**t.gauges(), "cascade_backlog": len(cascades.backlog)}
+                t.name: {
+                    **t.gauges(),
+                    "cascade_backlog": len(cascades.backlog),
+                    "dirty_keys": len(cascades.dirty),
+                    "cascade_inflight_keys": cascades.inflight_keys,
+                }
                 for t, cascades in zip(self.tiers, self.cascades.per_tier, strict=True)
             },
             **self.stats.as_dict(),

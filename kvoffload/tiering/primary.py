@@ -2,6 +2,9 @@
 
 ref_cnt states: -1 a write into the slot is in flight (not readable, not evictable);
 0 ready and evictable; n > 0 ready and pinned by n readers.
+A ready key may also be *held* (``hold``/``release``, counted apart from its readers): a held
+key is readable but never evicted (the write-back of ``writeback.py``: its cascade to a tier
+that must get it has not landed yet).
 Slots are handed out never-used first (increasing), then freed ones (last freed first).
 With ``track_invalidations`` every slot freed or handed to a new key is recorded until
 ``take_invalidated_slots``, so the caller can forget what the slot held (its slot header).
@@ -35,13 +38,18 @@ class PrimaryIndex:
         self._free: list[int] = []
         self._next_unused = 0
         self._evictable = 0
-        self.policy = make_policy(policy, num_slots, self.ref_count)
+        self._holds: dict[Key, int] = {}
+        self.policy = make_policy(policy, num_slots, self._eviction_refs)
         self.recently_evicted: OrderedDict[Key, None] = OrderedDict()
         self.evictions = 0
 
     def ref_count(self, key: Key) -> int:
         """ref_cnt of a present key; KeyError if absent."""
         return self._refs[key]
+
+    def _eviction_refs(self, key: Key) -> int:
+        """What the policy sees: ref_cnt, plus one while the key is held (never 0 then)."""
+        return self._refs[key] + (key in self._holds)
 
     def lookup(self, key: Key) -> LookupResult:
         ref = self._refs.get(key)
@@ -74,7 +82,45 @@ class PrimaryIndex:
 
     @property
     def evictable_count(self) -> int:
+        """Ready keys neither pinned nor held."""
         return self._evictable
+
+    @property
+    def held_count(self) -> int:
+        """Keys held (``hold``), pinned or not."""
+        return len(self._holds)
+
+    def is_held(self, key: Key) -> bool:
+        return key in self._holds
+
+    def hold(self, keys: Iterable[Key]) -> None:
+        """+1 hold on each key (all must be ready, else NotReady and nothing changes). A held
+        key is never evicted; holds are counted apart from pins."""
+        keys = list(keys)
+        for key in keys:
+            ref = self._refs.get(key)
+            if ref is None or ref == WRITING:
+                raise NotReady(f"key {key.hex()} is not ready in the primary tier")
+        for key in keys:
+            held = self._holds.get(key, 0)
+            self._holds[key] = held + 1
+            if not held and self._refs[key] == 0:
+                self._evictable -= 1
+
+    def release(self, keys: Iterable[Key]) -> None:
+        """-1 hold on each key; a key that is not held is a protocol violation."""
+        keys = list(keys)
+        for key in keys:
+            if key not in self._holds:
+                raise ProtocolViolation(f"key {key.hex()} is not held")
+        for key in keys:
+            held = self._holds[key] - 1
+            if held:
+                self._holds[key] = held
+                continue
+            del self._holds[key]
+            if self._refs[key] == 0:
+                self._evictable += 1
 
     def allocate(self, keys: Iterable[Key], protected: Collection[Key]) -> Allocation | None:
         """Reserve slots (ref_cnt -1) for the keys not yet present; None, changing nothing,
@@ -133,7 +179,7 @@ class PrimaryIndex:
         for key in keys:
             ref = self._refs[key]
             if ref == 0:
-                self._evictable -= 1
+                self._idle_changed(key, -1)
             self._refs[key] = ref + 1
             slots.append(self._slot[key])
         return slots
@@ -148,7 +194,12 @@ class PrimaryIndex:
             ref = self._refs[key] - 1
             self._refs[key] = ref
             if ref == 0:
-                self._evictable += 1
+                self._idle_changed(key, 1)
+
+    def _idle_changed(self, key: Key, delta: int) -> None:
+        """A ready key's last pin went (+1) or its first came (-1): evictable unless held."""
+        if key not in self._holds:
+            self._evictable += delta
 
     def touch(self, keys: Iterable[Key]) -> None:
         self.policy.touch(keys)
@@ -193,6 +244,7 @@ class PrimaryIndex:
         self._free.clear()
         self._next_unused = 0
         self._evictable = 0
+        self._holds.clear()
         self.policy.clear()
         self.recently_evicted.clear()
 
@@ -203,6 +255,7 @@ class PrimaryIndex:
             "used_slots": len(self),
             "pinned_slots": self.pinned_count(),
             "writing_slots": self.writing_count(),
+            "held_slots": len(self._holds),
         }
 
     def pinned_count(self) -> int:
@@ -227,7 +280,8 @@ class PrimaryIndex:
 
     def _drop(self, key: Key) -> None:
         if self._refs.pop(key) == 0:
-            self._evictable -= 1
+            self._idle_changed(key, -1)
+        self._holds.pop(key, None)
         slot = self._slot.pop(key)
         self._free.append(slot)
         if self._track_invalidations:

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from kvoffload.tiering.types import Key, Locality, Medium, OffloadPolicy
+from kvoffload.tiering.types import Key, Locality, Medium, OffloadPolicy, WriteBack
 from kvoffload.tiering.verdicts import VerdictCache
 from kvoffload.vocab import LookupResult, MissReason
 
@@ -25,8 +25,12 @@ class TierSpec:
     """Static description of a secondary tier.
 
     ``max_inflight_cascade_keys``: the most keys this tier's cascades in flight may pin; the
-    keys beyond it wait in the tier's cascade backlog, unpinned (no job id consumed).
+    keys beyond it wait in the tier's cascade backlog (no job id consumed). 0: unbounded.
+    ``max_cascade_job_keys``: the most keys of one cascade job (more go as several jobs).
     0: unbounded.
+    ``writeback``: what the tier's dirty keys may suffer when the pool needs room
+    (``writeback``: ``HOLD`` keeps them until their cascade lands, ``BEST_EFFORT`` evicts them
+    last, counted).
     ``request_level``: the tier wants every block of every request, prefix hits included."""
 
     name: str
@@ -34,6 +38,8 @@ class TierSpec:
     locality: Locality = Locality.LOCAL
     indexed: bool = True
     max_inflight_cascade_keys: int = 0
+    max_cascade_job_keys: int = 0
+    writeback: WriteBack = WriteBack.BEST_EFFORT
     request_level: bool = False
 
 

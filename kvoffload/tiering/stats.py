@@ -67,6 +67,8 @@ class TieringStats:
         self.hit_pending_expired = 0
         self.promotion_allocation_failures = 0
         self.store_allocation_failures = 0
+        self.stores_refused_dirty = 0
+        self.store_backpressure_s = 0.0
         self.promoted_keys = 0
         self.promoted_keys_consumed = 0
 
@@ -95,6 +97,8 @@ class TieringStats:
             "hit_pending_expired": self.hit_pending_expired,
             "promotion_allocation_failures": self.promotion_allocation_failures,
             "store_allocation_failures": self.store_allocation_failures,
+            "stores_refused_dirty": self.stores_refused_dirty,
+            "store_backpressure_s": round(self.store_backpressure_s, 6),
             "promoted_keys": self.promoted_keys,
             "promoted_keys_consumed": self.promoted_keys_consumed,
             "promotion_amplification": self.promotion_amplification,

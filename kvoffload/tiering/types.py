@@ -25,6 +25,15 @@ class CascadeDrop(enum.Enum):
     RETRY_BOUND = "retry_bound"  # its cascade failed too many times
 
 
+class WriteBack(enum.Enum):
+    """What a tier's dirty keys (in the host pool, their cascade to it not landed) may suffer
+    when the pool needs room (``writeback``): ``HOLD`` never evicts them (stores are refused
+    instead), ``BEST_EFFORT`` evicts them last and gives them up for the tier (counted)."""
+
+    HOLD = "hold"
+    BEST_EFFORT = "best_effort"
+
+
 class OffloadPolicy(enum.IntEnum):
     CHUNK_LEVEL = 0  # offload only newly computed blocks
     REQUEST_LEVEL = 1  # offload every block of the request, prefix hits included

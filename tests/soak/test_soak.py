@@ -14,7 +14,13 @@ import pytest
 
 from kvoffload.soak.blocks import POISON, conversation_keys, expected_block, mismatch
 from kvoffload.soak.injector import FAULT_KINDS, plan_faults
-from kvoffload.soak.invariants import check_acknowledged_blocks, excused_keys, judge_engine_events
+from kvoffload.soak.invariants import (
+    check_acknowledged_blocks,
+    check_disk_evictions,
+    disk_evicted_keys,
+    excused_keys,
+    judge_engine_events,
+)
 from kvoffload.soak.runner import SoakOptions, run_soak
 
 PROCESS_FAULTS = ("kill_worker", "stop_worker", "kill_manager", "kill_client")
@@ -125,7 +131,12 @@ def test_timeouts_are_excused_only_inside_a_fault_window():
 def test_an_acknowledged_block_that_did_not_come_back_is_excused_only_by_a_logged_loss():
     keys = conversation_keys(b"ns", 0, 6)
     log = [
-        {"event": "cascade_dropped", "tier": "disk", "reason": "evicted", "keys": [keys[0].hex()]},
+        {
+            "event": "cascade_dropped",
+            "tier": "object",
+            "reason": "evicted",
+            "keys": [keys[0].hex()],
+        },
         {"event": "disk_keys_evicted", "keys": [keys[1].hex()]},
         {"event": "disk_block_corrupt", "key": keys[2].hex()},
         {"event": "object_block_corrupt_deleted", "path": f"soak/00ff/{keys[3].hex()}"},
@@ -146,3 +157,23 @@ def test_fault_plan_holds_every_kind_and_is_seeded():
     assert all(2.0 <= f.at_s <= 12.0 for f in plan)
     long_plan = plan_faults(3, duration_s=600, kinds=FAULT_KINDS)
     assert {f.kind for f in long_plan} == set(FAULT_KINDS) and len(long_plan) > 100
+
+
+def test_a_block_evicted_before_reaching_the_disk_is_a_loss_not_an_excuse():
+    keys = conversation_keys(b"ns", 1, 3)
+    log = [
+        {"event": "cascade_dropped", "tier": "disk", "reason": "evicted", "keys": [keys[0].hex()]},
+        {
+            "event": "cascade_dropped",
+            "tier": "disk",
+            "reason": "tier_full",
+            "keys": [keys[1].hex()],
+        },
+    ]
+    excused = excused_keys(log)
+    assert set(excused) == {keys[1]}
+    (lost,) = check_acknowledged_blocks(keys[:2], excused)
+    assert lost.detail["keys"] == [keys[0].hex()]
+    (evicted,) = check_disk_evictions(disk_evicted_keys(log))
+    assert evicted.kind == "evicted_before_reaching_disk" and evicted.detail["count"] == 1
+    assert check_disk_evictions(disk_evicted_keys(log[1:])) == []

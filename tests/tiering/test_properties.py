@@ -1,5 +1,8 @@
 """Random call sequences against the tiering ledger, with invariants checked after every step."""
 
+from collections import Counter
+
+import structlog
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -12,6 +15,7 @@ from kvoffload.tiering import (
     TieringLedger,
     TierSpec,
     TransferResult,
+    WriteBack,
 )
 from kvoffload.tiering.primary import WRITING
 from kvoffload.tiering.types import RequestFinishedError, UnknownJob
@@ -239,3 +243,205 @@ TieringMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
 )
 TestTieringProperties = TieringMachine.TestCase
+
+
+# ---- write-back: no acknowledged block vanishes without a counted, logged reason -------------
+
+
+class WriteBackMachine(RuleBasedStateMachine):
+    """A HOLD disk tier and a best-effort object tier under random stores, lookups (promotions
+    evict too), cascade results, worker crashes, tiers going offline, index reports and resets.
+    After every step each acknowledged block is in the pool, or each tier that lacks it has a
+    reason: it holds it, the tier reported it gone, or a ``cascade_dropped`` log names it for
+    that tier (and the stats count every logged drop). The disk tier's blocks are never dropped
+    as ``evicted`` except by a reset."""
+
+    def __init__(self):
+        super().__init__()
+        self._capture = structlog.testing.capture_logs()
+        self.logs = self._capture.__enter__()
+        self.seen_logs = 0
+        self.clock = FakeClock()
+        self.m = TieringLedger(
+            NUM_SLOTS,
+            [
+                TierSpec(
+                    "disk",
+                    Medium.STORAGE,
+                    Locality.LOCAL,
+                    writeback=WriteBack.HOLD,
+                    max_inflight_cascade_keys=3,
+                    max_cascade_job_keys=2,
+                ),
+                TierSpec(
+                    "object",
+                    Medium.STORAGE,
+                    Locality.REMOTE,
+                    indexed=False,
+                    max_inflight_cascade_keys=2,
+                ),
+            ],
+            policy="arc",
+            hit_pending_deadline_s=5.0,
+            unread_promotion_cap=2,
+            clock=self.clock,
+            cascade_max_attempts=3,
+        )
+        self.req = "r0"
+        self.m.on_new_request(ReqContext(self.req))
+        self.next_req = 1
+        self.jobs = {}
+        self.stores = []
+        self.loads = []
+        self.acked: set[bytes] = set()
+        self.object_has: set[bytes] = set()
+        self.excused = {"disk": set(), "object": set()}
+        self.dropped = Counter()
+        self.resetting = False
+
+    def _collect(self):
+        for job in self.m.take_submissions():
+            self.jobs[job.job_id] = job
+
+    @rule()
+    def new_request(self):
+        self.m.on_request_finished(self.req)
+        self.req = f"r{self.next_req}"
+        self.next_req += 1
+        self.m.on_new_request(ReqContext(self.req))
+        self._collect()  # the finished request's queued promotions went out
+
+    @rule(data=st.data())
+    def prepare_store(self, data):
+        keys = data.draw(st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
+        out = self.m.prepare_store(self.req, keys)
+        if out is not None and out.keys_to_store:
+            self.stores.append((self.req, out.keys_to_store))
+        self._collect()
+
+    @precondition(lambda self: self.stores)
+    @rule(data=st.data(), outcome=outcomes)
+    def complete_store(self, data, outcome):
+        req, keys = self.stores.pop(data.draw(st.integers(0, len(self.stores) - 1)))
+        success, ok_keys, ok = split(keys, outcome, data)
+        self.m.complete_store(req, keys, success, ok_keys)
+        for key in ok:  # acknowledged: from now on it may only vanish for a reason
+            self.acked.add(key)
+            for excused in self.excused.values():
+                excused.discard(key)
+        self._collect()
+
+    @rule(data=st.data(), n=st.integers(1, 3))
+    def lookup(self, data, n):
+        start = data.draw(st.integers(0, len(KEYS) - n))
+        self.m.lookup(self.req, KEYS[start : start + n])
+        self._collect()
+
+    @rule(data=st.data())
+    def load(self, data):
+        ready = [key for key in KEYS if self.m.primary.lookup(key).name == "HIT"]
+        if ready:
+            keys = data.draw(st.lists(st.sampled_from(ready), min_size=1, max_size=2, unique=True))
+            self.m.prepare_load(self.req, keys)
+            self.loads.append(keys)
+
+    @precondition(lambda self: self.loads)
+    @rule()
+    def complete_load(self):
+        self.m.complete_load(self.loads.pop(0))
+
+    @rule()
+    def end_step(self):
+        for job_id in self.m.end_step():
+            self.jobs.pop(job_id)
+        self._collect()
+
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data(), outcome=outcomes, full=st.booleans())
+    def answer_job(self, data, outcome, full):
+        job = self.jobs.pop(data.draw(st.sampled_from(sorted(self.jobs))))
+        success, ok_keys, ok = split(job.keys, outcome, data)
+        failed = [key for key in job.keys if key not in ok]
+        tier = self.m.tiers[job.tier].name
+        result = TransferResult(
+            job.job_id,
+            success,
+            ok_keys,
+            full_keys=failed if full and job.kind is JobKind.CASCADE else (),
+        )
+        self.m.apply_result(tier, result)
+        if tier == "object" and job.kind is not JobKind.PROMOTION:
+            self.object_has.update(ok)  # stored, or found by a probe
+        self._collect()
+
+    @rule(tier=st.sampled_from(["disk", "object"]), online=st.booleans())
+    def worker_crash_or_return(self, tier, online):
+        self._collect()
+        if not online:
+            self.m.set_tier_online(tier, False)
+            for job_id in self.m.fail_worker_jobs(tier):
+                self.jobs.pop(job_id)
+        else:
+            self.m.set_tier_online(tier, True)
+        self._collect()
+
+    @rule(data=st.data())
+    def disk_reports(self, data):
+        removed = data.draw(st.lists(st.sampled_from(KEYS), max_size=2))
+        self.m.apply_index_update("disk", [], removed)
+        self.excused["disk"].update(removed)  # the tier says it lost them
+
+    @rule(seconds=st.floats(0, 3))
+    def advance_clock(self, seconds):
+        self.clock.now += seconds
+
+    @precondition(lambda self: not self.jobs and not self.stores and not self.loads)
+    @rule()
+    def reset_cache(self):
+        self.resetting = True
+        self.m.flush_cascade_backlogs()
+        self.m.reset_cache()
+        self._read_logs()
+        self.resetting = False
+
+    def _read_logs(self):
+        for event in self.logs[self.seen_logs :]:
+            if event["event"] != "cascade_dropped":
+                continue
+            keys = {bytes.fromhex(key) for key in event["keys"]}
+            assert len(keys) == event["count"]
+            self.excused[event["tier"]].update(keys)
+            self.dropped[(event["tier"], event["reason"])] += event["count"]
+            if event["tier"] == "disk" and event["reason"] == "evicted":
+                assert self.resetting, "a block held for the disk tier was evicted"
+        self.seen_logs = len(self.logs)
+
+    @invariant()
+    def no_acknowledged_block_vanishes_without_a_reason(self):
+        self._read_logs()
+        primary, disk = self.m.primary, self.m.tiers[0]
+        for key in self.acked:
+            if primary.lookup(key).name == "HIT":
+                continue
+            assert key in disk.index or key in self.excused["disk"], "lost for the disk tier"
+            assert key in self.object_has or key in self.excused["object"], "lost for the object"
+        for (tier, reason), count in self.dropped.items():
+            counters = self.m.stats.tier(self.m.tier_index(tier) + 1)
+            assert getattr(counters, f"cascade_dropped_{reason}") == count
+
+    @invariant()
+    def held_blocks_are_the_disk_tiers_dirty_blocks(self):
+        dirty = self.m.cascades.per_tier[0].dirty
+        assert {key for key, _, _ in self.m.primary.items() if self.m.primary.is_held(key)} == set(
+            dirty
+        )
+        assert all(self.m.primary.lookup(key).name == "HIT" for key in dirty)
+
+    def teardown(self):
+        self._capture.__exit__(None, None, None)
+
+
+WriteBackMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
+)
+TestWriteBackProperties = WriteBackMachine.TestCase
