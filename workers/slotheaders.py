@@ -11,7 +11,6 @@ from __future__ import annotations
 from kvoffload.config import Config
 from kvoffload.memory.blockformat import (
     BlockChecksum,
-    BlockHeader,
     block_checksum,
     deployment_fingerprint,
     payload_checksum,
@@ -53,15 +52,7 @@ class SlotHeaders:
         digests: list[int] = []
         if checksum.slices > 1:
             digests = slice_checksums(data, checksum.slices, checksum.slice_bytes)
-        header = BlockHeader(
-            key,
-            self._pool.block_bytes,
-            checksum.value,
-            self._fingerprint,
-            generation,
-            checksum.slices,
-            checksum.slice_bytes,
-        )
+        header = checksum.header(key, self._pool.block_bytes, self._fingerprint, generation)
         self._table.write(slot, header, digests)
 
     def checksum_of(self, slot: int, key: bytes) -> BlockChecksum | None:

@@ -63,6 +63,14 @@ class BlockChecksum:
     slices: int = 1
     slice_bytes: int = 0
 
+    def header(
+        self, key: bytes, payload_len: int, fingerprint: bytes, generation: int = 0
+    ) -> BlockHeader:
+        """The header of a block of ``payload_len`` bytes with this checksum."""
+        return BlockHeader(
+            key, payload_len, self.value, fingerprint, generation, self.slices, self.slice_bytes
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class BlockHeader:
@@ -182,15 +190,7 @@ def make_header(
         raise ValueError(f"key length {len(key)} outside 1..{MAX_KEY_BYTES}")
     if checksum is None:
         checksum = BlockChecksum(payload_checksum(payload))
-    return BlockHeader(
-        key=key,
-        payload_len=len(memoryview(payload).cast("B")),
-        checksum=checksum.value,
-        fingerprint=fingerprint,
-        generation=generation,
-        slices=checksum.slices,
-        slice_bytes=checksum.slice_bytes,
-    )
+    return checksum.header(key, len(memoryview(payload).cast("B")), fingerprint, generation)
 
 
 def decode_header(raw, fingerprint: bytes) -> BlockHeader:

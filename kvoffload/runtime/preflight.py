@@ -22,7 +22,7 @@ import psutil
 
 from kvoffload.config import Config
 from kvoffload.extras import install_line, missing_modules
-from kvoffload.memory.blockformat import HEADER_SIZE
+from kvoffload.memory.slottable import table_bytes as slot_table_bytes
 from kvoffload.runtime.locks import flock_held, flock_holder
 from kvoffload.runtime.rundir import MAX_IPC_PATH_BYTES, live_runs
 
@@ -178,10 +178,10 @@ def check_shm_space(cfg: Config, shm_dir: Path = SHM_DIR) -> None:
         return
     free = st.f_bavail * st.f_frsize
     pool_bytes = pool.num_slots * pool.block_bytes
-    table_bytes = _pages(pool.num_slots * HEADER_SIZE) if pool.slot_headers else 0
+    table_bytes = _pages(slot_table_bytes(pool.num_slots)) if pool.slot_headers else 0
     if pool_bytes + table_bytes <= free:
         return
-    per_slot = pool.block_bytes + (HEADER_SIZE if pool.slot_headers else 0)
+    per_slot = pool.block_bytes + (slot_table_bytes(1) if pool.slot_headers else 0)
     fits = max(0, (free - PAGE_BYTES) // per_slot)
     table = f" and its slot header table ({size_text(table_bytes)})" if table_bytes else ""
     lower = f"lower pool.num_slots to at most {fits} or " if fits else ""

@@ -23,7 +23,12 @@ import structlog
 
 from kvoffload import protocol as p
 from kvoffload.config import Config
-from kvoffload.memory.blockformat import BlockHeader, combine_checksums, deployment_fingerprint
+from kvoffload.memory.blockformat import (
+    BlockChecksum,
+    BlockHeader,
+    combine_checksums,
+    deployment_fingerprint,
+)
 from kvoffload.memory.slottable import SlotTable
 from kvoffload.runtime.runspec import RunSpec
 from kvoffload.tiering import TieringLedger
@@ -106,16 +111,12 @@ class WarmRestart:
         """Describe ``slot`` as holding ``key`` whose bytes have ``digests``: the xxh3 of the
         whole slot, or of each of its slices of ``slice_bytes`` (a direct store that landed; a
         restarted manager verifies the slot before serving it)."""
-        sliced = len(digests) > 1
-        header = BlockHeader(
-            key,
-            self._block_bytes,
-            combine_checksums(digests) if sliced else digests[0],
-            self._fingerprint,
-            generation,
-            slices=len(digests),
-            slice_bytes=slice_bytes if sliced else 0,
+        checksum = (
+            BlockChecksum(combine_checksums(digests), len(digests), slice_bytes)
+            if len(digests) > 1
+            else BlockChecksum(digests[0])
         )
+        header = checksum.header(key, self._block_bytes, self._fingerprint, generation)
         self._table.write(slot, header, digests)
 
     def slice_checksums_of(self, slot: int, key: bytes) -> list[int]:

@@ -196,6 +196,7 @@ class VllmEngineProcess:
         max_model_len: int = 2048,
         kvcache_gib: int = 1,
         dtype: str = "bfloat16",
+        tensor_parallel_size: int = 1,
         extra_env: dict[str, str] | None = None,
         start_timeout_s: float = 600.0,
     ) -> None:
@@ -212,13 +213,20 @@ class VllmEngineProcess:
             str(max_model_len),
             "--dtype",
             dtype,
+            "--tensor-parallel-size",
+            str(tensor_parallel_size),
         ]
         if kv_transfer is not None:
             cmd += ["--kv-transfer", json.dumps(kv_transfer)]
         env = {
             k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "KVOFFLOAD_ENDPOINT")
         }
-        env.update(ENGINE_ENV, VLLM_CPU_KVCACHE_SPACE=str(kvcache_gib), **(extra_env or {}))
+        env.update(ENGINE_ENV, VLLM_CPU_KVCACHE_SPACE=str(kvcache_gib))
+        if tensor_parallel_size > 1:
+            # vllm-cpu binds each rank's threads to a NUMA node unless told which cores to use;
+            # one core per rank runs on a machine of one node.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tensor_parallel_size)))
+        env.update(extra_env or {})
         self.log_path = log_path
         self._log = open(log_path, "w")
         self._shm: set[str] = set()
@@ -374,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-transfer", default="", help="KVTransferConfig as JSON")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
 
     from vllm import LLM, SamplingParams
@@ -389,6 +398,8 @@ def main(argv: list[str] | None = None) -> None:
         enforce_eager=True,
         max_model_len=args.max_model_len,
         seed=0,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend="mp" if args.tensor_parallel_size > 1 else None,
         kv_transfer_config=KVTransferConfig(**kv) if kv else None,
     )
     replies = os.fdopen(args.reply_fd, "w", buffering=1)

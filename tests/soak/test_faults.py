@@ -314,7 +314,7 @@ def test_blocks_adopted_by_a_restarted_manager_reach_the_disk(start_service):
         out = old.client.prepare_store(req, direct)
         for key, slot in zip(out.keys, out.slots, strict=True):
             pool.slot_array(slot)[:] = expected_block(key, old.block_bytes)
-        checksums = [payload_checksum(pool.slot_array(slot)) for slot in out.slots]
+        checksums = [[payload_checksum(pool.slot_array(slot))] for slot in out.slots]
         old.client.complete_store(req, out.keys, checksums=checksums)
         kill_manager(harness)  # the supervisor also kills the stopped disk worker
     finally:

@@ -293,15 +293,10 @@ class DiskStore:
             if slab_file.direct is not None and is_page_aligned(view):
                 fd = slab_file.direct
             page = self._write_page()
-            page[:HEADER_SIZE] = BlockHeader(
-                key,
-                len(view),
-                checksum.value,
-                self._layout.fingerprint,
-                reservation.generation,
-                checksum.slices,
-                checksum.slice_bytes,
-            ).encode()
+            header = checksum.header(
+                key, len(view), self._layout.fingerprint, reservation.generation
+            )
+            page[:HEADER_SIZE] = header.encode()
             header_may_be_valid = True
             self._fault("write_record", key)
             pwritev_all(fd, [page, view], offset, PAGE_SIZE + len(view))

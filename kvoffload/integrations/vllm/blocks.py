@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import LoadStoreSpec
 
+from kvoffload.protocol import Connected
+
 NO_SLOT = -1
 
 
@@ -30,3 +32,25 @@ class PoolBlocks(LoadStoreSpec):
     slots: list[int]
     manager_pid: int
     checksums: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def in_pool(
+        cls,
+        info: Connected | None,
+        req_id: str,
+        keys: list[bytes],
+        slots: list[int],
+        checksums: list[list[int]] | None = None,
+    ) -> PoolBlocks:
+        """The slots of the pool the service described (``info``; None when it is
+        unreachable: a pool no worker can map, so every copy of the transfer fails)."""
+        return cls(
+            req_id=req_id,
+            pool_name=info.pool_name if info is not None else "",
+            num_slots=info.num_slots if info is not None else 0,
+            block_bytes=info.block_bytes if info is not None else 0,
+            keys=keys,
+            slots=slots,
+            manager_pid=info.manager_pid if info is not None else 0,
+            checksums=checksums or [],
+        )

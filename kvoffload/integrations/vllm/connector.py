@@ -62,7 +62,7 @@ from kvoffload.integrations.vllm.keys import hashing_is_seed_dependent
 from kvoffload.integrations.vllm.manager import KVOffloadManager
 from kvoffload.integrations.vllm.spec import spec_defaults
 from kvoffload.integrations.vllm.sync_loads import SyncLoadMetadata, SyncLoads
-from kvoffload.integrations.vllm.worker import KVOffloadWorker
+from kvoffload.integrations.vllm.worker import KVOffloadWorker, TransferReport
 
 log = integration_logger(__name__)
 
@@ -243,11 +243,15 @@ class KVOffloadConnector(OffloadingConnector):
             self.connector_worker.worker.wait(meta.sync_job_ids)
 
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
+        """vLLM's metadata as ``KVOffloadWorkerMetadata`` whenever there is any: vLLM sums the
+        workers' metadata onto the first worker's, so a rank without failures of its own must
+        not hand over the base class, whose sum drops another rank's failures."""
         meta = super().build_connector_worker_meta()
         worker = self._offload_worker()
         report = worker.take_report() if worker is not None else None
-        if not report:
-            return meta
+        if not report and meta is None:
+            return None
+        report = report or TransferReport()
         out = KVOffloadWorkerMetadata(
             failed_loads=report.failed_loads,
             failed_stores=report.failed_stores,

@@ -14,6 +14,13 @@ drop every pin at the service, so the tables are cleared with them.
 Failed loads. A worker that could not load a key reports it (``note_failed_loads``); that key
 is a MISS for that request from then on, so vLLM recomputes it once and never loops.
 
+The reset fence. At ``reset_cache`` this engine's workers may still write slots its flushed
+stores reserved, and read slots its flushed loads pinned. Those slots must not be handed to other
+keys before the workers reported those jobs, so, when vLLM (or the connector) calls
+``on_reset_flushed`` (``expect_reset_flushed``), the service's pool is emptied only then. Until
+then this engine answers MISS and drops its stores: what it would find or store now is gone at
+the service's reset. Without a caller of ``on_reset_flushed`` the pool is emptied at once.
+
 No fate-sharing. Every call goes through ``ServiceLink``: bounded by a timeout, and answered
 locally while the service is unreachable (lookups MISS, stores dropped and counted). Nothing
 raises into vLLM's scheduler loop; requests are registered again with a restarted service.
@@ -21,10 +28,7 @@ raises into vLLM's scheduler loop; requests are registered again with a restarte
 
 from __future__ import annotations
 
-import math
-from collections import Counter as Multiset
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -46,47 +50,15 @@ from kvoffload.client import KVOffloadClient, KVOffloadError, LookupOutcome
 from kvoffload.integrations.vllm import integration_logger
 from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks
 from kvoffload.integrations.vllm.compat import VLLM_FENCES_RESETS
-from kvoffload.integrations.vllm.keys import group_of, namespaced, offload_key_of
+from kvoffload.integrations.vllm.keys import namespaced, offload_key_of
 from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
-from kvoffload.integrations.vllm.lookups import ask_by_group
-from kvoffload.integrations.vllm.metrics import Counter, StatsAccumulator
+from kvoffload.integrations.vllm.metrics import ConfigInfo, Counter, StatsAccumulator
+from kvoffload.integrations.vllm.requests import EngineRequest, lookup_queued
 
 log = integration_logger(__name__)
 
 RESET_TIMEOUT_S = 5.0
 """Bound of ``reset_cache`` (the service drains its jobs first, which takes milliseconds)."""
-CONFIG_INFO_KEYS = (
-    "kvoffload_version",
-    "endpoint_kind",
-    "pool_slots",
-    "pool_block_bytes",
-    "tiers",
-    "offload_block_bytes",
-    "blocks_per_chunk",
-    "fingerprint",
-    "namespace",
-    "verify_loads",
-    "sync_load_budget_bytes",
-)
-"""The label names of ``config_info`` (``KVOffloadSpec.config_info_keys``), in order."""
-
-
-@dataclass
-class _Request:
-    """What this engine knows of one vLLM request. Keys are namespaced kvoffload keys."""
-
-    ctx: ReqContext
-    generation: int = -1  # link generation the request is registered at; -1: not registered
-    pinned: dict[bytes, tuple[int, list[int]]] = field(default_factory=dict)  # (slot, digests)
-    uncertain: dict[bytes, LookupResult] = field(default_factory=dict)  # last HIT_PENDING/RETRY
-    missed: set[bytes] = field(default_factory=set)
-    failed: set[bytes] = field(default_factory=set)  # loads that failed: MISS for good
-    promoted: set[bytes] = field(default_factory=set)  # became HIT after waiting on a tier
-    queued: dict[bytes, None] = field(default_factory=dict)  # to ask at the step's end
-    loading: Multiset[bytes] = field(default_factory=Multiset)  # pinned, handed to a load
-    load_generation: int = -1
-    open_stores: int = 0
-    finished: bool = False
 
 
 class KVOffloadManager(OffloadingManager):
@@ -110,7 +82,7 @@ class KVOffloadManager(OffloadingManager):
         self._link = link
         self._fingerprint = fingerprint
         self._secondary_source = secondary_source
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, EngineRequest] = {}
         self._touched: dict[bytes, None] = {}
         self._failed_stores: set[bytes] = set()
         self._store_checksums: dict[bytes, dict[int, int]] = {}
@@ -122,9 +94,7 @@ class KVOffloadManager(OffloadingManager):
         self._windows: dict[int, int | None] = {}
         self._fence_caller = VLLM_FENCES_RESETS
         self._fenced = False
-        self._engine_info: dict[str, str | int | float | bool] = dict(engine_info or {})
-        self._endpoint_setting = endpoint_setting
-        self._config_info: dict[str, str | int | float | bool] | None = None
+        self._config_info = ConfigInfo(engine_info or {}, endpoint_setting)
 
     def set_sliding_windows(self, windows: dict[int, int | None]) -> None:
         """vLLM's KV cache group index -> the chunks of it a resumed request reads (None: full
@@ -139,13 +109,13 @@ class KVOffloadManager(OffloadingManager):
     def _key(self, key: OffloadKey) -> bytes:
         return namespaced(self._fingerprint, key)
 
-    def _state(self, ctx: ReqContext) -> _Request:
+    def _state(self, ctx: ReqContext) -> EngineRequest:
         state = self._requests.get(ctx.req_id)
         if state is None:
-            state = self._requests[ctx.req_id] = _Request(ctx)
+            state = self._requests[ctx.req_id] = EngineRequest(ctx)
         return state
 
-    def _forget_session_state(self, state: _Request) -> None:
+    def _forget_session_state(self, state: EngineRequest) -> None:
         """The service session that held this request's pins is gone."""
         state.generation = -1
         state.pinned.clear()
@@ -162,7 +132,7 @@ class KVOffloadManager(OffloadingManager):
             if state.generation not in (-1, generation):
                 self._forget_session_state(state)
 
-    def _ensure_registered(self, client: KVOffloadClient, state: _Request) -> bool:
+    def _ensure_registered(self, client: KVOffloadClient, state: EngineRequest) -> bool:
         if state.generation == self._link.generation:
             return False
         if state.generation != -1:
@@ -179,7 +149,7 @@ class KVOffloadManager(OffloadingManager):
     # ---- requests -------------------------------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        state = _Request(req_context)
+        state = EngineRequest(req_context)
         self._requests[req_context.req_id] = state
         try:
             request_level = self._link.call(lambda c: self._ensure_registered(c, state))
@@ -196,20 +166,17 @@ class KVOffloadManager(OffloadingManager):
         if state is None:
             return
         state.finished = True
-        unused = list(state.pinned)
-        state.pinned.clear()
         state.queued.clear()
+        self._release_unloaded_pins(state)
         if state.generation == self._link.generation and self._link.up:
             try:
-                if unused:
-                    self._link.call(lambda c: c.complete_load(state.ctx.req_id, unused, wait=False))
                 self._link.call(lambda c: c.finish_request(state.ctx.req_id))
             except (ServiceDown, KVOffloadError) as exc:
                 log.debug("kvoffload_finish_failed req_id=%s error=%s", state.ctx.req_id, exc)
             self._count_outage()
         self._maybe_forget(state)
 
-    def _maybe_forget(self, state: _Request) -> None:
+    def _maybe_forget(self, state: EngineRequest) -> None:
         if state.finished and not state.loading and not state.open_stores:
             self._requests.pop(state.ctx.req_id, None)
 
@@ -269,88 +236,12 @@ class KVOffloadManager(OffloadingManager):
                 pass
         self._count_outage()
 
-    def _lookup_batch(self, state: _Request) -> None:
-        """Ask the service for the request's queued keys, group by group (``lookups``)."""
-        keys = list(state.queued)
-        state.queued.clear()
-        req_id = state.ctx.req_id
-        unanswered = dict.fromkeys(keys)
+    def _lookup_batch(self, state: EngineRequest) -> None:
+        def ask(client: KVOffloadClient, keys: list[bytes]) -> LookupOutcome:
+            self._ensure_registered(client, state)
+            return client.lookup(state.ctx.req_id, keys, pin=True)
 
-        def ask(batch: list[bytes]) -> list[LookupResult]:
-            def call(client: KVOffloadClient):
-                self._ensure_registered(client, state)
-                return client.lookup(req_id, batch, pin=True)
-
-            outcome = self._link.call(call)
-            self._sync_generation()
-            results = self._apply_lookup(state, batch, outcome)
-            for key in batch[: len(results)]:
-                unanswered.pop(key, None)
-            return results
-
-        try:
-            not_asked = ask_by_group(
-                keys,
-                group_of,
-                lambda key: self._position(state, key),
-                self._windows,
-                ask,
-                self._full_miss_position(state),
-            )
-        except (ServiceDown, KVOffloadError) as exc:
-            log.debug("kvoffload_lookup_failed req_id=%s error=%s", req_id, exc)
-            state.missed.update(unanswered)
-            state.uncertain.clear()
-            self.stats.add(Counter.MISS_BLOCKS, len(unanswered))
-            return
-        for key in not_asked:
-            if key in unanswered:
-                state.missed.add(key)
-                state.uncertain.pop(key, None)
-        self.stats.add(Counter.MISS_BLOCKS, len(not_asked.intersection(unanswered)))
-
-    def _apply_lookup(
-        self, state: _Request, keys: list[bytes], outcome: LookupOutcome
-    ) -> list[LookupResult]:
-        """Record the service's answers for ``keys`` (a prefix of them: up to the first MISS);
-        every HIT is pinned for this engine. Returns the answers."""
-        if len(outcome.slots) != len(outcome.results):
-            log.error(
-                "kvoffload_lookup_without_pins req_id=%s: the service ignored pin",
-                state.ctx.req_id,
-            )
-            state.missed.update(keys)
-            return [LookupResult.MISS] * len(keys)
-        results = [LookupResult[code.name] for code in outcome.results]
-        for i, (key, result) in enumerate(zip(keys, results, strict=False)):
-            if result is LookupResult.HIT:
-                digests = outcome.checksums[i] if i < len(outcome.checksums) else []
-                state.pinned[key] = (outcome.slots[i], digests)
-                if key in state.uncertain:
-                    state.promoted.add(key)
-                state.uncertain.pop(key, None)
-                tier = "secondary" if key in state.promoted else "host"
-                self.stats.add(Counter.HIT_BLOCKS, 1, tier)
-            elif result is LookupResult.MISS:
-                state.missed.add(key)
-                state.uncertain.pop(key, None)
-                self.stats.add(Counter.MISS_BLOCKS)
-            else:
-                state.uncertain[key] = result
-        return results
-
-    def _position(self, state: _Request, key: bytes) -> int | None:
-        """The key's end token in its request, as vLLM's scheduler recorded it."""
-        return state.ctx.get_offload_key_position(OffloadKey(offload_key_of(key)))
-
-    def _full_miss_position(self, state: _Request) -> float:
-        """The lowest end token at which a full-attention group of the request is MISS."""
-        positions = [
-            self._position(state, key)
-            for key in (*state.missed, *state.failed)
-            if self._windows.get(group_of(key)) is None
-        ]
-        return min((p for p in positions if p is not None), default=math.inf)
+        lookup_queued(state, self._link, ask, self._windows, self.stats, self._sync_generation)
 
     # ---- loads ----------------------------------------------------------------------------
 
@@ -364,30 +255,26 @@ class KVOffloadManager(OffloadingManager):
         state.loading.update(k for k, s in zip(nkeys, slots, strict=True) if s != NO_SLOT)
         state.load_generation = self._link.generation
         self._release_unloaded_pins(state)
-        info = self._link.info
-        return PoolBlocks(
-            req_id=req_context.req_id,
-            pool_name=info.pool_name if info is not None else "",
-            num_slots=info.num_slots if info is not None else 0,
-            block_bytes=info.block_bytes if info is not None else 0,
-            keys=nkeys,
-            slots=slots,
-            manager_pid=info.manager_pid if info is not None else 0,
-            checksums=[digests for _, digests in pinned],
-        )
+        checksums = [digests for _, digests in pinned]
+        return PoolBlocks.in_pool(self._link.info, req_context.req_id, nkeys, slots, checksums)
 
-    def _release_unloaded_pins(self, state: _Request) -> None:
+    def _release_unloaded_pins(self, state: EngineRequest) -> None:
         """Once vLLM has chosen what a request loads, the request's other hits will not be
         read (a sliding-window group's lookups pin every hit they scan, and only the window is
         loaded): release their pins now instead of when the request finishes. Should vLLM
         look them up again (a preempted request), they are asked again."""
         unused = list(state.pinned)
         state.pinned.clear()
-        if unused and state.generation == self._link.generation and self._link.up:
+        self._unpin(state.ctx.req_id, unused, state.generation)
+
+    def _unpin(self, req_id: str, keys: list[bytes], generation: int) -> None:
+        """Release this engine's pins of ``keys`` at the service (without waiting for the
+        reply) if the session that took them (``generation``) is still the link's."""
+        if keys and generation == self._link.generation and self._link.up:
             try:
-                self._link.call(lambda c: c.complete_load(state.ctx.req_id, unused, wait=False))
+                self._link.call(lambda c: c.complete_load(req_id, keys, wait=False))
             except (ServiceDown, KVOffloadError) as exc:
-                log.debug("kvoffload_unpin_failed req_id=%s error=%s", state.ctx.req_id, exc)
+                log.debug("kvoffload_unpin_failed req_id=%s error=%s", req_id, exc)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         state = self._requests.get(req_context.req_id)
@@ -396,11 +283,7 @@ class KVOffloadManager(OffloadingManager):
         release = [k for k in (self._key(key) for key in keys) if state.loading[k] > 0]
         state.loading.subtract(release)
         state.loading = +state.loading
-        if release and state.load_generation == self._link.generation and self._link.up:
-            try:
-                self._link.call(lambda c: c.complete_load(req_context.req_id, release, wait=False))
-            except (ServiceDown, KVOffloadError) as exc:
-                log.debug("kvoffload_unpin_failed req_id=%s error=%s", req_context.req_id, exc)
+        self._unpin(req_context.req_id, release, state.load_generation)
         self._maybe_forget(state)
 
     def hits_in_pool(self, req_id: str, keys: Iterable[OffloadKey]) -> bool:
@@ -464,16 +347,8 @@ class KVOffloadManager(OffloadingManager):
             return None
         if slots.keys:
             state.open_stores += 1
-        info = self._link.info
-        assert info is not None
-        spec = PoolBlocks(
-            req_id=req_context.req_id,
-            pool_name=info.pool_name,
-            num_slots=info.num_slots,
-            block_bytes=info.block_bytes,
-            keys=list(slots.keys),
-            slots=list(slots.slots),
-            manager_pid=info.manager_pid,
+        spec = PoolBlocks.in_pool(
+            self._link.info, req_context.req_id, list(slots.keys), list(slots.slots)
         )
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(offload_key_of(k)) for k in slots.keys],
@@ -529,16 +404,8 @@ class KVOffloadManager(OffloadingManager):
     # ---- cache ----------------------------------------------------------------------------
 
     def reset_cache(self) -> None:
-        """Empty kvoffload's host pool (its disk and object tiers keep their blocks). Every
-        pin of this engine goes with it.
-
-        The reset fence: this engine's workers may still write slots its flushed stores
-        reserved, and read slots its flushed loads pinned. Those slots must not be handed to
-        other keys before the workers reported those jobs, so, when vLLM (or the connector)
-        calls ``on_reset_flushed`` (``expect_reset_flushed``), the service's pool is emptied
-        only then. Until then this engine answers MISS and drops its stores: what it would
-        find or store now is gone at the service's reset. Without a caller of
-        ``on_reset_flushed`` the pool is emptied at once."""
+        """Empty kvoffload's host pool (its disk and object tiers keep their blocks), behind
+        the reset fence (module docstring). Every pin of this engine goes with it."""
         for state in list(self._requests.values()):
             state.pinned.clear()
             state.uncertain.clear()
@@ -569,13 +436,9 @@ class KVOffloadManager(OffloadingManager):
         promises it on vLLM versions that do not)."""
         self._fence_caller = True
 
-    @property
-    def fenced(self) -> bool:
-        """Between a ``reset_cache`` and its ``on_reset_flushed``."""
-        return self._fenced
-
     def has_pending_work(self) -> bool:
-        """The engine keeps stepping while a reset waits for its flushed jobs' reports."""
+        """Between a ``reset_cache`` and its ``on_reset_flushed``: the engine keeps stepping
+        while the reset waits for its flushed jobs' reports."""
         return self._fenced
 
     def _reset_service(self) -> None:
@@ -585,33 +448,13 @@ class KVOffloadManager(OffloadingManager):
             log.warning("kvoffload_reset_failed error=%s", exc)
 
     def config_info(self) -> list[dict[str, str | int | float | bool]]:
-        """The labels of vLLM's ``vllm:kv_offload_config_info`` (``config_info_keys``): this
-        engine's settings, and the pool as the service described it at the first connection
-        (``unknown`` when it was unreachable until the first stats). Fixed at the first call:
-        vLLM sets the metric once."""
-        if self._config_info is None:
-            info = self._link.info
-            self._config_info = {
-                **self._engine_info,
-                "pool_slots": info.num_slots if info is not None else "unknown",
-                "pool_block_bytes": info.block_bytes if info is not None else "unknown",
-                "tiers": ",".join(["host", *info.tiers]) if info is not None else "unknown",
-                "endpoint_kind": endpoint_kind(self._link.endpoint, self._endpoint_setting),
-            }
-        return [dict(self._config_info)]
+        return self._config_info.labels(self._link)
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         return self.stats.take()
 
     def shutdown(self) -> None:
         self._link.close()
-
-
-def endpoint_kind(endpoint: str, setting: str) -> str:
-    """How the engine reaches the service: ``ipc`` or ``tcp`` (its scheme), ``discovered``
-    appended when the settings named none (found through the environment or a local run)."""
-    scheme = endpoint.partition("://")[0] if "://" in endpoint else "unknown"
-    return scheme if setting else f"{scheme}-discovered"
 
 
 def _service_params(ctx: ReqContext) -> dict:

@@ -3,12 +3,15 @@ exported by vLLM's Prometheus endpoint, with the metric definitions vLLM needs f
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingMetricMetadata
+
+from kvoffload.integrations.vllm.link import ServiceLink
 
 
 class Counter(Enum):
@@ -62,3 +65,53 @@ class StatsAccumulator:
             return None
         out, self._stats = self._stats, OffloadingConnectorStats()
         return out
+
+
+CONFIG_INFO_KEYS = (
+    "kvoffload_version",
+    "endpoint_kind",
+    "pool_slots",
+    "pool_block_bytes",
+    "tiers",
+    "offload_block_bytes",
+    "blocks_per_chunk",
+    "fingerprint",
+    "namespace",
+    "verify_loads",
+    "sync_load_budget_bytes",
+)
+"""The label names of ``config_info`` (``KVOffloadSpec.config_info_keys``), in order."""
+
+
+class ConfigInfo:
+    """The labels of vLLM's ``vllm:kv_offload_config_info`` (``CONFIG_INFO_KEYS``): the
+    engine's settings (``engine_info``), and the pool as the service described it at the first
+    connection (``unknown`` when it was unreachable until the first stats). Fixed at the first
+    call: vLLM sets the metric once. ``endpoint_setting``: the endpoint the settings name ("":
+    discovered)."""
+
+    def __init__(
+        self, engine_info: Mapping[str, str | int | float | bool], endpoint_setting: str
+    ) -> None:
+        self._engine_info = dict(engine_info)
+        self._endpoint_setting = endpoint_setting
+        self._labels: dict[str, str | int | float | bool] | None = None
+
+    def labels(self, link: ServiceLink) -> list[dict[str, str | int | float | bool]]:
+        if self._labels is None:
+            info = link.info
+            self._labels = {
+                **self._engine_info,
+                "pool_slots": info.num_slots if info is not None else "unknown",
+                "pool_block_bytes": info.block_bytes if info is not None else "unknown",
+                "tiers": ",".join(["host", *info.tiers]) if info is not None else "unknown",
+                "endpoint_kind": endpoint_kind(link.endpoint, self._endpoint_setting),
+            }
+        return [dict(self._labels)]
+
+
+def endpoint_kind(endpoint: str, setting: str) -> str:
+    """How the engine reaches the service: ``ipc`` or ``tcp`` (its scheme), ``discovered``
+    appended when the settings named none (found through the environment or a local run)."""
+    scheme = endpoint.partition("://")[0] if "://" in endpoint else "unknown"
+    return scheme if setting else f"{scheme}-discovered"

@@ -10,6 +10,7 @@
 | ``model_revision`` | vLLM's revision | revision in the key fingerprint |
 | ``verify_loads`` | true | check each loaded block against the checksum taken when written |
 | ``faults`` | none | kvoffload fault spec for the worker side (``fail_fraction`` of loads) |
+| ``fault_ranks`` | every rank | the tensor-parallel ranks whose workers apply ``faults`` |
 | ``sync_load_budget_bytes`` | 256 MiB, 0 with several KV cache groups | KV bytes per step and worker of pool hits loaded in the step that schedules them (set by the connector, read by vLLM 0.33 or ``sync_loads``) |
 """
 
@@ -34,6 +35,11 @@ class ConnectorSettings:
     model_revision: str = ""
     verify_loads: bool = True
     faults: FaultSpec | None = None
+    fault_ranks: tuple[int, ...] | None = None
+
+    def faults_for(self, rank: int) -> FaultSpec | None:
+        """The faults the worker of ``rank`` injects."""
+        return self.faults if self.fault_ranks is None or rank in self.fault_ranks else None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
@@ -70,4 +76,14 @@ class ConnectorSettings:
                 out["faults"] = msgspec.convert(extra["faults"], FaultSpec)
             except msgspec.ValidationError as exc:
                 raise ValueError(f"kv_connector_extra_config['faults']: {exc}") from None
+        ranks = extra.get("fault_ranks")
+        if ranks is not None:
+            if not isinstance(ranks, list) or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks
+            ):
+                raise ValueError(
+                    "kv_connector_extra_config['fault_ranks'] must be a list of rank numbers, "
+                    f"got {ranks!r}"
+                )
+            out["fault_ranks"] = tuple(ranks)
         return cls(**out)

@@ -27,8 +27,8 @@ from kvoffload.integrations.vllm import integration_logger
 from kvoffload.integrations.vllm.keys import FINGERPRINT_BYTES, KVIdentity, model_digest
 from kvoffload.integrations.vllm.layout import BlockLayout, GeometryError, check_fits
 from kvoffload.integrations.vllm.link import ServiceLink
-from kvoffload.integrations.vllm.manager import CONFIG_INFO_KEYS, KVOffloadManager
-from kvoffload.integrations.vllm.metrics import metric_definitions
+from kvoffload.integrations.vllm.manager import KVOffloadManager
+from kvoffload.integrations.vllm.metrics import CONFIG_INFO_KEYS, metric_definitions
 from kvoffload.integrations.vllm.settings import ConnectorSettings
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
 from kvoffload.protocol import Connected
@@ -161,7 +161,8 @@ class KVOffloadSpec(OffloadingSpec):
                 [sum(pages) for pages in layout.group_pages],
                 100 * layout.unused_fraction(),
             )
-        return KVOffloadWorker(kv_caches, layout, self.settings.faults, self.settings.verify_loads)
+        faults = self.settings.faults_for(self.config.parallel.rank)
+        return KVOffloadWorker(kv_caches, layout, faults, self.settings.verify_loads)
 
 
 def _secondary_source(tiers: list[str]) -> CacheHitSource:

@@ -38,6 +38,7 @@ class ModelCase:
     prompt_tokens: int
     keys: int
     block_bytes: int
+    tp: int = 1  # tensor-parallel ranks of its engines
     _prompts: random.Random = field(default_factory=lambda: random.Random(20261130))
 
     @property
@@ -61,6 +62,10 @@ CASES = {
     # one layer each; a prompt of several windows stores 9 full blocks and 3 x 2 window blocks
     "gemma3": ModelCase("gemma3", TinyGemma3(seed=0), TinyGemma3(seed=1), 300, 9 + 3 * 2, _PAGE),
     # every layer sliding: one group of 4 layers, of which a prompt stores its last window
+    # two tensor-parallel ranks (one core each): each rank writes its half of every pool block
+    "llama-tp2": ModelCase(
+        "llama-tp2", TinyLlama(seed=0), TinyLlama(seed=1), 200, 6, 2 * 32 * 1024, tp=2
+    ),
     "gemma3-sliding": ModelCase(
         "gemma3-sliding",
         TinyGemma3(layer_types=(SLIDING,) * 4, seed=0),
@@ -102,11 +107,15 @@ def service(work: Path, case: ModelCase) -> Iterator[ServiceHarness]:
 class Engines:
     """Engines started on first use and stopped at the end of the module."""
 
-    def __init__(self, work: Path, model: Path, service: ServiceHarness) -> None:
-        self.work, self.model, self.service = work, model, service
+    def __init__(self, work: Path, model: Path, service: ServiceHarness, tp: int) -> None:
+        self.work, self.model, self.service, self.tp = work, model, service, tp
         self._started: dict[str, VllmEngineProcess] = {}
 
-    def get(self, name: str, model: Path | None = None, **connector: Any) -> VllmEngineProcess:
+    def get(
+        self, name: str, model: Path | None = None, tp: int | None = None, **connector: Any
+    ) -> VllmEngineProcess:
+        """The engine ``name`` (started on first use with ``model`` or the module's model, ``tp``
+        ranks or the module's, and ``connector`` settings; "plain": without kvoffload)."""
         if name not in self._started:
             # A call bound above the default 0.5 s keeps a loaded 2-core CI machine from
             # reading a slow answer as an outage; the outage tests stay bounded by it.
@@ -118,7 +127,10 @@ class Engines:
                 )
             )
             self._started[name] = VllmEngineProcess(
-                model or self.model, self.work / f"engine-{name}.log", config
+                model or self.model,
+                self.work / f"engine-{name}.log",
+                config,
+                tensor_parallel_size=tp or self.tp,
             )
         return self._started[name]
 
@@ -130,8 +142,8 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines(work: Path, model: Path, service: ServiceHarness) -> Iterator[Engines]:
-    started = Engines(work, model, service)
+def engines(work: Path, model: Path, service: ServiceHarness, case: ModelCase) -> Iterator[Engines]:
+    started = Engines(work, model, service, case.tp)
     try:
         yield started
     finally:

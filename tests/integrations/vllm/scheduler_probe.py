@@ -388,7 +388,7 @@ def main(model: str, endpoint: str) -> dict[str, Any]:
         "in_flight": {str(k): v for k, v in in_flight.items()},
         "used_before": used_before,
         "reset_calls": calls[:],
-        "after_reset": [manager.fenced, conn.has_pending_push_work()],
+        "after_reset": [manager.has_pending_work(), conn.has_pending_push_work()],
         "used_after_reset": client.status().tiering.used_slots,
     }
     calls.clear()
@@ -400,7 +400,7 @@ def main(model: str, endpoint: str) -> dict[str, Any]:
         )
     )
     fence["report_calls"] = calls[:]
-    fence["after_report"] = [manager.fenced, conn.has_pending_push_work()]
+    fence["after_report"] = [manager.has_pending_work(), conn.has_pending_push_work()]
     fence["used_after_report"] = client.status().tiering.used_slots
     facts["fence"] = fence
 

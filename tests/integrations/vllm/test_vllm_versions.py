@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvoffload.integrations.vllm.manager import CONFIG_INFO_KEYS  # noqa: E402
+from kvoffload.integrations.vllm.metrics import CONFIG_INFO_KEYS  # noqa: E402
 
 PROBE = Path(__file__).with_name("scheduler_probe.py")
 REPO = Path(__file__).resolve().parents[3]

@@ -1,0 +1,128 @@
+"""What the scheduler side knows of each vLLM request, and how a request's queued lookups are
+asked of the service and recorded (the manager's lookup path, ``manager`` uses it).
+
+A request's keys are namespaced kvoffload keys. Every HIT the service answers is pinned for
+this engine in the same round trip (``pinned``: slot and the block's digests), so a later
+``prepare_load`` only hands the slots over; a MISS stays a MISS for the request; HIT_PENDING
+and RETRY are asked again at a later step's end.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter as Multiset
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
+
+from kvoffload.client import KVOffloadClient, KVOffloadError, LookupOutcome
+from kvoffload.integrations.vllm import integration_logger
+from kvoffload.integrations.vllm.keys import group_of, offload_key_of
+from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
+from kvoffload.integrations.vllm.lookups import ask_by_group
+from kvoffload.integrations.vllm.metrics import Counter, StatsAccumulator
+
+log = integration_logger(__name__)
+
+
+@dataclass
+class EngineRequest:
+    """What this engine knows of one vLLM request."""
+
+    ctx: ReqContext
+    generation: int = -1  # link generation the request is registered at; -1: not registered
+    pinned: dict[bytes, tuple[int, list[int]]] = field(default_factory=dict)  # (slot, digests)
+    uncertain: dict[bytes, LookupResult] = field(default_factory=dict)  # last HIT_PENDING/RETRY
+    missed: set[bytes] = field(default_factory=set)
+    failed: set[bytes] = field(default_factory=set)  # loads that failed: MISS for good
+    promoted: set[bytes] = field(default_factory=set)  # became HIT after waiting on a tier
+    queued: dict[bytes, None] = field(default_factory=dict)  # to ask at the step's end
+    loading: Multiset[bytes] = field(default_factory=Multiset)  # pinned, handed to a load
+    load_generation: int = -1
+    open_stores: int = 0
+    finished: bool = False
+
+    def position(self, key: bytes) -> int | None:
+        """The key's end token in the request, as vLLM's scheduler recorded it."""
+        return self.ctx.get_offload_key_position(OffloadKey(offload_key_of(key)))
+
+    def full_miss_position(self, windows: Mapping[int, int | None]) -> float:
+        """The lowest end token at which a full-attention group of the request is MISS."""
+        positions = [
+            self.position(key)
+            for key in (*self.missed, *self.failed)
+            if windows.get(group_of(key)) is None
+        ]
+        return min((p for p in positions if p is not None), default=math.inf)
+
+
+def lookup_queued(
+    state: EngineRequest,
+    link: ServiceLink,
+    ask: Callable[[KVOffloadClient, list[bytes]], LookupOutcome],
+    windows: Mapping[int, int | None],
+    stats: StatsAccumulator,
+    after_call: Callable[[], None],
+) -> None:
+    """Ask the service for the request's queued keys, group by group (``lookups``), through
+    ``ask`` (a pinned lookup) over ``link``; ``after_call`` runs after each call, before its
+    answers are recorded (the link may have reconnected). Keys the service could not be asked
+    (it is down) are MISS for the request."""
+    keys = list(state.queued)
+    state.queued.clear()
+    unanswered = dict.fromkeys(keys)
+
+    def call(batch: list[bytes]) -> list[LookupResult]:
+        outcome = link.call(lambda client: ask(client, batch))
+        after_call()
+        results = record_lookup(state, batch, outcome, stats)
+        for key in batch[: len(results)]:
+            unanswered.pop(key, None)
+        return results
+
+    try:
+        not_asked = ask_by_group(
+            keys, group_of, state.position, windows, call, state.full_miss_position(windows)
+        )
+    except (ServiceDown, KVOffloadError) as exc:
+        log.debug("kvoffload_lookup_failed req_id=%s error=%s", state.ctx.req_id, exc)
+        state.missed.update(unanswered)
+        state.uncertain.clear()
+        stats.add(Counter.MISS_BLOCKS, len(unanswered))
+        return
+    for key in not_asked:
+        if key in unanswered:
+            state.missed.add(key)
+            state.uncertain.pop(key, None)
+    stats.add(Counter.MISS_BLOCKS, len(not_asked.intersection(unanswered)))
+
+
+def record_lookup(
+    state: EngineRequest, keys: list[bytes], outcome: LookupOutcome, stats: StatsAccumulator
+) -> list[LookupResult]:
+    """Record the service's answers for ``keys`` (a prefix of them: up to the first MISS);
+    every HIT is pinned for this engine. Returns the answers."""
+    if len(outcome.slots) != len(outcome.results):
+        log.error(
+            "kvoffload_lookup_without_pins req_id=%s: the service ignored pin", state.ctx.req_id
+        )
+        state.missed.update(keys)
+        return [LookupResult.MISS] * len(keys)
+    results = [LookupResult[code.name] for code in outcome.results]
+    for i, (key, result) in enumerate(zip(keys, results, strict=False)):
+        if result is LookupResult.HIT:
+            digests = outcome.checksums[i] if i < len(outcome.checksums) else []
+            state.pinned[key] = (outcome.slots[i], digests)
+            if key in state.uncertain:
+                state.promoted.add(key)
+            state.uncertain.pop(key, None)
+            tier = "secondary" if key in state.promoted else "host"
+            stats.add(Counter.HIT_BLOCKS, 1, tier)
+        elif result is LookupResult.MISS:
+            state.missed.add(key)
+            state.uncertain.pop(key, None)
+            stats.add(Counter.MISS_BLOCKS)
+        else:
+            state.uncertain[key] = result
+    return results
