@@ -20,12 +20,17 @@ Every hit run must report ``num_cached_tokens`` = the prefix (a run that does no
 listed under ``problems`` and kept as a sample: its TTFT is what a user got), and its first token
 must equal the resident run's (vLLM's prefix hit of the same tokens).
 
-Model: a random-weight Llama (4 layers, hidden 1024, SwiGLU 2816, 16 query / 8 KV heads x 64,
-vocab 1024, about 48 M parameters, bf16) written to a temp directory; one 32-token vLLM block is
-256 KiB of KV. Engines run in child processes (``kvoffload.testing.vllm_engine``) with
-``HF_HUB_OFFLINE=1``, ``VLLM_CPU_KVCACHE_SPACE`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``. The
-service is started by the script in a temp directory: a host pool of 256 KiB blocks with room for
-twice the longest prefix, a disk tier for every prefix, ``unread_promotion_cap`` 1.0.
+Model (``--model``): a random-weight Llama (4 layers, hidden 1024, SwiGLU 2816, 16 query / 8 KV
+heads x 64, vocab 1024, about 48 M parameters, bf16: one 32-token vLLM block is 256 KiB of KV,
+one KV cache group), or ``gemma3``, a random-weight Gemma 3 of the same size whose first three
+layers are sliding-window attention (512-token window) and the last full attention: four KV
+cache groups of 64 KiB blocks, of which a prompt stores the whole prefix of the full group and
+the last window of each sliding one. The report gives the bytes offloaded per prompt token,
+and what storing every block of every group would have offloaded. Written to a temp directory.
+Engines run in child processes (``kvoffload.testing.vllm_engine``) with ``HF_HUB_OFFLINE=1``,
+``VLLM_CPU_KVCACHE_SPACE`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``. The service is started by the
+script in a temp directory: a host pool of the model's key size with room for twice the longest
+prompt, a disk tier for every prompt, ``unread_promotion_cap`` 1.0.
 
 Targets: kvoffload pool within 1.2x of the resident TTFT; at least 5x faster than recompute at
 the longest prefix; disk never slower than recompute.
@@ -43,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +62,7 @@ from kvoffload.testing.vllm_engine import (
     BLOCK_TOKENS,
     VOCAB,
     EngineFailed,
+    TinyGemma3,
     TinyLlama,
     VllmEngineProcess,
     kvoffload_transfer,
@@ -76,35 +83,70 @@ RECOMPUTE_VS_POOL_MIN = 5.0
 DISK_VS_RECOMPUTE_MAX = 1.0
 
 
-def kv_block_bytes() -> int:
-    """Bytes of one vLLM block of the bench model (K and V of every layer, bf16)."""
-    return 2 * MODEL["layers"] * MODEL["kv_heads"] * MODEL["head_dim"] * 2 * BLOCK_TOKENS
+SLIDING_WINDOW = 512
+"""Tokens of the hybrid bench model's sliding window (Gemma 3 1B's)."""
+LAYER_BYTES = 2 * MODEL["kv_heads"] * MODEL["head_dim"] * 2 * BLOCK_TOKENS
+"""K and V of one layer of one vLLM block of either bench model, bf16."""
 
 
-def model_spec(max_positions: int) -> TinyLlama:
-    """The bench model (``MODEL``, bf16) for prompts of up to ``max_positions`` tokens."""
-    return TinyLlama(
-        layers=MODEL["layers"],
-        hidden=MODEL["hidden"],
-        intermediate=MODEL["intermediate"],
-        heads=MODEL["heads"],
-        kv_heads=MODEL["kv_heads"],
-        head_dim=MODEL["head_dim"],
-        max_positions=max_positions,
-        dtype="bfloat16",
-    )
+@dataclass(frozen=True)
+class BenchModel:
+    """A bench model: ``llama`` (``MODEL``, every layer full attention: one KV cache group) or
+    ``gemma3`` (the same size, three sliding-window layers and a full-attention one: four
+    groups of one layer, as vLLM groups Gemma 3)."""
+
+    kind: str
+
+    @property
+    def groups(self) -> int:
+        return 1 if self.kind == "llama" else MODEL["layers"]
+
+    @property
+    def sliding_groups(self) -> int:
+        return 0 if self.kind == "llama" else MODEL["layers"] - 1
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one offload key: a vLLM block of its group's layers."""
+        return LAYER_BYTES * MODEL["layers"] // self.groups
+
+    def spec(self, max_positions: int) -> TinyLlama | TinyGemma3:
+        """The model (bf16) for prompts of up to ``max_positions`` tokens."""
+        sizes = {k: v for k, v in MODEL.items() if k != "layers"}
+        if self.kind == "llama":
+            return TinyLlama(
+                layers=MODEL["layers"], max_positions=max_positions, dtype="bfloat16", **sizes
+            )
+        return TinyGemma3(
+            layer_types=("sliding_attention",) * 3 + ("full_attention",),
+            sliding_window=SLIDING_WINDOW,
+            max_positions=max_positions,
+            dtype="bfloat16",
+            **sizes,
+        )
+
+    def stored_keys(self, prompt_tokens: int) -> int:
+        """The keys vLLM stores for a prompt: every full block of each full-attention group,
+        and of each sliding-window group the blocks of the window before the prompt's last
+        block boundary."""
+        blocks = prompt_tokens // BLOCK_TOKENS
+        window = min(blocks, -(-(SLIDING_WINDOW - 1) // BLOCK_TOKENS))
+        return (self.groups - self.sliding_groups) * blocks + self.sliding_groups * window
+
+    def every_block_keys(self, prompt_tokens: int) -> int:
+        """The keys of every block of every group of a prompt (no window kept in mind)."""
+        return self.groups * (prompt_tokens // BLOCK_TOKENS)
 
 
 # ---- kvoffload service ----------------------------------------------------------------------
 
 
 def bench_service(
-    workdir: Path, pool_blocks: int, disk_blocks: int, log_path: Path
+    workdir: Path, block_bytes: int, pool_blocks: int, disk_blocks: int, log_path: Path
 ) -> ServiceHarness:
     """A (not yet started) kvoffload service (cpu and disk workers) in ``workdir``: host pool
-    sized for ``pool_blocks`` blocks, disk tier for ``disk_blocks``; its children log to
-    ``log_path``."""
-    block_bytes = kv_block_bytes()
+    of ``pool_blocks`` blocks of ``block_bytes``, disk tier for ``disk_blocks``; its children
+    log to ``log_path``."""
     sections = {
         "service": {"log_level": "warning"},
         "pool": {"block_bytes": block_bytes, "num_slots": pool_blocks, "unread_promotion_cap": 1.0},
@@ -205,17 +247,26 @@ def run_vllm(engine: VllmEngineProcess, prompts, runs: dict, problems: list[str]
 
 
 def run_kvoffload(
-    engine: VllmEngineProcess, client: KVOffloadClient, prompts, runs: dict, problems: list[str]
-) -> None:
+    engine: VllmEngineProcess,
+    client: KVOffloadClient,
+    model: BenchModel,
+    prompts,
+    runs: dict,
+    problems: list[str],
+) -> dict[str, int]:
+    """The kvoffload runs; returns the keys and prompt tokens the cold runs stored."""
     warm_up(engine)
     wait_settled(client, 0, 0)
     stored = client.status().tiering.tiers["disk"].indexed_keys
+    first, tokens = stored, 0
     for length, triples in prompts.items():
         for cold_prompt, hit_prompt, resident_prompt in triples:
             cold = ttft_run(engine, cold_prompt)
             expect_cached(cold, 0, f"kvoffload cold {length}", problems)
-            stored += length // BLOCK_TOKENS
-            wait_settled(client, length // BLOCK_TOKENS, stored)
+            keys = model.stored_keys(len(cold_prompt))
+            stored += keys
+            tokens += len(cold_prompt)
+            wait_settled(client, keys, stored)
             reset_prefix_cache(engine)
             hit = ttft_run(engine, hit_prompt)
             expect_cached(hit, length, f"kvoffload pool {length}", problems)
@@ -232,6 +283,7 @@ def run_kvoffload(
             hit = ttft_run(engine, hit_prompt)
             expect_cached(hit, length, f"kvoffload disk {length}", problems)
             runs["kvoffload_disk"][length].append(hit)
+    return {"stored_keys": stored - first, "prompt_tokens": tokens}
 
 
 def run_native(engine: VllmEngineProcess, prompts, runs: dict, problems: list[str]) -> None:
@@ -328,7 +380,9 @@ def print_breakdown(profile: dict[str, Any]) -> None:
             print(f"{mode.removeprefix('kvoffload_'):>9}{length:>7}{cells}")
 
 
-def summarize(lengths: list[int], runs: dict, native_ran: bool) -> list[dict[str, Any]]:
+def summarize(
+    lengths: list[int], runs: dict, native_ran: bool, model: BenchModel
+) -> list[dict[str, Any]]:
     rows = []
     for length in lengths:
         med = {
@@ -346,8 +400,8 @@ def summarize(lengths: list[int], runs: dict, native_ran: bool) -> list[dict[str
         )
         row = {
             "prefix_tokens": length,
-            "prefix_blocks": length // BLOCK_TOKENS,
-            "prefix_bytes": length // BLOCK_TOKENS * kv_block_bytes(),
+            "prefix_keys": model.stored_keys(length),
+            "prefix_bytes": model.stored_keys(length) * model.block_bytes,
             **{f"{mode}_ttft_s": value for mode, value in med.items()},
             "samples_s": {
                 mode: [r["s"] for r in by_len[length]]
@@ -415,9 +469,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     longest = max(lengths)
     max_model_len = longest + SUFFIX_TOKENS + BLOCK_TOKENS
     longest_blocks = longest // BLOCK_TOKENS
-    total_blocks = args.prompts * sum(lengths) // BLOCK_TOKENS
+    bench_model = BenchModel(args.model)
+    block_bytes = bench_model.block_bytes
+    prompt_keys = bench_model.stored_keys(longest + SUFFIX_TOKENS)
+    total_keys = args.prompts * sum(bench_model.stored_keys(n + SUFFIX_TOKENS) for n in lengths)
     kvcache_gib = max(
-        1, -(-(2 * (longest + SUFFIX_TOKENS) // BLOCK_TOKENS + 64) * kv_block_bytes() // 2**30)
+        1, -(-(2 * (longest + SUFFIX_TOKENS) // BLOCK_TOKENS + 64) * LAYER_BYTES * 4 // 2**30)
     )
     prompts = prompts_for(lengths, args.prompts)
     modes = (
@@ -445,7 +502,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  {what} ({time.monotonic() - started:.0f} s)", flush=True)
 
     try:
-        model = make_model(home / "model", model_spec(max_model_len))
+        model = make_model(home / "model", bench_model.spec(max_model_len))
         step("model written")
         sizes = {"max_model_len": max_model_len, "kvcache_gib": kvcache_gib}
         with VllmEngineProcess(model, logs / "engine-vllm.log", None, **sizes) as engine:
@@ -455,8 +512,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         with (
             bench_service(
                 home / "service",
-                2 * longest_blocks + 64,
-                total_blocks + 2 * longest_blocks,
+                block_bytes,
+                2 * prompt_keys + 64,
+                total_keys + 2 * prompt_keys,
                 logs / "service.log",
             ) as service,
             service.client("bench", timeout_s=30.0) as client,
@@ -478,7 +536,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     "start_s": engine.start_s,
                     "connector": connector["kv_connector"],
                 }
-                run_kvoffload(engine, client, prompts, runs, problems)
+                offloaded = run_kvoffload(engine, client, bench_model, prompts, runs, problems)
             link_downs = engine.log_path.read_text(errors="replace").count("kvoffload_link_down")
             if args.profile:
                 profile = breakdown(read_probe(probe_dir), runs)
@@ -488,7 +546,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
-                "cpu_bytes_to_use": (longest_blocks + 64) * kv_block_bytes()
+                "cpu_bytes_to_use": (longest_blocks + 64) * LAYER_BYTES * MODEL["layers"]
             },
         }
         if args.no_native:
@@ -507,7 +565,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(home, ignore_errors=True)
     native_ran = not native["skipped"]
-    rows = summarize(lengths, runs, native_ran)
+    rows = summarize(lengths, runs, native_ran, bench_model)
     import torch
     import vllm
 
@@ -518,7 +576,21 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "vocab": VOCAB,
             "dtype": "bfloat16",
             "block_tokens": BLOCK_TOKENS,
-            "kv_block_bytes": kv_block_bytes(),
+            "kind": bench_model.kind,
+            "kv_cache_groups": bench_model.groups,
+            "sliding_window": SLIDING_WINDOW if bench_model.sliding_groups else None,
+            "offload_key_bytes": block_bytes,
+        },
+        "offloaded": {
+            **offloaded,
+            "bytes_per_prompt_token": offloaded["stored_keys"]
+            * block_bytes
+            / max(1, offloaded["prompt_tokens"]),
+            "every_block_bytes_per_prompt_token": sum(
+                args.prompts * bench_model.every_block_keys(n + SUFFIX_TOKENS) for n in lengths
+            )
+            * block_bytes
+            / max(1, offloaded["prompt_tokens"]),
         },
         "vllm_version": vllm.__version__,
         "kvoffload_commit": _git_commit(),
@@ -535,7 +607,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "engines": engines,
         "vllm_native_offloading": native,
         "kvoffload_service": {
-            "pool_slots": 2 * longest_blocks + 64,
+            "pool_slots": 2 * prompt_keys + 64,
             "per_tier": tiering.get("per_tier"),
         },
         "targets": {
@@ -580,6 +652,13 @@ def _git_commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument(
+        "--model",
+        choices=("llama", "gemma3"),
+        default="llama",
+        help="llama: one KV cache group; gemma3: the same size with three sliding-window "
+        "layers beside a full-attention one (four groups)",
+    )
     parser.add_argument(
         "--prompts", type=int, default=5, help="prefixes per length (medians over them)"
     )

@@ -105,6 +105,7 @@ class TinyGemma3:
     head_dim: int = 64
     max_positions: int = 8192
     seed: int = 0
+    dtype: str | None = None
 
     @property
     def layers(self) -> int:
@@ -138,6 +139,8 @@ def make_model(directory: Path, spec: ModelSpec = TinyLlama()) -> Path:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    if spec.dtype is not None:
+        common["dtype"] = spec.dtype
     if isinstance(spec, TinyGemma3):
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -151,8 +154,7 @@ def make_model(directory: Path, spec: ModelSpec = TinyLlama()) -> Path:
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        dtype: dict[str, Any] = {} if spec.dtype is None else {"dtype": spec.dtype}
-        llama = LlamaConfig(**common, initializer_range=0.2, tie_word_embeddings=False, **dtype)
+        llama = LlamaConfig(**common, initializer_range=0.2, tie_word_embeddings=False)
         LlamaForCausalLM(llama).save_pretrained(directory)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
