@@ -13,6 +13,7 @@ itself and the call is sent once more.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -194,10 +195,8 @@ class KVOffloadClient:
         ``timeout_s`` (default: the client's ``timeout_s``)."""
         old, self._sock = self._sock, self._open_socket()
         self._unawaited.clear()
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             old.send(p.encode(p.Disconnect(rid=next(self._rids))), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
         old.close(linger=200)
         self.info = self._exchange(p.Connect, timeout_s, self._connect_fields())
         for handle in list(self._handles.values()):
@@ -214,10 +213,8 @@ class KVOffloadClient:
         """Tell the manager we leave (best effort: it finishes our requests and releases our
         pins at once instead of at lease expiry), then close the socket."""
         if not self._sock.closed:
-            try:
+            with contextlib.suppress(TimeoutError, KVOffloadError, zmq.ZMQError):
                 self._call(p.Disconnect, timeout_s=1.0)
-            except (TimeoutError, KVOffloadError, zmq.ZMQError):
-                pass
             self._sock.close(linger=0)
 
     def abandon(self, linger_ms: int = 200) -> None:
@@ -226,10 +223,8 @@ class KVOffloadClient:
         expiry, and close the socket, giving the queued frame ``linger_ms`` to leave."""
         if self._sock.closed:
             return
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             self._sock.send(p.encode(p.Disconnect(rid=next(self._rids))), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
         self._sock.close(linger=linger_ms)
 
     def __enter__(self) -> KVOffloadClient:

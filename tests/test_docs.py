@@ -55,11 +55,11 @@ def split(path: Path) -> tuple[list[Block], list[tuple[int, str]]]:
                 prose.append((number, line))
             continue
         fence = opening[1]
-        if match and match["fence"][0] == fence[0] and len(match["fence"]) >= len(fence):
-            if not match["info"].strip():
-                blocks.append(Block(path, opening[0], opening[2], "\n".join(body) + "\n"))
-                opening = None
-                continue
+        closes = match and match["fence"][0] == fence[0] and len(match["fence"]) >= len(fence)
+        if closes and not match["info"].strip():
+            blocks.append(Block(path, opening[0], opening[2], "\n".join(body) + "\n"))
+            opening = None
+            continue
         body.append(line[len(indent) :] if line.startswith(indent) else line.lstrip())
     assert opening is None, f"{path.relative_to(REPO)}:{opening[0]}: unclosed code fence"
     return blocks, prose

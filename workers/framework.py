@@ -28,6 +28,7 @@ reason goes to the supervisor, ``kvoffload.runtime.runspec.exit_fatal``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import time
@@ -154,10 +155,8 @@ class _Worker:
     def request_stop(self) -> None:
         """Signal-safe: ask the main loop to shut down."""
         self._stop_requested = True
-        try:
+        with contextlib.suppress(OSError):  # already closed: the loop is over anyway
             os.eventfd_write(self._wake_fd, 1)
-        except OSError:  # already closed: the loop is over anyway
-            pass
 
     def run(self) -> int:
         """Connect, hand-shake, serve until shutdown. Returns the exit code."""
@@ -367,10 +366,8 @@ class _Worker:
 
     def _drain_wake(self, events: dict[Any, int]) -> None:
         if events.get(self._wake_fd):
-            try:
+            with contextlib.suppress(BlockingIOError):
                 os.eventfd_read(self._wake_fd)
-            except BlockingIOError:
-                pass
 
     def _bad_message(self, nbytes: int, error: str) -> None:
         self._loop_stats.bad_messages += 1
@@ -450,7 +447,7 @@ class _Worker:
         medium: MediumStats | None
         try:
             medium = self._backend.stats()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - stats never stop heartbeats
             log.warning("backend_stats_failed", error=repr(exc))
             medium = None
         self._loop_stats.queued = self._jobs.queued()
@@ -493,7 +490,7 @@ def run_worker(
     pin_cpus(backend.cpu_affinity(cfg))
     try:
         pool = HostPool.attach(spec.pool_name, cfg.pool.num_slots, cfg.pool.block_bytes)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any attach failure is a start failure
         log.error("pool_attach_failed", pool=spec.pool_name, error=repr(exc))
         return EXIT_FAILED
     faults = FaultInjector(cfg.faults)

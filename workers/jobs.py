@@ -226,7 +226,7 @@ class JobRunner:
                 raise InjectedFault("injected release failure")
             if item.outcome.release is not None:
                 item.outcome.release()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - release is retried, the result kept
             self._loop_stats.release_failures += 1
             attempt = item.release_attempts
             if attempt & (attempt - 1) == 0:  # attempts 1, 2, 4, 8, ...: bounded log volume
@@ -243,7 +243,7 @@ class JobRunner:
             return
         try:
             item.outcome.cleanup()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - cleanup is best effort
             self._loop_stats.cleanup_failures += 1
             log.warning("job_cleanup_failed", job_id=item.job.job_id, error=repr(exc))
 

@@ -151,7 +151,7 @@ def cpu_cells(outputs: dict[str, Any]) -> list[Cell]:
                     unit="GB/s",
                     reference="memcpy 1 thread",
                     reference_value=memcpy,
-                    chart=metric.endswith("_process") or metric.endswith("_1thread"),
+                    chart=metric.endswith(("_process", "_1thread")),
                 )
             )
     return cells

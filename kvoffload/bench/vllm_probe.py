@@ -28,7 +28,7 @@ def _emit(ev: str, start: float, **fields: Any) -> None:
     global _out
     if _out is None:
         path = os.path.join(os.environ["KVO_BENCH_PROBE_DIR"], f"probe-{os.getpid()}.jsonl")
-        _out = open(path, "a", buffering=1)
+        _out = open(path, "a", buffering=1)  # noqa: SIM115 - one line-buffered file for the process's life
     _out.write(json.dumps({"ev": ev, "t": start, "d": time.monotonic() - start, **fields}) + "\n")
 
 

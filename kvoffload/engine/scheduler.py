@@ -345,7 +345,7 @@ class Engine:
             if jobs:
                 self._wait_stores(jobs, result)
             self._client.finish_request(req_id)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - abandoning is best effort
             log.error("request_abandon_failed", req_id=req_id, error=repr(exc))
 
     def _wait_stores(self, jobs: dict[int, list[bytes]], result: Generation) -> None:

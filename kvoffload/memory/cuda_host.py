@@ -39,7 +39,7 @@ def _cuda_torch() -> ModuleType | None:
         return None
     try:
         import torch
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any torch import failure means no CUDA
         log.warning("cuda_host_torch_unavailable", error=repr(exc))
         return None
     return torch if torch.cuda.is_available() else None
@@ -48,7 +48,7 @@ def _cuda_torch() -> ModuleType | None:
 def _error_text(cudart: Any, err: Any) -> str:
     try:
         return str(cudart.cudaGetErrorString(cudart.cudaError(int(err))))
-    except Exception:
+    except Exception:  # noqa: BLE001 - only for a message
         return f"cudaError {int(err)}"
 
 
@@ -62,7 +62,7 @@ def register_host_memory(address: int, size: int) -> bool:
     cudart = torch.cuda.cudart()
     try:
         err = cudart.cudaHostRegister(address, size, _REGISTER_DEFAULT)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - unregistered memory still works
         log.warning("cuda_host_register_failed", address=address, bytes=size, error=repr(exc))
         return False
     if int(err) != 0:
@@ -86,7 +86,7 @@ def unregister_host_memory(address: int) -> None:
     cudart = torch.cuda.cudart()
     try:
         err = cudart.cudaHostUnregister(address)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - logged; the mapping goes anyway
         log.warning("cuda_host_unregister_failed", address=address, error=repr(exc))
         return
     if int(err) != 0:

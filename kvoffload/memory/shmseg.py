@@ -8,6 +8,7 @@ cannot be unmapped yet: ``close_mapping`` then leaves it to the garbage collecto
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections.abc import Callable
@@ -99,10 +100,8 @@ def close_mapping(mapping: mmap.mmap, what: str, name: str) -> None:
 
 def unlink_segment(name: str) -> None:
     """Remove a segment's name; a name already gone is ignored."""
-    try:
+    with contextlib.suppress(posix_ipc.ExistentialError):
         posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        pass
 
 
 class OwnedSegment:

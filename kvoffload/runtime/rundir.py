@@ -9,6 +9,7 @@ listing its pid and the shared-memory segments it created; its sockets are
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -87,10 +88,8 @@ def _secure_base(base: Path) -> Path:
     by this uid; its mode is forced to 0700. Raises RunDirError otherwise."""
     base = Path(os.path.abspath(base))
     base.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(base, 0o700)
-    except FileExistsError:
-        pass
     try:
         fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:

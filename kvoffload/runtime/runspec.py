@@ -6,6 +6,7 @@ Written by the supervisor as a 0600 JSON file in the run directory; children loa
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,8 @@ def exit_fatal(reason: str) -> int:
     ``EXIT_FATAL``, the exit code for it."""
     path = os.environ.get(FATAL_REASON_ENV)
     if path:
-        try:
+        with contextlib.suppress(OSError):
             Path(path).write_text(reason)
-        except OSError:
-            pass
     return EXIT_FATAL
 
 

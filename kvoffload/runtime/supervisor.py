@@ -14,6 +14,7 @@ restarts, so a restarted manager rebuilds its primary index from the headers.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -223,7 +224,7 @@ class Supervisor:
         if child.reason_file is not None:
             env[FATAL_REASON_ENV] = str(child.reason_file)
             child.reason_file.unlink(missing_ok=True)
-        out = open(self.log_path, "ab") if self.log_path is not None else None
+        out = open(self.log_path, "ab") if self.log_path is not None else None  # noqa: SIM115 - the child keeps it; closed after Popen
         try:
             child.proc = subprocess.Popen(
                 child.argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out
@@ -412,10 +413,8 @@ def _terminate(children: list[Child], grace_s: float) -> None:
         proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for _, proc in running:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
     for child, proc in running:
         if proc.poll() is not None:
             continue

@@ -28,6 +28,7 @@ own; ``counts`` may be read from any thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -143,10 +144,8 @@ class CurveGate:
         """Stop the thread and close its sockets (the caller's thread owns ``sock``)."""
         self._stopping.set()
         self._thread.join()
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
 
     # ---- the thread ------------------------------------------------------------------------
 

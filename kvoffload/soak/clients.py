@@ -8,6 +8,7 @@ so ``EnginePool`` does it right after the kill (as an engine's orchestrator woul
 
 from __future__ import annotations
 
+import contextlib
 import random
 import subprocess
 import sys
@@ -25,10 +26,8 @@ def unlink_segments(prefix: str) -> list[str]:
     the names unlinked."""
     names = shm_names_containing(prefix.lstrip("/"))
     for name in names:
-        try:
+        with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory("/" + name)
-        except posix_ipc.ExistentialError:
-            pass
     return names
 
 
@@ -48,7 +47,7 @@ class EngineProcess:
         cls, endpoint: str, name: str, seed: int, workdir: Path, shm_prefix: str, extra: list[str]
     ) -> EngineProcess:
         report = workdir / f"{name}.jsonl"
-        log_file = open(workdir / f"{name}.log", "ab")
+        log_file = open(workdir / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it; closed after Popen
         try:
             proc = subprocess.Popen(
                 [

@@ -92,7 +92,7 @@ class Report:
     """JSON-lines event writer (line buffered)."""
 
     def __init__(self, path: Path) -> None:
-        self._file = open(path, "a", buffering=1)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - one line-buffered report for the engine's life
 
     def write(self, ev: str, **fields: Any) -> None:
         self._file.write(json.dumps({"ev": ev, "t": time.monotonic(), **fields}) + "\n")

@@ -13,6 +13,7 @@ Contract:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import os
 import random
@@ -191,7 +192,7 @@ class S3Server:
         env = dict(
             os.environ, AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key
         )
-        self._log = open(self.log_path, "ab")
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - the server's log, closed when it stops
         self._proc = proc = subprocess.Popen(
             self._command(),
             cwd=self.base_dir,
@@ -226,10 +227,8 @@ class S3Server:
         """Ready means objects can be written and read back, not only listed: after a restart
         the S3 gateway answers listings before its volume server takes writes."""
         client.list_buckets()
-        try:
+        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
             client.create_bucket(Bucket=READY_BUCKET)
-        except client.exceptions.BucketAlreadyOwnedByYou:
-            pass
         client.put_object(Bucket=READY_BUCKET, Key="probe", Body=b"ready")
         if client.get_object(Bucket=READY_BUCKET, Key="probe")["Body"].read() != b"ready":
             raise S3ServerError("probe object read back wrong")
@@ -302,10 +301,8 @@ class S3Server:
     def create_bucket(self, name: str) -> str:
         """Create a bucket (no error if it exists) and return its name."""
         client = self.client()
-        try:
+        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
             client.create_bucket(Bucket=name)
-        except client.exceptions.BucketAlreadyOwnedByYou:
-            pass
         return name
 
     def __enter__(self) -> S3Server:

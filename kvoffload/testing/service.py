@@ -499,10 +499,8 @@ def _alive(proc: psutil.Process) -> bool:
 @contextlib.contextmanager
 def _quiet_psutil() -> Iterator[None]:
     """A process that exits while being inspected is simply not there."""
-    try:
+    with contextlib.suppress(psutil.Error):
         yield
-    except psutil.Error:
-        pass
 
 
 TEST_DEFAULTS: dict[str, dict[str, Any]] = {

@@ -24,6 +24,7 @@ removed after it stopped if they are still there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -230,7 +231,7 @@ class VllmEngineProcess:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tensor_parallel_size)))
         env.update(extra_env or {})
         self.log_path = log_path
-        self._log = open(log_path, "w")
+        self._log = open(log_path, "w")  # noqa: SIM115 - the engine's log, closed when it stops
         self._shm: set[str] = set()
         started = time.monotonic()
         self.proc = subprocess.Popen(
@@ -308,10 +309,8 @@ class VllmEngineProcess:
             self.proc.poll()
             time.sleep(0.1)
         if _group_alive(self.proc.pid):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.proc.wait()
         for name in sorted(self._shm):
             try:

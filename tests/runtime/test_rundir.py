@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -184,10 +185,8 @@ def test_cleanup_stale_removes_dead_run(base: Path, shm_token: str) -> None:
         assert cleanup_stale(base) == []
     finally:
         for name in (live_shm, dead_shm):
-            try:
+            with contextlib.suppress(posix_ipc.ExistentialError):
                 posix_ipc.unlink_shared_memory(name)
-            except posix_ipc.ExistentialError:
-                pass
 
 
 def test_cleanup_treats_reused_pid_as_dead(base: Path) -> None:

@@ -193,7 +193,7 @@ class WorkerProcess:
         self, module: str, spec: Path, log_path: Path, *args: str, env: dict[str, str] | None = None
     ) -> None:
         self.log_path = log_path
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "wb")  # noqa: SIM115 - the worker's log, closed when it stops
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "--spec", str(spec), *args],
             cwd=REPO_ROOT,

@@ -35,7 +35,7 @@ def fan_out(
     def work(index: int) -> None:
         try:
             results[index] = run(index)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             errors[index] = exc
         finally:
             done[index].set()

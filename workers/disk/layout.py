@@ -11,6 +11,7 @@ the fingerprint, never from keys.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, replace
@@ -143,14 +144,10 @@ def make_private_directory(directory: Path) -> None:
     """Create the store's ``directory`` with mode 0700, and its root (the configured
     ``disk.root``, with missing parents) with mode 0700 when it does not exist yet; an existing
     root keeps its mode. The store directory is set to 0700 even if it existed."""
-    try:
+    with contextlib.suppress(FileExistsError):
         directory.parent.mkdir(mode=0o700, parents=True)
-    except FileExistsError:
-        pass
-    try:
+    with contextlib.suppress(FileExistsError):
         directory.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
     os.chmod(directory, 0o700)
 
 

@@ -265,7 +265,7 @@ class ObjectBackend(NoIndexBackend):
         reason = _failure_reason(outcome)
         if not isinstance(outcome, BreakerOpen):  # fast refusals: the job's failure log is enough
             log.warning(
-                f"object_{op}_failed",
+                f"object_{op}_failed",  # noqa: G004 - a structlog event name, not a format
                 job_id=job.job_id,
                 key=key.hex(),
                 slot=slot,

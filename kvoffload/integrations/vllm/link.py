@@ -119,7 +119,7 @@ class ServiceLink:
             return
         try:
             self._adopt(client)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - nothing may raise into vLLM
             log.error("kvoffload_service_refused endpoint=%s error=%s", self.endpoint, exc)
             self._start_reconnect()
 

@@ -28,6 +28,7 @@ raises into vLLM's scheduler loop; requests are registered again with a restarte
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Iterable, Mapping
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -230,10 +231,8 @@ class KVOffloadManager(OffloadingManager):
                 self._lookup_batch(state)
         if self._touched:
             keys, self._touched = list(self._touched), {}
-            try:
+            with contextlib.suppress(ServiceDown, KVOffloadError):
                 self._link.call(lambda c: c.touch(keys))
-            except (ServiceDown, KVOffloadError):
-                pass
         self._count_outage()
 
     def _lookup_batch(self, state: EngineRequest) -> None:

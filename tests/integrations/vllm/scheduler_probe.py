@@ -167,11 +167,26 @@ class RecordingLock:
         RecordingLock.held = False
 
 
-RECORDED = (
-    "ask_now lookup prepare_load complete_load prepare_store complete_store on_new_request "
-    "on_request_finished on_schedule_end reset_cache on_reset_flushed get_stats touch "
-    "config_info note_failed_loads note_failed_stores note_store_checksums has_pending_work"
-).split()
+RECORDED = [
+    "ask_now",
+    "lookup",
+    "prepare_load",
+    "complete_load",
+    "prepare_store",
+    "complete_store",
+    "on_new_request",
+    "on_request_finished",
+    "on_schedule_end",
+    "reset_cache",
+    "on_reset_flushed",
+    "get_stats",
+    "touch",
+    "config_info",
+    "note_failed_loads",
+    "note_failed_stores",
+    "note_store_checksums",
+    "has_pending_work",
+]
 
 
 def instrument(calls: list[tuple[str, bool]], asked: list[int]) -> None:

@@ -19,6 +19,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import contextlib
+
 from kvoffload.memory.blockformat import CorruptBlock, decode_header  # noqa: E402
 from kvoffload.memory.pool import HostPool  # noqa: E402
 from kvoffload.testing.helpers import wait_until  # noqa: E402
@@ -166,10 +168,8 @@ def test_a_killed_service_costs_a_recompute_and_hits_resume(engines, service, re
     same_output(during, reference(prompt, 0))
 
     for pid in worker_pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     prompt = case.new_prompt()
     same_output(engine.generate([prompt])[0], reference(prompt, 0))
 

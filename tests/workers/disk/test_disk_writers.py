@@ -158,7 +158,7 @@ def test_parallel_writers_keep_every_record_correct_under_concurrent_jobs_and_ev
                         assert_self_consistent(key, pool.slot(slot).tobytes())
                     else:
                         assert "absent" in done.error or "transient" in done.error, done.error
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the main thread
             errors.append(exc)
 
     threads = [threading.Thread(target=job_thread, args=(n,)) for n in range(4)]

@@ -422,7 +422,7 @@ def start_read(store: DiskStore, key: bytes, hook: BlockingReads) -> tuple[threa
     def run() -> None:
         try:
             outcome["data"] = read(store, key)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the outcome is asserted
             outcome["error"] = exc
 
     thread = threading.Thread(target=run)
@@ -573,7 +573,7 @@ def test_threads_put_and_get_concurrently(open_store) -> None:
                 store.put(shared, src)
                 with contextlib.suppress(KeyError):
                     assert_self_consistent(shared, read(store, shared))
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the main thread
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
@@ -587,7 +587,7 @@ def test_threads_put_and_get_concurrently(open_store) -> None:
         + [b"shared-%d" % i for i in range(3)]
     )
     assert store.used_bytes == len(store.keys()) * RECORD
-    for key in store.keys():
+    for key in store:
         assert_self_consistent(key, read(store, key))
 
 
