@@ -100,7 +100,8 @@ def format_status(status: ManagerStatus) -> str:
         f"jobs in flight: tier {t.jobs_in_flight}, device {status.device_jobs_in_flight}; "
         f"promotion amplification {t.promotion_amplification}",
         "",
-        f"{'tier':<10}{'hit':>10}{'pending':>10}{'retry':>10}{'miss':>10}{'jobs':>8}{'failed':>8}{'evicted':>9}",
+        f"{'tier':<10}{'hit':>10}{'pending':>10}{'retry':>10}{'miss':>10}{'promoted':>10}"
+        f"{'jobs':>8}{'failed':>8}{'evicted':>9}",
     ]
     if refused := status.client_handshakes_refused:
         by_reason = ", ".join(f"{reason} {n}" for reason, n in refused.items() if n)
@@ -114,7 +115,7 @@ def format_status(status: ManagerStatus) -> str:
         failed = c.promotion_jobs_failed + c.cascade_jobs_failed + c.probe_jobs_failed
         lines.append(
             f"{name:<10}{c.lookups_hit:>10}{c.lookups_hit_pending:>10}{c.lookups_retry:>10}"
-            f"{c.lookups_miss:>10}{jobs:>8}{failed:>8}{c.evictions:>9}"
+            f"{c.lookups_miss:>10}{c.promoted_keys_ok:>10}{jobs:>8}{failed:>8}{c.evictions:>9}"
         )
     lines.append("")
     lines.append(
