@@ -1,4 +1,4 @@
-"""The ``kvoffload`` command: serve, status, demo, soak, bench."""
+"""The ``kvoffload`` command: serve, status, tenant drop, demo, soak, bench."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from kvoffload.config import Config, ConfigError, load_config
 from kvoffload.extras import MissingExtra
 from kvoffload.logs import configure_logging
 from kvoffload.runtime.discovery import NoServiceFound, find_endpoint
-from kvoffload.status import ManagerStatus
+from kvoffload.status import ManagerStatus, TenantStatus
+from kvoffload.tenants import tenant_id
 
 EXIT_REFUSED = 2
 """An invalid configuration, a set-up the service cannot run, a missing extra."""
@@ -69,6 +70,30 @@ def cmd_status(args) -> int:
         print(f"endpoint: {endpoint}")
         print(format_status(status))
     return 0
+
+
+def cmd_tenant_drop(args) -> int:
+    """Drop every block of one tenant; exit 1 when a tier could not remove all of them."""
+    from kvoffload.client import KVOffloadClient, KVOffloadError
+
+    cfg = _load(args)
+    try:
+        endpoint = find_endpoint(args.endpoint, cfg)
+    except NoServiceFound as exc:
+        raise SystemExit(f"kvoffload: {exc}") from None
+    with KVOffloadClient(
+        endpoint, timeout_s=5.0, name="tenant-drop", curve_keys=_curve_keys(args)
+    ) as client:
+        try:
+            dropped = client.tenant_drop(args.name, timeout_s=args.timeout)
+        except (KVOffloadError, TimeoutError, ValueError) as exc:
+            raise SystemExit(f"kvoffload: tenant drop failed: {exc}") from None
+    print(f"tenant {tenant_id(args.name)} dropped")
+    for tier, removed in dropped.removed.items():
+        failed = dropped.failed.get(tier, 0)
+        note = "" if not failed else (" (removal failed)" if failed < 0 else f", {failed} failed")
+        print(f"{tier:<10}{removed:>10} removed{note}")
+    return 1 if dropped.failed else 0
 
 
 def _curve_keys(args) -> tuple[bytes, bytes, bytes] | None:
@@ -135,6 +160,7 @@ def format_status(status: ManagerStatus) -> str:
         f"{t.store_allocation_failures} ({t.stores_refused_dirty} for lack of clean room, "
         f"{t.store_backpressure_s:.1f}s refusing)"
     )
+    lines.extend(format_tenants(t.tenants))
     lines.append("")
     lines.append(
         f"{'worker':<10}{'pid':>8}{'heartbeat':>11}{'inflight':>10}{'degraded':>10}{'restarts':>10}"
@@ -145,6 +171,30 @@ def format_status(status: ManagerStatus) -> str:
             f"{str(w.degraded):>10}{w.incarnation - 1:>10}"
         )
     return "\n".join(lines)
+
+
+def format_tenants(tenants: dict[str, TenantStatus]) -> list[str]:
+    """One line per tenant (by id) and tier: blocks held, share, cap, evictions, refusals."""
+    if not tenants:
+        return []
+    lines = [
+        "",
+        f"{'tenant':<18}{'hit':>8}{'pending':>9}{'miss':>8}  {'tier':<8}{'blocks':>8}"
+        f"{'MiB':>9}{'share':>7}{'cap':>7}{'evicted':>9}{'by others':>10}{'refused':>9}",
+    ]
+    for tid, tenant in tenants.items():
+        head = (
+            f"{tid:<18}{tenant.lookups_hit:>8}{tenant.lookups_hit_pending:>9}"
+            f"{tenant.lookups_miss:>8}"
+        )
+        for tier, c in tenant.tiers.items():
+            cap = "-" if c.cap_blocks is None else str(c.cap_blocks)
+            lines.append(
+                f"{head:<43}  {tier:<8}{c.blocks:>8}{c.bytes / 2**20:>9.1f}{c.share_blocks:>7}"
+                f"{cap:>7}{c.evictions:>9}{c.evicted_by_others:>10}{c.refused:>9}"
+            )
+            head = ""
+    return lines
 
 
 def cmd_demo(args) -> int:
@@ -186,6 +236,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--curve-server-key", help="the service's CURVE public key file")
     status.set_defaults(func=cmd_status)
+
+    tenant = sub.add_parser("tenant", help="tenants of the running service")
+    tenant_sub = tenant.add_subparsers(dest="tenant_command", required=True)
+    drop = tenant_sub.add_parser(
+        "drop", help="remove every block of a tenant from every tier and the shared bucket"
+    )
+    drop.add_argument("name", help="the tenant's name (vLLM's cache_salt, or an engine namespace)")
+    drop.add_argument("--config", help="TOML config file of the running service")
+    drop.add_argument("--endpoint", help="client endpoint (default: find the live run)")
+    drop.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds to wait for the tiers (default 60)"
+    )
+    drop.add_argument("--curve-secret", help="this client's CURVE secret key file")
+    drop.add_argument("--curve-server-key", help="the service's CURVE public key file")
+    drop.set_defaults(func=cmd_tenant_drop)
 
     demo = sub.add_parser(
         "demo",

@@ -25,6 +25,7 @@ import zmq
 from kvoffload import protocol as p
 from kvoffload.protocol import ErrorCode, LookupResult, MissReason, must_wait
 from kvoffload.status import ManagerStatus
+from kvoffload.tenants import tenant_id
 
 
 class KVOffloadError(Exception):
@@ -98,7 +99,8 @@ class KVOffloadClient:
         self._rids = itertools.count(1)
         self._events: deque[p.DeviceJobFinished] = deque()
         self._handles: dict[str, p.KVHandle] = {}
-        self._requests: dict[str, dict] = {}
+        self._requests: dict[str, tuple[dict, str]] = {}
+        """Open requests: their params and tenant id (``reconnect`` opens them again)."""
         self._jobs: dict[
             int, tuple[str, p.DeviceJobKind]
         ] = {}  # accepted device jobs: id -> (req_id, kind)
@@ -201,8 +203,9 @@ class KVOffloadClient:
         self.info = self._exchange(p.Connect, timeout_s, self._connect_fields())
         for handle in list(self._handles.values()):
             self._exchange(p.RegisterKV, None, {"handle": handle})
-        for req_id, params in list(self._requests.items()):
-            self._exchange(p.NewRequest, None, {"req_id": req_id, "params": params})
+        for req_id, (params, tenant) in list(self._requests.items()):
+            fields = {"req_id": req_id, "params": params, "tenant": tenant}
+            self._exchange(p.NewRequest, None, fields)
         lost, self._jobs = self._jobs, {}
         for job_id, (req_id, kind) in lost.items():
             self._events.append(
@@ -240,11 +243,16 @@ class KVOffloadClient:
         self._call(p.RegisterKV, handle=handle)
         self._handles[handle.handle_id] = handle
 
-    def new_request(self, req_id: str, params: dict | None = None) -> bool:
+    def new_request(self, req_id: str, params: dict | None = None, tenant: str = "") -> bool:
         """Returns True when some tier wants every block of the request (request level). The
-        request stays open (``reconnect`` opens it again) until ``finish_request``."""
-        reply = self._call(p.NewRequest, req_id=req_id, params=params or {})
-        self._requests[req_id] = params or {}
+        request stays open (``reconnect`` opens it again) until ``finish_request``.
+        ``tenant``: the name of the request's tenant ("" for none; sent as its
+        ``tenants.tenant_id`` only): the blocks it stores are that tenant's, and it sees no
+        other tenant's. Two tenants' keys for one content should differ (vLLM's ``cache_salt``
+        does that): a key another tenant holds is a miss and is not stored again."""
+        tid = tenant_id(tenant)
+        reply = self._call(p.NewRequest, req_id=req_id, params=params or {}, tenant=tid)
+        self._requests[req_id] = (params or {}, tid)
         return reply.request_level
 
     def lookup(
@@ -350,6 +358,14 @@ class KVOffloadClient:
 
     def status(self) -> ManagerStatus:
         return self._call(p.Status).status
+
+    def tenant_drop(self, name: str, timeout_s: float = 60.0) -> p.TenantDropped:
+        """Remove every block of the tenant ``name`` from every tier of the service and from
+        the shared bucket (other nodes' objects included); returns the counts per tier once
+        the tiers removed them. Afterwards the tenant's lookups miss everywhere."""
+        if not name:
+            raise ValueError("name the tenant to drop")
+        return self._call(p.TenantDrop, timeout_s=timeout_s, tenant=tenant_id(name))
 
     def poll(self, wait_ms: int = 0) -> list[p.DeviceJobFinished]:
         """Finished-job events not yet taken (each is returned exactly once)."""

@@ -1,7 +1,8 @@
 """Typed configuration: defaults, then one TOML file, then ``KVOFFLOAD_*`` environment overrides.
 
 Every key has a default, so no file is needed. An override variable is named
-``KVOFFLOAD_<SECTION>__<KEY>`` (double underscore between section and key, case-insensitive);
+``KVOFFLOAD_<SECTION>__<KEY>`` (double underscore between section and key, case-insensitive;
+``[tenants]`` entries: ``KVOFFLOAD_TENANTS__<NAME>__<KEY>``, see ``tenantconfig``);
 its value is read as a TOML value (``8``, ``true``, ``[0, 1]``, ``"text"``), falling back to the
 raw text. For string keys the raw text is used unless it is a quoted TOML string. ``[[engines]]``
 can only be set in the file. Empty ``object.access_key_id`` / ``object.secret_access_key`` are
@@ -23,8 +24,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from kvoffload import tenantconfig
 from kvoffload.memory.blockformat import MAX_KEY_BYTES
 from kvoffload.protocol import FaultSpec
+from kvoffload.tenantconfig import TenantConfig
 
 ENV_PREFIX = "KVOFFLOAD_"
 DEFAULTS_SOURCE = "defaults"
@@ -162,6 +165,8 @@ class Config(_Section, frozen=True):
     object: ObjectConfig = msgspec.field(default_factory=ObjectConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     engines: tuple[EngineConfig, ...] = ()
+    tenants: dict[str, TenantConfig] = {}
+    """Shares and caps per tenant (``tenantconfig``): ``default`` and named entries."""
     faults: FaultSpec = msgspec.field(default_factory=FaultSpec)
     """Fault injection every tier worker starts with (all off); the wire's ``FaultSpec``."""
 
@@ -175,7 +180,7 @@ class Config(_Section, frozen=True):
 
 
 SECTIONS: dict[str, type[_Section]] = {
-    f.name: f.type for f in msgspec.structs.fields(Config) if f.name != "engines"
+    f.name: f.type for f in msgspec.structs.fields(Config) if f.name not in ("engines", "tenants")
 }
 
 _PATH_IN_ERROR = re.compile(r" - at `\$([^`]*)`$")
@@ -199,10 +204,13 @@ def _check_file_keys(data: dict[str, Any], source: str, sources: dict[str, str])
         sources[section] = source
         if section == "engines":
             continue
+        if section == "tenants":
+            tenantconfig.check_file_table(table, source, sources, _raise)
+            continue
         cls = SECTIONS.get(section)
         if cls is None:
             raise ConfigError(
-                f"unknown section; expected one of {sorted([*SECTIONS, 'engines'])}",
+                f"unknown section; expected one of {sorted([*SECTIONS, 'engines', 'tenants'])}",
                 key=section,
                 source=source,
             )
@@ -217,6 +225,10 @@ def _check_file_keys(data: dict[str, Any], source: str, sources: dict[str, str])
                     key=f"{section}.{key}",
                     source=source,
                 )
+
+
+def _raise(key: str, message: str, source: str | None) -> None:
+    raise ConfigError(message, key, source)
 
 
 def _parse_env_value(raw: str, field_type: Any) -> Any:
@@ -241,6 +253,10 @@ def _apply_env(data: dict[str, Any], sources: dict[str, str], env: Mapping[str, 
         dotted = f"{section}.{key}"
         if section == "engines":
             raise ConfigError("[[engines]] can only be set in the config file", dotted, var)
+        if section == "tenants":
+            raw = _parse_env_value(env[var], Any)
+            tenantconfig.apply_env(data, key, raw, var, sources, _raise)
+            continue
         cls = SECTIONS.get(section)
         if cls is None:
             raise ConfigError(f"unknown section; expected one of {sorted(SECTIONS)}", dotted, var)
@@ -271,6 +287,8 @@ def _source_of(key: str, sources: Mapping[str, str]) -> str:
     section = section.split("[")[0]
     plain = f"{section}.{rest.split('[')[0]}" if rest else section
     whole_section = sources.get(section) if section == "engines" or not rest else None
+    if section == "tenants" and "." in rest:  # a field of an entry: else where the entry is
+        whole_section = sources.get(f"tenants.{rest.rsplit('.', 1)[0]}")
     return sources.get(plain) or whole_section or DEFAULTS_SOURCE
 
 
@@ -381,6 +399,9 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         if not engine.command or not engine.command[0]:
             fail(f"engines[{i}].command", "must name a program")
 
+    disk_bytes = cfg.disk.capacity_bytes if cfg.disk.enabled else None
+    tenantconfig.validate(cfg.tenants, pool.num_slots, disk_bytes, fail)
+
 
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
     """Defaults, overlaid by the TOML file at ``path`` (None: no file), overlaid by ``env``
@@ -392,6 +413,10 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         data = _read_file(Path(path))
         _check_file_keys(data, str(path), sources)
     _apply_env(data, sources, environ)
+    tenantconfig.check_entries(
+        data.get("tenants"),
+        lambda key, message: _raise(key, message, _source_of(key, sources)),
+    )
     cfg = _convert(data, sources)
     cfg = _with_aws_credentials(cfg, environ)
     _validate(cfg, sources)

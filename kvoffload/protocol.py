@@ -32,7 +32,7 @@ from kvoffload.vocab import LookupResult as LookupResult
 from kvoffload.vocab import MissReason as MissReason
 from kvoffload.vocab import must_wait as must_wait
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
@@ -127,9 +127,13 @@ class RegisterKV(_Msg, tag="register_kv"):
 
 
 class NewRequest(_Msg, tag="new_request"):
+    """``tenant``: the id of the request's tenant (``kvoffload.tenants.tenant_id`` of its
+    name; "" for none): the blocks it stores are that tenant's, and it sees no other's."""
+
     rid: int
     req_id: str
     params: dict[str, Any] = {}
+    tenant: str = ""
 
 
 class Lookup(_Msg, tag="lookup"):
@@ -239,6 +243,14 @@ class Disconnect(_Msg, tag="disconnect"):
     rid: int
 
 
+class TenantDrop(_Msg, tag="tenant_drop"):
+    """Remove every block of the tenant (its id) from every tier of the service and from the
+    shared bucket; answered with ``TenantDropped`` once the tiers removed them."""
+
+    rid: int
+    tenant: str
+
+
 ClientRequest = (
     Connect
     | RegisterKV
@@ -257,6 +269,7 @@ ClientRequest = (
     | Poll
     | Status
     | Disconnect
+    | TenantDrop
 )
 
 
@@ -353,6 +366,16 @@ class StatusReply(_Msg, tag="status_reply"):
     status: ManagerStatus
 
 
+class TenantDropped(_Msg, tag="tenant_dropped"):
+    """What a ``TenantDrop`` removed: blocks per tier (``object``: the objects under the
+    tenant's name in the bucket, other nodes' included), and per tier the blocks it could not
+    remove (-1: that tier's removal failed as a whole; try again)."""
+
+    rid: int
+    removed: dict[str, int]
+    failed: dict[str, int] = {}
+
+
 ClientReply = (
     Error
     | Ok
@@ -363,6 +386,7 @@ ClientReply = (
     | Slots
     | Events
     | StatusReply
+    | TenantDropped
 )
 
 
@@ -391,7 +415,8 @@ class JobDone(_Msg, tag="job_done"):
     job is released. For probes, ``successful_keys`` are the keys found. ``absent_keys``: failed
     keys the tier confirmed it does not hold (for probes: not found; for promotions: never
     stored, gone, or corrupt and removed); any other failed key failed transiently.
-    ``full_keys``: failed cascade keys the tier had no room for (not worth retrying)."""
+    ``full_keys``: failed cascade keys the tier had no room for (not worth retrying).
+    ``removed``: a ``delete`` job with ``purge_tenant``: the blocks removed in all."""
 
     job_id: int
     success: bool
@@ -401,6 +426,7 @@ class JobDone(_Msg, tag="job_done"):
     error: str = ""
     absent_keys: list[bytes] = []
     full_keys: list[bytes] = []
+    removed: int = 0
 
 
 class Heartbeat(_Msg, tag="heartbeat"):
@@ -431,7 +457,11 @@ class HelloAck(_Msg, tag="hello_ack"):
 
 
 class Job(_Msg, tag="job"):
-    """``device_*`` and ``verify`` jobs go to the cpu worker, the others to tier workers."""
+    """``device_*`` and ``verify`` jobs go to the cpu worker, the others to tier workers.
+    ``tenants``: co-indexed with ``keys``, the tenant id each block is named under (a tier
+    that names blocks by tenant: the object tier); empty when none has a tenant.
+    ``purge_tenant``: a ``delete`` job of a tenant drop: also remove every block the tier
+    holds under that tenant's name."""
 
     job_id: int
     kind: JobKind
@@ -439,6 +469,8 @@ class Job(_Msg, tag="job"):
     slots: list[int] = []
     device_blocks: list[int] = []
     handle_id: str = ""
+    tenants: list[str] = []
+    purge_tenant: str = ""
 
 
 class TouchKeys(_Msg, tag="touch_keys"):

@@ -57,6 +57,34 @@ class TieringStatus(_Status):
     """Stores refused (``no_space``) while held blocks took the room they needed."""
     store_backpressure_s: float = 0.0
     """Seconds from a refused store to the next store that got slots, summed."""
+    tenants: dict[str, TenantStatus] = {}
+    """Per tenant id ("none": requests without a tenant), once tenants are in use."""
+
+
+class TenantTierStatus(_Status):
+    """One tenant on one tier: the blocks it holds there (``bytes``: as the tier stores them)
+    and its share and cap (None: no cap), the blocks evicted (``evicted_by_others``: for
+    another tenant's traffic; never one inside its share) and refused at its cap."""
+
+    blocks: int
+    bytes: int = 0
+    share_blocks: int = 0
+    cap_blocks: int | None = None
+    evictions: int = 0
+    evicted_by_others: int = 0
+    refused: int = 0
+
+
+class TenantStatus(_Status):
+    """One tenant, by id: whether the configuration names it, its open requests, its lookups
+    (keys by result) and its tiers."""
+
+    named: bool
+    requests: int
+    lookups_hit: int
+    lookups_hit_pending: int
+    lookups_miss: int
+    tiers: dict[str, TenantTierStatus]
 
 
 class PoolStatus(_Status):
@@ -111,6 +139,7 @@ class DiskWorkerStats(_MediumStats, tag="disk"):
     write_errors: int = 0
     injected_corruptions: int = 0
     keys_evicted: int = 0
+    keys_deleted: int = 0
 
 
 BreakerState = Literal["closed", "open", "half_open"]
@@ -143,6 +172,9 @@ class ObjectWorkerStats(_MediumStats, tag="object"):
     bytes_written: int = 0
     slot_release_failures: int = 0
     injected_corruptions: int = 0
+    deletes: int = 0
+    delete_failures: int = 0
+    objects_deleted: int = 0
     pending_releases: int = 0
     breaker: BreakerStats = msgspec.field(default_factory=BreakerStats)
 

@@ -30,9 +30,10 @@ class JobKind(enum.StrEnum):
     CASCADE = "cascade"  # pool slots (pinned while the job runs) -> secondary tier
     PROBE = "probe"  # does the tier hold these keys (no slots)
     VERIFY = "verify"  # check stamped slots against their bytes (cpu worker, warm restart)
+    DELETE = "delete"  # remove keys from the tier (room for a tenant's share, a tenant drop)
 
 
-TIER_JOB_KINDS = (JobKind.PROMOTION, JobKind.CASCADE, JobKind.PROBE)
+TIER_JOB_KINDS = (JobKind.PROMOTION, JobKind.CASCADE, JobKind.PROBE, JobKind.DELETE)
 """The kinds of job the tiering library creates for the secondary tiers."""
 
 
@@ -74,6 +75,7 @@ class ErrorCode(enum.StrEnum):
     BAD_REQUEST = "bad_request"
     TOO_MANY_KEYS = "too_many_keys"
     BAD_KEY = "bad_key"
+    BAD_TENANT = "bad_tenant"
     BLOCK_OUT_OF_RANGE = "block_out_of_range"
     # requests, handles, pins and prepared stores
     UNKNOWN_REQUEST = "unknown_request"
@@ -88,6 +90,7 @@ class ErrorCode(enum.StrEnum):
     NOT_READY = "not_ready"
     # capacity and workers: retry later
     NO_SPACE = "no_space"
+    TENANT_CAP = "tenant_cap"  # the request's tenant is at its cap and its own blocks are busy
     WORKER_UNAVAILABLE = "worker_unavailable"
     RESET_TIMEOUT = "reset_timeout"
     # rejected by the tiering library
@@ -120,8 +123,12 @@ class TierCounters(msgspec.Struct, forbid_unknown_fields=True):
     cascade_dropped_evicted: int = 0
     cascade_dropped_tier_full: int = 0
     cascade_dropped_retry_bound: int = 0
+    cascade_dropped_tenant_cap: int = 0
     probe_jobs: int = 0
     probe_jobs_failed: int = 0
+    delete_jobs: int = 0
+    delete_jobs_failed: int = 0
+    deleted_keys: int = 0
     active_jobs: int = 0
     evictions: int = 0
     transfer_time_s: float = 0.0

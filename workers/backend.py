@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from kvoffload.config import Config
     from workers.slotheaders import SlotHeaders
 
-SLOT_KINDS = frozenset(JobKind) - {JobKind.PROBE}
+SLOT_KINDS = frozenset(JobKind) - {JobKind.PROBE, JobKind.DELETE}
 """Kinds whose ``Job.slots`` are co-indexed with ``Job.keys``."""
 DEVICE_KINDS = frozenset({JobKind.DEVICE_STORE, JobKind.DEVICE_LOAD})
 """Kinds whose ``Job.device_blocks`` are co-indexed with ``Job.keys`` and need ``handle_id``."""
@@ -48,6 +48,7 @@ class BackendOutcome:
     ``absent_keys``: failed keys the medium confirmed it does not hold (probe: not found;
     promote: not stored, or corrupt and removed); other failed keys failed transiently.
     ``full_keys``: failed cascade keys the medium had no room for.
+    ``removed``: a ``delete`` job: the blocks the medium removed (a tenant purge's included).
     ``nbytes``: bytes moved. ``error``: a short summary of the failures (details are logged by
     the backend). ``release``: None when nothing is held; else must succeed before the result is
     published (retried while it raises). ``cleanup``: None or best-effort work after release.
@@ -58,6 +59,7 @@ class BackendOutcome:
     error: str = ""
     absent_keys: list[bytes] = field(default_factory=list)
     full_keys: list[bytes] = field(default_factory=list)
+    removed: int = 0
     release: Callable[[], None] | None = None
     cleanup: Callable[[], None] | None = None
 

@@ -89,6 +89,7 @@ def job_done_of(job: Job, outcome: BackendOutcome, transfer_s: float) -> JobDone
         error="" if success else (outcome.error or "failed"),
         absent_keys=absent,
         full_keys=full,
+        removed=outcome.removed,
     )
 
 

@@ -24,6 +24,7 @@ from kvoffload.server.handles import KVHandles
 from kvoffload.server.jobs import WorkerChannel
 from kvoffload.server.sessions import ClientSession, PendingPoll
 from kvoffload.server.state import CPU_WORKER, ManagerState, RequestError, WaitingLookup
+from kvoffload.tenants import TENANT_ID_CHARS, is_tenant_id
 from kvoffload.tiering import LookupResult, ReqContext
 from kvoffload.tiering.types import PrefixResult, TieringError
 
@@ -78,6 +79,7 @@ class ClientApi:
         handlers.add(p.Poll, self._on_poll)
         handlers.add(p.Status, self._on_status)
         handlers.add(p.Disconnect, self._on_disconnect)
+        handlers.add(p.TenantDrop, self._on_tenant_drop)
 
     def on_frames(self, frames: list[bytes]) -> None:
         """Decode one client request, run its handler and send the reply (a handler that returns
@@ -143,6 +145,7 @@ class ClientApi:
                 self.state.answer_poll(session, force=True)
         self.serve_waiting_lookups(now, force=self.state.draining)
         self.state.settle_resets(now)
+        self.state.settle_drops()
 
     # ---- checks ---------------------------------------------------------------------------
 
@@ -208,7 +211,9 @@ class ClientApi:
                 ErrorCode.DUPLICATE_REQUEST,
                 f"request {msg.req_id!r} is active or still finishing its stores",
             )
-        policy = self.tiering.on_new_request(ReqContext.from_params(scoped, msg.params))
+        check_tenant(msg.tenant)
+        ctx = ReqContext.from_params(scoped, msg.params, msg.tenant)
+        policy = self.tiering.on_new_request(ctx)
         session.requests.add(scoped)
         return p.NewRequestReply(msg.rid, bool(policy))
 
@@ -412,6 +417,16 @@ class ClientApi:
     def _on_status(self, identity: bytes, session: ClientSession, msg: p.Status) -> p.StatusReply:
         return p.StatusReply(msg.rid, self.state.status(time.monotonic()))
 
+    def _on_tenant_drop(self, identity: bytes, session: ClientSession, msg: p.TenantDrop) -> None:
+        """Answered with ``TenantDropped`` once every tier removed the tenant's blocks
+        (``tiering.tenant_drops``)."""
+        check_tenant(msg.tenant, required=True)
+        self._check_writable()
+        drop = self.tiering.tenancy.drop(msg.tenant)
+        self.state.drop_replies.wait(drop, identity, msg.rid)
+        self.state.dispatch_tier_jobs()
+        return None
+
     def _drop_session(self, session: ClientSession, reason: str) -> None:
         """Finish everything a vanished client left: its prepared stores fail, its pins are
         released, its requests finish; its device jobs still complete but deliver no event."""
@@ -434,6 +449,17 @@ class ClientApi:
             reason=reason,
             requests=len(session.requests),
             pins=sum(session.pinned.values()),
+        )
+
+
+def check_tenant(tenant: str, required: bool = False) -> None:
+    """A tenant id as ``kvoffload.tenants.tenant_id`` makes it ("" for none, unless
+    ``required``); else ``bad_tenant``."""
+    if not is_tenant_id(tenant) or (required and not tenant):
+        raise RequestError(
+            ErrorCode.BAD_TENANT,
+            f"tenant must be {TENANT_ID_CHARS} lower-case hex digits "
+            f"(kvoffload.tenants.tenant_id of its name){'' if required else ' or empty'}",
         )
 
 

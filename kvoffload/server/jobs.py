@@ -165,6 +165,7 @@ class WorkerChannel:
                     done.transfer_s,
                     done.absent_keys,
                     done.full_keys,
+                    done.removed,
                 ),
             )
         except TieringError as exc:

@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 
 from kvoffload import protocol as p
 from kvoffload.runtime.runspec import FatalStartError
+from kvoffload.server.tenant_metrics import tenant_families
 from kvoffload.tiering.types import CascadeDrop
 from kvoffload.vocab import TIER_JOB_KINDS
 
@@ -108,6 +109,7 @@ class ManagerCollector(Collector):
             return
         yield from _manager_families(status)
         yield from _tier_families(status["tiering"])
+        yield from tenant_families(status["tiering"].get("tenants") or {})
         yield from _worker_families(status["workers"], worker_totals)
         yield from _warm_restart_families(status.get("warm_restart"))
         yield from _handshake_families(status.get("client_handshakes_refused") or {})

@@ -21,6 +21,7 @@ from kvoffload.runtime.runspec import RunSpec
 from kvoffload.server.metrics import MetricsEndpoint
 from kvoffload.server.sessions import ClientSession
 from kvoffload.server.sockets import bind_client_socket, bind_job_socket
+from kvoffload.server.tenants import DropReplies, disk_capacity_keys, tenant_policy, with_bytes
 from kvoffload.server.warmstart import WarmRestart
 from kvoffload.server.workers import WorkerRegistry
 from kvoffload.status import ManagerStatus
@@ -72,7 +73,8 @@ def tier_specs(cfg: Config) -> list[TierSpec]:
     tier holds every block until its cascade landed (``HOLD``); the object tier gets its blocks
     best effort unless ``object.writeback = "hold"``. Cascades in flight follow each worker's
     writer threads (``CASCADE_JOBS_PER_THREAD`` jobs of ``CASCADE_JOB_BYTES`` each); best
-    effort, the object tier's stay within ``OBJECT_PIN_SHARE`` of the pool."""
+    effort, the object tier's stay within ``OBJECT_PIN_SHARE`` of the pool. With tenants
+    configured the manager chooses what leaves the disk tier (``TierSpec.capacity_keys``)."""
     job_keys = max(1, CASCADE_JOB_BYTES // cfg.pool.block_bytes)
     specs = []
     if cfg.disk.enabled:
@@ -86,6 +88,7 @@ def tier_specs(cfg: Config) -> list[TierSpec]:
                 max_inflight_cascade_keys=inflight,
                 max_cascade_job_keys=job_keys,
                 writeback=WriteBack.HOLD,
+                capacity_keys=disk_capacity_keys(cfg) if cfg.tenants else 0,
             )
         )
     if cfg.object.enabled:
@@ -123,6 +126,7 @@ class ManagerState:
             probe_timeout_s=cfg.object.verdict_timeout_s,
             track_slot_invalidations=bool(spec.slot_table_name),
             first_job_id=time.time_ns() // 1000,
+            tenant_policy=tenant_policy(cfg),
         )
         for (
             tier
@@ -134,6 +138,7 @@ class ManagerState:
         self.sessions: dict[bytes, ClientSession] = {}
         self.device_jobs: dict[int, DeviceJob] = {}
         self.pending_resets: list[tuple[bytes, int, float]] = []
+        self.drop_replies = DropReplies()
         self.waiting_lookups: dict[bytes, WaitingLookup] = {}
         self.draining = False
         self.started_at = time.monotonic()
@@ -179,7 +184,14 @@ class ManagerState:
                 log.warning("tier_job_failed_no_worker", tier=tier, job_id=job.job_id)
                 self.tiering.apply_result(tier, TransferResult(job.job_id, False))
                 continue
-            msg = p.Job(job.job_id, job.kind, job.keys, job.slots)
+            msg = p.Job(
+                job.job_id,
+                job.kind,
+                job.keys,
+                job.slots,
+                tenants=job.tenants,
+                purge_tenant=job.purge_tenant,
+            )
             if self.send_worker(tier, msg):
                 worker.jobs.add(job.job_id)
             else:
@@ -188,6 +200,11 @@ class ManagerState:
             touched = self.tiering.take_touched(secondary.name)
             if touched and self.registry.live(secondary.name) is not None:
                 self.send_worker(secondary.name, p.TouchKeys(touched))
+        self.settle_drops()
+
+    def settle_drops(self) -> None:
+        """Answer the ``TenantDrop`` calls whose drop has finished."""
+        self.drop_replies.settle(self.tiering.tenancy.take_finished_drops(), self.reply)
 
     def run_tier_step(self) -> None:
         """One step of the tiering library (promotions, cascade retries, probes) and the sends
@@ -234,13 +251,18 @@ class ManagerState:
         """The manager's status; converting the parts' snapshots checks them field by field."""
         return msgspec.convert(self._status_fields(now), ManagerStatus)
 
+    def _tiering_snapshot(self) -> dict[str, Any]:
+        snapshot = self.tiering.snapshot()
+        snapshot["tenants"] = with_bytes(snapshot["tenants"], self.cfg)
+        return snapshot
+
     def _status_fields(self, now: float) -> dict[str, Any]:
         return {
             "pid": os.getpid(),
             "uptime_s": round(now - self.started_at, 3),
             "draining": self.draining,
             "pool": {"name": self.spec.pool_name, "block_bytes": self.cfg.pool.block_bytes},
-            "tiering": self.tiering.snapshot(),
+            "tiering": self._tiering_snapshot(),
             "device_jobs_in_flight": len(self.device_jobs),
             "workers": self.registry.snapshot(now),
             "worker_restarts_seen": self.registry.restarts_seen,

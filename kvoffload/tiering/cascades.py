@@ -27,6 +27,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvoffload.logs import get_logger
 from kvoffload.tiering.primary import PrimaryIndex
@@ -34,6 +35,9 @@ from kvoffload.tiering.secondary import SecondaryTier
 from kvoffload.tiering.stats import TieringStats
 from kvoffload.tiering.types import CascadeDrop, Key, RequestState, TransferJob, WriteBack
 from kvoffload.vocab import JobKind, LookupResult
+
+if TYPE_CHECKING:
+    from kvoffload.tiering.tenant_room import TenantRoom
 
 log = get_logger()
 
@@ -87,6 +91,8 @@ class Cascades:
         self._submit = submit
         self.per_tier = [TierCascades() for _ in tiers]
         self._parked_requests: set[str] = set()
+        self.tenant_room: TenantRoom | None = None
+        """Room on the tiers for tenants (``tenant_room``), once tenants are active."""
 
     # ---- submission -----------------------------------------------------------------------
 
@@ -101,14 +107,43 @@ class Cascades:
         self._dirty(tier_idx, keys)
         waiting = any(not entry.in_flight for entry in state.backlog.values())
         room = 0 if waiting else self.room(tier_idx, len(keys))
+        send = self._admit(tier_idx, keys[:room]) if room else []
         if room < len(keys):
             now = self._clock()
             for key in keys[room:]:
                 state.backlog[key] = PendingCascade(not_before=now)
             state.due_at = min(state.due_at, now)
             self.stats.tier(tier_idx + 1).cascade_keys_deferred += len(keys) - room
-        if room:
-            self._send(tier_idx, keys[:room], req_id)
+        if send:
+            self._send(tier_idx, send, req_id)
+
+    def _admit(self, tier_idx: int, keys: list[Key]) -> list[Key]:
+        """The keys that may go now (``TenantRoom.admit``, where it follows the tier); the
+        ones waiting for room go to the backlog, the ones without any are given up."""
+        tenant_room = self.tenant_room
+        if tenant_room is None or not keys or not tenant_room.tracks(tier_idx):
+            return keys
+        admission = tenant_room.admit(tier_idx, keys)
+        state = self.per_tier[tier_idx]
+        if admission.wait:
+            now = self._clock()
+            for key in admission.wait:
+                entry = state.backlog.get(key)
+                if entry is None:
+                    state.backlog[key] = PendingCascade(not_before=now)
+                else:
+                    entry.in_flight = False
+            # the removals' results look again; this is the fallback should one be lost
+            state.due_at = min(state.due_at, now + self.backoff_s)
+        for reason, gone in (
+            (CascadeDrop.TIER_FULL, admission.full),
+            (CascadeDrop.TENANT_CAP, admission.capped),
+        ):
+            for key in gone:
+                state.backlog.pop(key, None)
+            self._drop(tier_idx, gone, reason)
+            self._clean(tier_idx, gone)
+        return admission.now
 
     def submit_everywhere(self, keys: list[Key], req_id: str | None) -> None:
         """Cascade keys that just became ready to every secondary tier."""
@@ -128,6 +163,9 @@ class Cascades:
     def _send(self, tier_idx: int, keys: list[Key], req_id: str | None) -> None:
         """Cascade jobs of at most ``max_cascade_job_keys`` keys each; each pins its slots."""
         step = self.tiers[tier_idx].spec.max_cascade_job_keys or len(keys)
+        tenant_room = self.tenant_room
+        if tenant_room is not None and tenant_room.tracks(tier_idx):
+            tenant_room.sent(tier_idx, keys)
         for first in range(0, len(keys), step):
             chunk = keys[first : first + step]
             slots = self.primary.pin(chunk)
@@ -194,6 +232,8 @@ class Cascades:
         tier_idx = job.tier
         tier, state = self.tiers[tier_idx], self.per_tier[tier_idx]
         state.inflight_keys -= len(job.keys)
+        if self.tenant_room is not None:
+            self.tenant_room.done(tier_idx, job.keys)
         self.primary.unpin(job.keys)
         tier.stored(ok)
         for key in ok:
@@ -265,6 +305,7 @@ class Cascades:
         state.due_at = due_at
         self._drop(tier_idx, evicted, CascadeDrop.EVICTED)
         self._clean(tier_idx, settled + evicted)
+        batch = self._admit(tier_idx, batch)
         if batch:
             for key in batch:
                 state.backlog[key].in_flight = True
@@ -298,6 +339,15 @@ class Cascades:
         for tier_idx, state in enumerate(self.per_tier):
             gone = [k for k in keys if state.backlog.pop(k, None) is not None]
             self._drop(tier_idx, gone, CascadeDrop.EVICTED)
+            self._clean(tier_idx, gone)
+
+    def discard(self, keys: set[Key]) -> None:
+        """Keys whose cascades are no longer wanted (their tenant was dropped): out of every
+        backlog now, unless a cascade of them is in flight (it reports as usual)."""
+        for tier_idx, state in enumerate(self.per_tier):
+            gone = [k for k in keys if k in state.backlog and not state.backlog[k].in_flight]
+            for key in gone:
+                del state.backlog[key]
             self._clean(tier_idx, gone)
 
     def give_up_all(self) -> None:

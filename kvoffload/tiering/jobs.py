@@ -55,6 +55,12 @@ class TierJobs:
         self._clock = clock
         self._next_id = first_job_id
         self._jobs: dict[int, TransferJob] = {}
+        self.on_delete: (
+            Callable[[TransferJob, list[Key], list[Key], TransferResult], None] | None
+        ) = None
+        """Where a ``DELETE`` job's result goes (``TenantRoom.delete_done``)."""
+        self.on_result: Callable[[TransferJob], None] | None = None
+        """Hears of every job's result once it is applied (``TenantDrops.job_finished``)."""
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -156,9 +162,17 @@ class TierJobs:
         elif job.kind is JobKind.CASCADE:
             full = set(result.full_keys).intersection(failed) if failed else set()
             self.cascades.done(job, ok, failed, full)
+        elif job.kind is JobKind.DELETE:
+            if self.on_delete is not None:
+                self.on_delete(job, ok, failed, result)
         else:
             state = self._active(job.req_id)
             self.deadlines.landed(self.promotions.complete(job, tier, ok, failed, absent, state))
+        if self.on_result is not None:
+            self.on_result(job)
+
+    def in_flight(self) -> list[TransferJob]:
+        return list(self._jobs.values())
 
 
 def split_outcome(

@@ -38,9 +38,11 @@ from kvoffload.tiering.lookup import PrefixLookup
 from kvoffload.tiering.primary import PrimaryIndex
 from kvoffload.tiering.promotions import Promotions
 from kvoffload.tiering.secondary import SecondaryTier, TierSpec
+from kvoffload.tiering.snapshot import ledger_snapshot
 from kvoffload.tiering.stats import TieringStats
+from kvoffload.tiering.tenancy import Tenancy
+from kvoffload.tiering.tenants import TenantPolicy
 from kvoffload.tiering.types import (
-    Allocation,
     Evicted,
     JobsInFlight,
     Key,
@@ -77,11 +79,13 @@ class TieringLedger:
         cascade_max_attempts: int = 8,
         cascade_backoff_s: float = 0.05,
         cascade_backoff_max_s: float = 5.0,
+        tenant_policy: TenantPolicy | None = None,
     ) -> None:
         """``first_job_id``: where the job id counter starts (a restarted manager starts past
         every id its predecessor could have used, so a late result never matches a new job).
         A failed cascade key is retried after ``cascade_backoff_s``, doubling up to
-        ``cascade_backoff_max_s``, and given up after ``cascade_max_attempts`` failures."""
+        ``cascade_backoff_max_s``, and given up after ``cascade_max_attempts`` failures.
+        ``tenant_policy``: the tenants' shares and caps (``tenants``)."""
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate tier names: {names}")
@@ -126,6 +130,9 @@ class TieringLedger:
             deadlines=self.deadlines,
             active=self._active,
         )
+        self.tenancy = Tenancy(
+            tenant_policy, self, self._lookup, self._submit, self._record_evictions
+        )
 
     # ---- identity -------------------------------------------------------------------------
 
@@ -146,6 +153,9 @@ class TieringLedger:
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests
 
+    def open_requests(self) -> int:
+        return len(self._requests)
+
     def set_tier_online(self, tier_name: str, online: bool) -> None:
         """Whether the tier's worker is connected and its index announced (a new ledger starts
         with every tier online). Cascades for an offline tier wait in its backlog, unpinned,
@@ -164,6 +174,7 @@ class TieringLedger:
             if tier.on_new_request(ctx.req_id) is OffloadPolicy.REQUEST_LEVEL:
                 state.request_level_tiers.add(i)
         self._requests[ctx.req_id] = state
+        self.tenancy.request_started(ctx)
         if state.request_level_tiers:
             return OffloadPolicy.REQUEST_LEVEL
         return OffloadPolicy.CHUNK_LEVEL
@@ -188,6 +199,7 @@ class TieringLedger:
             return
         for tier in self.tiers:
             tier.on_request_finished(req_id)
+        self.tenancy.request_done(state.ctx)
         del self._requests[req_id]
 
     # ---- lookup ---------------------------------------------------------------------------
@@ -198,12 +210,14 @@ class TieringLedger:
         state = self.request(req_id)
         if state.is_finished:
             raise RequestFinishedError(f"request {req_id!r} is finished")
-        return self._lookup.evaluate(state, keys)
+        result = self._lookup.evaluate(state, keys)
+        self.tenancy.looked_up(state.ctx.tenant, result)
+        return result
 
     def _start_promotion(
         self, tier_idx: int, state: RequestState, key: Key, protected: Collection[Key]
     ) -> bool:
-        allocated = self._allocate([key], protected)
+        allocated = self.tenancy.allocate(state.ctx.tenant, [key], protected, refuse=False)
         if allocated is None or not allocated.new_keys:
             self.stats.promotion_allocation_failures += 1
             return False
@@ -233,6 +247,7 @@ class TieringLedger:
         self.primary.touch(keys)
         for tier in self.tiers:
             tier.touch(keys)
+        self.tenancy.touch(keys)
 
     # ---- stores (device -> primary -> every secondary tier) -------------------------------
 
@@ -244,7 +259,7 @@ class TieringLedger:
         state = self.request(req_id)
         if state.is_finished:
             raise RequestFinishedError(f"request {req_id!r} is finished")
-        allocated = self._allocate(keys, set(keys))
+        allocated = self.tenancy.allocate(state.ctx.tenant, keys, set(keys))
         if allocated is None:
             self.eviction.store_refused(keys)
             return None
@@ -278,7 +293,7 @@ class TieringLedger:
             log.error("store_result_rejected", req_id=req_id, error="successful_keys not a subset")
             ok, failed = [], list(keys)
         self.primary.complete_write(failed, False)
-        landed = self.primary.complete_write(ok, True)
+        landed = self.tenancy.landed(self.primary.complete_write(ok, True))
         self.deadlines.landed(landed)
         state.pending_primary_stores -= 1
         if landed:
@@ -286,10 +301,6 @@ class TieringLedger:
         self._maybe_finalize(req_id)
         if violation:
             raise ProtocolViolation("successful_keys is not a subset of the stored keys")
-
-    def _allocate(self, keys: Sequence[Key], protected: Collection[Key]) -> Allocation | None:
-        """``PrimaryIndex.allocate`` under the write-back rules (``writeback.Eviction``)."""
-        return self.eviction.allocate(keys, protected)
 
     def flush_cascade_backlogs(self) -> None:
         """Make every backlog key due now, backoff or not (before a ``reset_cache``)."""
@@ -300,6 +311,7 @@ class TieringLedger:
         return self.cascades.backlog(online_only)
 
     def _submit(self, job: TransferJob) -> None:
+        self.tenancy.job_created(job)
         self.jobs.add(job)
         self._outbox.append(job)
 
@@ -355,7 +367,7 @@ class TieringLedger:
 
     def reset_tier_index(self, tier_name: str) -> None:
         """A tier's worker (re)started and will announce its whole index again."""
-        self.tiers[self.tier_index(tier_name)].index.clear()
+        self.tiers[self.tier_index(tier_name)].clear_index()
 
     def apply_index_update(
         self, tier_name: str, added: Iterable[Key], removed: Iterable[Key]
@@ -438,24 +450,8 @@ class TieringLedger:
         self.deadlines.clear()
         self.adoption.clear()
         self.primary.reset()
+        self.tenancy.reset()
 
     def snapshot(self) -> dict[str, Any]:
-        """Gauges and counters for status and metrics."""
-        return {
-            **self.primary.gauges(),
-            "unverified_slots": len(self.adoption),
-            "unread_promotion_pins": self.promotions.unread_total,
-            "jobs_in_flight": len(self.jobs),
-            "cascade_backlog": self.cascade_backlog(),
-            "requests": len(self._requests),
-            "tiers": {
-                t.name: {
-                    **t.gauges(),
-                    "cascade_backlog": len(cascades.backlog),
-                    "dirty_keys": len(cascades.dirty),
-                    "cascade_inflight_keys": cascades.inflight_keys,
-                }
-                for t, cascades in zip(self.tiers, self.cascades.per_tier, strict=True)
-            },
-            **self.stats.as_dict(),
-        }
+        """Gauges and counters for status and metrics (``snapshot.ledger_snapshot``)."""
+        return ledger_snapshot(self)

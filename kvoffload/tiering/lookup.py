@@ -9,6 +9,7 @@ and nothing is promoted past that point. Each non-hit carries its ``MissReason``
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
 
 from kvoffload.tiering.deadlines import PendingDeadlines
 from kvoffload.tiering.primary import PrimaryIndex
@@ -16,6 +17,9 @@ from kvoffload.tiering.secondary import SecondaryTier
 from kvoffload.tiering.stats import TieringStats
 from kvoffload.tiering.types import Key, PrefixResult, RequestState
 from kvoffload.vocab import LookupResult, MissReason
+
+if TYPE_CHECKING:
+    from kvoffload.tiering.tenants import Tenants
 
 HIT, HIT_PENDING, RETRY, MISS = (
     LookupResult.HIT,
@@ -42,10 +46,15 @@ class PrefixLookup:
         self.stats = stats
         self.deadlines = deadlines
         self._start_promotion = start_promotion
+        self.tenants: Tenants | None = None
+        """Set once tenants are active: a request sees only its tenant's blocks."""
 
     def evaluate(self, state: RequestState, keys: Sequence[Key]) -> PrefixResult:
         """The request's results for ``keys``, in order, up to and including the first MISS."""
         leading_hits = self.primary.ready_run(keys)
+        tenants = self.tenants
+        if tenants is not None and leading_hits:
+            leading_hits = tenants.owned_prefix(state.ctx.tenant, keys, leading_hits)
         results = [HIT] * leading_hits
         reasons = [MissReason.NONE] * leading_hits
         uncertain = False
@@ -55,6 +64,15 @@ class PrefixLookup:
         not_hit_results: list[LookupResult] = []
         for key in keys[leading_hits:]:
             result = primary_lookup(key)
+            if (
+                tenants is not None
+                and result is not MISS
+                and not tenants.visible(tenants.primary_owners, state.ctx.tenant, key)
+            ):
+                results.append(MISS)  # another tenant's block
+                reasons.append(MissReason.ABSENT)
+                not_hit_results.append(MISS)
+                break
             if result is HIT:
                 results.append(HIT)
                 reasons.append(none)
@@ -92,6 +110,14 @@ class PrefixLookup:
                 filtered = True
                 continue
             result, tier_reason = tier.lookup(key, req_id)
+            tenants = self.tenants
+            if tenants is not None:
+                if result is HIT and not tenants.visible(
+                    tenants.tier_owners[i], state.ctx.tenant, key
+                ):
+                    result, tier_reason = MISS, MissReason.ABSENT  # another tenant's block
+                elif result is RETRY and state.ctx.tenant and not tier.spec.indexed:
+                    tenants.note_probe(key, state.ctx.tenant)
             self.stats.tier_lookup(i + 1, result)
             if result is HIT:
                 if uncertain:

@@ -8,12 +8,14 @@ that must get it has not landed yet).
 Slots are handed out never-used first (increasing), then freed ones (last freed first).
 With ``track_invalidations`` every slot freed or handed to a new key is recorded until
 ``take_invalidated_slots``, so the caller can forget what the slot held (its slot header).
+``on_drop``, when set, hears of every key that leaves the index except by ``reset`` (tenant
+accounting, ``tenants.Tenants``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvoffload.tiering.policies import make_policy
 from kvoffload.tiering.types import Allocation, Key, NotReady, ProtocolViolation
@@ -42,6 +44,7 @@ class PrimaryIndex:
         self.policy = make_policy(policy, num_slots, self._eviction_refs)
         self.recently_evicted: OrderedDict[Key, None] = OrderedDict()
         self.evictions = 0
+        self.on_drop: Callable[[Key], None] | None = None
 
     def ref_count(self, key: Key) -> int:
         """ref_cnt of a present key; KeyError if absent."""
@@ -132,16 +135,10 @@ class PrimaryIndex:
         need = len(new_keys) - self.free_slots
         evicted: list[Key] = []
         if need > 0:
-            if need > self._evictable:
-                return None
-            chosen = self.policy.evict(need, protected)
+            chosen = self.evict(need, protected)
             if chosen is None:
                 return None
-            for key in chosen:
-                self._drop(key)
-                self._remember_evicted(key)
             evicted = chosen
-            self.evictions += len(chosen)
         slots = []
         for key in new_keys:
             slot = self._take_slot()
@@ -150,6 +147,31 @@ class PrimaryIndex:
             self.policy.insert(key)
             slots.append(slot)
         return Allocation(new_keys, slots, evicted)
+
+    def evict(self, n: int, protected: Collection[Key]) -> list[Key] | None:
+        """Evict ``n`` idle keys (neither pinned, written, held nor protected) in the policy's
+        order; None, changing nothing, when there are not that many."""
+        if n > self._evictable:
+            return None
+        chosen = self.policy.evict(n, protected)
+        if chosen is None:
+            return None
+        for key in chosen:
+            self._drop(key)
+            self._remember_evicted(key)
+        self.evictions += len(chosen)
+        return chosen
+
+    def remove(self, keys: Iterable[Key]) -> list[Key]:
+        """Remove the idle keys among ``keys`` (ready, neither pinned nor held) at once, not as
+        evictions (a tenant drop); returns them. The others are left alone."""
+        removed = []
+        for key in keys:
+            if self._refs.get(key) == 0 and key not in self._holds:
+                self.policy.remove(key)
+                self._drop(key)
+                removed.append(key)
+        return removed
 
     def complete_write(self, keys: Iterable[Key], success: bool) -> list[Key]:
         """Finish in-flight writes. Success: -1 -> 0. Failure: the key is removed, slot freed.
@@ -279,6 +301,8 @@ class PrimaryIndex:
         return slot
 
     def _drop(self, key: Key) -> None:
+        if self.on_drop is not None:
+            self.on_drop(key)
         if self._refs.pop(key) == 0:
             self._idle_changed(key, -1)
         self._holds.pop(key, None)

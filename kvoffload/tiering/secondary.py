@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvoffload.tiering.types import Key, Locality, Medium, OffloadPolicy, WriteBack
 from kvoffload.tiering.verdicts import VerdictCache
@@ -31,7 +32,9 @@ class TierSpec:
     ``writeback``: what the tier's dirty keys may suffer when the pool needs room
     (``writeback``: ``HOLD`` keeps them until their cascade lands, ``BEST_EFFORT`` evicts them
     last, counted).
-    ``request_level``: the tier wants every block of every request, prefix hits included."""
+    ``request_level``: the tier wants every block of every request, prefix hits included.
+    ``capacity_keys``: the blocks the tier holds at most, for a manager that chooses what
+    leaves it (tenant shares, ``tenant_room``); 0: the tier's worker evicts by itself."""
 
     name: str
     medium: Medium = Medium.STORAGE
@@ -41,6 +44,17 @@ class TierSpec:
     max_cascade_job_keys: int = 0
     writeback: WriteBack = WriteBack.BEST_EFFORT
     request_level: bool = False
+    capacity_keys: int = 0
+
+
+class IndexListener(Protocol):
+    """Hears of the keys a tier gains and loses (tenant accounting, ``tenants.Tenants``)."""
+
+    def added(self, tier: SecondaryTier, keys: list[Key]) -> None: ...
+
+    def removed(self, tier: SecondaryTier, keys: list[Key]) -> None: ...
+
+    def cleared(self, tier: SecondaryTier) -> None: ...
 
 
 class SecondaryTier:
@@ -52,6 +66,7 @@ class SecondaryTier:
         self._touched: OrderedDict[Key, None] = OrderedDict()
         self.online = True
         """The tier's worker is connected and its index announced (cascades wait while not)."""
+        self.listener: IndexListener | None = None
 
     @property
     def name(self) -> str:
@@ -87,7 +102,7 @@ class SecondaryTier:
         if req_id is not None:
             self.mark_request_miss(req_id, keys, MissReason.FAILED_LOAD)
         gone = [k for k in keys if k in absent]
-        self.index.difference_update(gone)
+        self._remove(gone)
         self.verdicts.mark_miss(gone)
         self.verdicts.forget(k for k in keys if k not in absent)
 
@@ -107,16 +122,44 @@ class SecondaryTier:
 
     def stored(self, keys: Iterable[Key]) -> None:
         keys = list(keys)
-        if self.spec.indexed:
-            self.index.update(keys)
+        self._add(keys)
         self.verdicts.mark_present(keys)
 
     def apply_index_update(self, added: Iterable[Key], removed: Iterable[Key]) -> None:
         """The worker reports keys it now holds / no longer holds (eviction, corrupt copy)."""
         removed = list(removed)
-        self.index.update(added)
-        self.index.difference_update(removed)
+        self._add(list(added))
+        self._remove(removed)
         self.verdicts.mark_miss(removed)
+
+    def forget(self, keys: Iterable[Key]) -> None:
+        """The manager removes these keys from the tier (its ``DELETE`` job is under way):
+        they are a miss for everyone from now on."""
+        keys = list(keys)
+        self._remove(keys)
+        self.verdicts.mark_miss(keys)
+
+    def clear_index(self) -> None:
+        """The tier's worker (re)started and will announce its whole index again."""
+        self.index.clear()
+        if self.listener is not None:
+            self.listener.cleared(self)
+
+    def _add(self, keys: list[Key]) -> None:
+        if self.listener is not None:
+            fresh = [k for k in dict.fromkeys(keys) if k not in self.index]
+            if fresh:
+                self.listener.added(self, fresh)
+        if self.spec.indexed:
+            self.index.update(keys)
+
+    def _remove(self, keys: list[Key]) -> None:
+        if self.listener is not None:
+            if self.spec.indexed:
+                keys = [k for k in dict.fromkeys(keys) if k in self.index]
+            if keys:
+                self.listener.removed(self, keys)
+        self.index.difference_update(keys)
 
     def on_new_request(self, req_id: str) -> OffloadPolicy:
         return OffloadPolicy.REQUEST_LEVEL if self.spec.request_level else OffloadPolicy.CHUNK_LEVEL

@@ -30,6 +30,8 @@ class TierCounters(vocab.TierCounters):
             self.cascade_dropped_evicted += keys
         elif reason is CascadeDrop.TIER_FULL:
             self.cascade_dropped_tier_full += keys
+        elif reason is CascadeDrop.TENANT_CAP:
+            self.cascade_dropped_tenant_cap += keys
         else:
             self.cascade_dropped_retry_bound += keys
 
@@ -39,6 +41,8 @@ class TierCounters(vocab.TierCounters):
             self.promotion_jobs += 1
         elif kind is JobKind.CASCADE:
             self.cascade_jobs += 1
+        elif kind is JobKind.DELETE:
+            self.delete_jobs += 1
         else:
             self.probe_jobs += 1
 
@@ -54,6 +58,9 @@ class TierCounters(vocab.TierCounters):
         elif kind is JobKind.CASCADE:
             self.cascaded_keys_ok += ok_keys
             self.cascade_jobs_failed += not success
+        elif kind is JobKind.DELETE:
+            self.deleted_keys += ok_keys
+            self.delete_jobs_failed += not success
         else:
             self.probe_jobs_failed += not success
 

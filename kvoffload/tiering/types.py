@@ -23,6 +23,7 @@ class CascadeDrop(enum.Enum):
     EVICTED = "evicted"  # it left the primary tier before its cascade could run
     TIER_FULL = "tier_full"  # the tier has no room for it
     RETRY_BOUND = "retry_bound"  # its cascade failed too many times
+    TENANT_CAP = "tenant_cap"  # its tenant is at its cap on the tier and none of its own can go
 
 
 class WriteBack(enum.Enum):
@@ -135,6 +136,12 @@ class TransferJob:
     submitted_at: float = 0.0
     landed: set[Key] = field(default_factory=set)
     """Keys of a promotion already made ready by ``TieringLedger.apply_progress``."""
+    tenants: list[str] = field(default_factory=list)
+    """The tenant id of each key (co-indexed with ``keys``; empty when none has a tenant),
+    for a tier that names blocks by tenant (the object tier)."""
+    purge_tenant: str = ""
+    """A ``DELETE`` job of a tenant drop: the tier also removes every block it holds under
+    this tenant's name, known to this manager or not (the shared bucket)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +164,8 @@ class TransferResult:
     transfer_time_s: float | None = None
     absent_keys: Collection[Key] = ()
     full_keys: Collection[Key] = ()
+    removed: int = 0
+    """A ``DELETE`` job with ``purge_tenant``: the blocks the tier removed in all."""
 
 
 class Allocation(NamedTuple):
@@ -205,14 +214,20 @@ class PrefixResult:
 
 @dataclass(slots=True)
 class ReqContext:
+    """``tenant``: the id of the request's tenant ("" for none): its blocks are the tenant's,
+    and it sees no other tenant's blocks."""
+
     req_id: str
     tier_filter: TierFilter = field(default_factory=lambda: TierFilter.ALL)
     params: Mapping[str, Any] = field(default_factory=dict)
+    tenant: str = ""
 
     @classmethod
-    def from_params(cls, req_id: str, params: Mapping[str, Any] | None = None) -> ReqContext:
+    def from_params(
+        cls, req_id: str, params: Mapping[str, Any] | None = None, tenant: str = ""
+    ) -> ReqContext:
         params = dict(params or {})
-        return cls(req_id, parse_tier_filter(params.get("kv_load_tiers")), params)
+        return cls(req_id, parse_tier_filter(params.get("kv_load_tiers")), params, tenant)
 
 
 @dataclass(slots=True)

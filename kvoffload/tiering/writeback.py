@@ -32,7 +32,10 @@ from kvoffload.tiering.types import Allocation, Key, WriteBack
 if TYPE_CHECKING:
     from kvoffload.tiering.cascades import Cascades
 
-__all__ = ["Eviction", "WriteBack"]
+__all__ = ["Eviction", "Guard", "WriteBack"]
+
+Guard = Callable[[Collection[Key]], Collection[Key]]
+"""Wraps the keys an eviction must not take with more it must not take, asked last."""
 
 
 class _Protected(Collection[Key]):
@@ -71,15 +74,28 @@ class Eviction:
         self._clock = clock
         self._refusing_since: float | None = None
 
-    def allocate(self, keys: Sequence[Key], protected: Collection[Key]) -> Allocation | None:
+    def allocate(
+        self, keys: Sequence[Key], protected: Collection[Key], guard: Guard | None = None
+    ) -> Allocation | None:
         """``PrimaryIndex.allocate`` under the write-back rules: held keys never go; keys dirty
-        for a best-effort tier go only when nothing clean can make room."""
+        for a best-effort tier go only when nothing clean can make room. ``guard`` wraps what
+        each attempt protects, asked last (tenant shares, ``tenants.ShareGuard``)."""
         dirty = self.cascades.best_effort_dirty()
         if any(dirty):
-            allocated = self.primary.allocate(keys, _Protected(protected, dirty))
+            first: Collection[Key] = _Protected(protected, dirty)
+            allocated = self.primary.allocate(keys, guard(first) if guard else first)
             if allocated is not None:
                 return allocated
-        return self.primary.allocate(keys, protected)
+        return self.primary.allocate(keys, guard(protected) if guard else protected)
+
+    def evict(self, n: int, protected: Collection[Key]) -> list[Key] | None:
+        """``PrimaryIndex.evict`` under the same rules (a tenant over its cap making room)."""
+        dirty = self.cascades.best_effort_dirty()
+        if any(dirty):
+            evicted = self.primary.evict(n, _Protected(protected, dirty))
+            if evicted is not None:
+                return evicted
+        return self.primary.evict(n, protected)
 
     def store_allocated(self, allocated: Allocation) -> None:
         """A store got its slots: a refusal streak ends."""

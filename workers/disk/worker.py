@@ -9,6 +9,8 @@ Jobs (``slots[i]`` co-indexed with ``keys[i]``):
   key but the job's last is then reported landed (``report_landed``), so the manager serves
   it while the rest of the job is still being read. A job's keys are read in parallel, on its
   job thread and the backend's ``disk.read_threads`` reader threads, and reported in job order.
+- ``delete``: ``store.delete(key)`` (no slots): room the manager makes for a tenant's share,
+  or a tenant drop.
 - ``cascade``: ``store.put(key, slot)``; the slot is only read. The record carries the
   checksum of the slot's header when it names the key (taken when the bytes landed in the pool,
   so the check is end to end and the slot is not hashed again), else one taken here. A job's
@@ -92,6 +94,7 @@ _COUNTERS = (
     "write_errors",
     "injected_corruptions",
     "keys_evicted",
+    "keys_deleted",
 )
 
 
@@ -103,7 +106,7 @@ class DiskBackend:
     medium = "storage"
 
     def __init__(self, cfg: Config) -> None:
-        self.capabilities = [JobKind.PROMOTION, JobKind.CASCADE]
+        self.capabilities = [JobKind.PROMOTION, JobKind.CASCADE, JobKind.DELETE]
         self._cfg = cfg
         self._pool: HostPool | None = None
         self._headers: SlotHeaders | None = None
@@ -189,6 +192,8 @@ class DiskBackend:
     # ---- jobs ------------------------------------------------------------------------------
 
     def run_job(self, job: Job) -> BackendOutcome:
+        if job.kind == JobKind.DELETE:
+            return self._delete(job)
         if job.kind not in (JobKind.PROMOTION, JobKind.CASCADE):
             return BackendOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
         promote = job.kind == JobKind.PROMOTION
@@ -247,6 +252,17 @@ class DiskBackend:
             absent_keys=absent,
             full_keys=full,
             cleanup=lambda: self._note_changed(changed),
+        )
+
+    def _delete(self, job: Job) -> BackendOutcome:
+        """Remove the job's keys (the manager made room for a tenant, or dropped one): every
+        key is then absent, so every key succeeds; ``removed`` counts those the store held."""
+        store = self._require_store()
+        removed = sum(store.delete(key) for key in job.keys)
+        self._count("keys_deleted", removed)
+        changed = list(job.keys)
+        return BackendOutcome(
+            ok_keys=list(job.keys), removed=removed, cleanup=lambda: self._note_changed(changed)
         )
 
     def _promote_one(self, key: bytes, slot: int, generation: int, changed: list[bytes]) -> str:

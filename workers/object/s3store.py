@@ -41,6 +41,7 @@ from kvoffload.memory.blockformat import (
     make_header,
     verify_payload,
 )
+from kvoffload.tenants import NO_TENANT
 from workers.object.breaker import CircuitBreaker
 from workers.object.classify import UNREACHABLE, ErrorKind, Failure, classify
 from workers.object.errors import (
@@ -49,13 +50,15 @@ from workers.object.errors import (
     ReleaseFailed,
     TransientObjectError,
 )
-from workers.object.naming import namespace, normalize_prefix, object_name
+from workers.object.naming import namespace, normalize_prefix, object_name, tenant_namespace
 from workers.object.release import ReleaseHook, SlotTransfer
 from workers.object.retry import RetryPolicy
 
 log = structlog.get_logger()
 
 T = TypeVar("T")
+PURGE_BATCH = 256
+"""Objects removed per DELETE request of a tenant purge."""
 _CLIENT_ERRORS = (ObstoreError, OSError)
 
 
@@ -167,9 +170,9 @@ class S3BlockStore:
         )
         self._closed = False
 
-    def object_key(self, key: bytes) -> str:
-        """The object name a block key is stored under."""
-        return object_name(self._prefix, self._fingerprint, key)
+    def object_key(self, key: bytes, tenant: str = NO_TENANT) -> str:
+        """The object name a block key of ``tenant`` (an id) is stored under."""
+        return object_name(self._prefix, self._fingerprint, key, tenant)
 
     def check(self) -> None:
         """Verify at startup that the endpoint answers, the credentials work and the bucket exists.
@@ -206,6 +209,7 @@ class S3BlockStore:
         src: memoryview,
         corrupt: bool = False,
         checksum: BlockChecksum | None = None,
+        tenant: str = NO_TENANT,
     ) -> None:
         """Store src (block_bytes long) under key; visible to readers only once complete.
         ``checksum``: the checksum of ``src`` taken when its bytes were written (stored as is, so
@@ -218,7 +222,7 @@ class S3BlockStore:
         verification when read.
         """
         self._ensure_open()
-        path = self.object_key(key)
+        path = self.object_key(key, tenant)
         with _releasing(SlotTransfer(self._release_hook)) as transfer:
             view = transfer.hold(_slot_view(src, self.block_bytes, writable=False))
             header = make_header(
@@ -233,7 +237,7 @@ class S3BlockStore:
                 "put", path, lambda: obstore.put(self._store, path, body, use_multipart=False)
             )
 
-    def get(self, key: bytes, dst: memoryview) -> BlockHeader:
+    def get(self, key: bytes, dst: memoryview, tenant: str = NO_TENANT) -> BlockHeader:
         """Read the block stored under key into dst (block_bytes long, writable); returns its
         verified header (whose checksum is that of the bytes now in dst).
 
@@ -242,7 +246,7 @@ class S3BlockStore:
         success and unspecified bytes otherwise (corrupt data is never copied into it).
         """
         self._ensure_open()
-        path = self.object_key(key)
+        path = self.object_key(key, tenant)
         with _releasing(SlotTransfer(self._release_hook)) as transfer:
             view = transfer.hold(_slot_view(dst, self.block_bytes, writable=True))
             try:
@@ -281,14 +285,16 @@ class S3BlockStore:
             return
         log.error("object_block_corrupt_deleted", path=path, reason=str(reason))
 
-    def exists_many(self, keys: list[bytes]) -> list[bool]:
-        """Whether each key has an object, by concurrent HEADs on the io_threads pool.
+    def exists_many(self, keys: list[bytes], tenants: list[str] | None = None) -> list[bool]:
+        """Whether each key (of its tenant in ``tenants``, co-indexed; None: none has one) has
+        an object, by concurrent HEADs on the io_threads pool.
 
         Any failure other than "absent" raises (TransientObjectError/BreakerOpen when the server
         does not answer); no partial answer is returned.
         """
         self._ensure_open()
-        paths = [self.object_key(key) for key in keys]
+        owners = tenants or [NO_TENANT] * len(keys)
+        paths = [self.object_key(key, tid) for key, tid in zip(keys, owners, strict=True)]
         futures = [self._pool.submit(self._exists, path) for path in paths]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         for future in pending:
@@ -306,12 +312,30 @@ class S3BlockStore:
             return False
         return True
 
-    def delete(self, key: bytes) -> None:
+    def delete(self, key: bytes, tenant: str = NO_TENANT) -> None:
         """Remove the block stored under key; no error if it is absent."""
         self._ensure_open()
-        path = self.object_key(key)
+        path = self.object_key(key, tenant)
         with contextlib.suppress(KeyError):
             self._request("delete", path, lambda: obstore.delete(self._store, path))
+
+    def purge_tenant(self, tenant: str) -> int:
+        """Remove every object under the tenant's name (an id), whichever node stored it;
+        returns how many. Raises as ``delete`` does when the store fails."""
+        self._ensure_open()
+        head = tenant_namespace(self._prefix, self._fingerprint, tenant)
+        paths = [
+            meta["path"]
+            for batch in self._request("list", head, lambda: list(obstore.list(self._store, head)))
+            for meta in batch
+        ]
+        for first in range(0, len(paths), PURGE_BATCH):
+            self._delete_paths(head, paths[first : first + PURGE_BATCH])
+        return len(paths)
+
+    def _delete_paths(self, head: str, paths: list[str]) -> None:
+        with contextlib.suppress(KeyError):
+            self._request("delete", head, lambda: obstore.delete(self._store, paths))
 
     def close(self) -> None:
         """Stop the HEAD pool; later calls raise RuntimeError. Idempotent."""

@@ -12,6 +12,9 @@ Jobs:
   landed and released its slot stamps the slot's header (when slot headers are on) with the
   checksum the store just verified. A PUT stores the checksum of the slot's header when it
   names the key (end to end, and the slot is not hashed again), else one taken of the slot.
+- ``delete``: removal of ``keys`` (no slots) and, with ``purge_tenant``, of every object under
+  that tenant's name (a tenant drop). A key of a tenant (``Job.tenants``) is named under its
+  tenant's id in every job (``naming``).
 
 Slot release (a result is never early, docs/design/tiering.md): a PUT/GET whose slot views could not
 be released raises ``ReleaseFailed``; its data outcome still counts, and its transfer joins the
@@ -38,6 +41,7 @@ from kvoffload.memory.blockformat import CorruptBlock, deployment_fingerprint
 from kvoffload.memory.pool import HostPool
 from kvoffload.protocol import Job, JobKind
 from kvoffload.status import ObjectWorkerStats
+from kvoffload.tenants import NO_TENANT
 from workers.backend import BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault
 from workers.object.breaker import CLOSED, BreakerOpen, CircuitBreaker
@@ -61,6 +65,9 @@ _COUNTERS = (
     "bytes_written",
     "slot_release_failures",
     "injected_corruptions",
+    "deletes",
+    "delete_failures",
+    "objects_deleted",
 )
 
 
@@ -119,7 +126,7 @@ class ObjectBackend(NoIndexBackend):
     medium = "storage"
 
     def __init__(self, cfg: Config, *, breaker: CircuitBreaker | None = None) -> None:
-        self.capabilities = [JobKind.PROBE, JobKind.PROMOTION, JobKind.CASCADE]
+        self.capabilities = [JobKind.PROBE, JobKind.PROMOTION, JobKind.CASCADE, JobKind.DELETE]
         self._faults = FaultInjector()
         self._store = store_from_config(cfg, breaker=breaker, release_hook=self._release_hook)
         self._io = ThreadPoolExecutor(
@@ -178,6 +185,8 @@ class ObjectBackend(NoIndexBackend):
             return self._probe(job)
         if job.kind in (JobKind.PROMOTION, JobKind.CASCADE):
             return self._transfer(job)
+        if job.kind == JobKind.DELETE:
+            return self._delete(job)
         return BackendOutcome(ok_keys=[], error=f"unsupported_kind: {job.kind!r}")
 
     def stats(self) -> ObjectWorkerStats:
@@ -195,7 +204,7 @@ class ObjectBackend(NoIndexBackend):
         self._count(probes=1, keys_probed=len(job.keys))
         try:
             self._faults.on_op(JobKind.PROBE)
-            found = self._store.exists_many(job.keys)
+            found = self._store.exists_many(job.keys, job.tenants or None)
         except (ObjectStoreError, OSError) as exc:
             self._count(probe_failures=1)
             log.warning(
@@ -211,8 +220,10 @@ class ObjectBackend(NoIndexBackend):
 
     def _transfer(self, job: Job) -> BackendOutcome:
         promote = job.kind == JobKind.PROMOTION
-        pairs = list(zip(job.keys, job.slots, strict=True))
-        results = list(self._io.map(lambda pair: self._one(job, promote, *pair), pairs))
+        owners = job.tenants or [NO_TENANT] * len(job.keys)
+        triples = list(zip(job.keys, job.slots, owners, strict=True))
+        results = list(self._io.map(lambda triple: self._one(job, promote, *triple), triples))
+        pairs = [(key, slot) for key, slot, _ in triples]
         ok = [key for (key, _), (moved, _, _) in zip(pairs, results, strict=True) if moved]
         errors = [error for _, _, error in results if error]
         absent = [
@@ -229,8 +240,27 @@ class ObjectBackend(NoIndexBackend):
             ok_keys=ok, nbytes=nbytes, error=error, release=release, absent_keys=absent
         )
 
+    def _delete(self, job: Job) -> BackendOutcome:
+        """Remove the job's keys (each under its tenant's name); a tenant drop's
+        (``purge_tenant``) first removes every object under that tenant's name, other nodes'
+        included, and counts those (its keys are among them)."""
+        owners = job.tenants or [NO_TENANT] * len(job.keys)
+        try:
+            purged = self._store.purge_tenant(job.purge_tenant) if job.purge_tenant else 0
+            for key, tid in zip(job.keys, owners, strict=True):
+                self._store.delete(key, tid)
+        except (ObjectStoreError, OSError) as exc:
+            self._count(delete_failures=1)
+            log.warning("object_delete_failed", job_id=job.job_id, error=str(exc))
+            return BackendOutcome(ok_keys=[], error=f"delete_failed: {exc}")
+        removed = purged if job.purge_tenant else len(job.keys)
+        self._count(deletes=1, objects_deleted=removed)
+        if job.purge_tenant:
+            log.info("object_tenant_purged", job_id=job.job_id, objects=purged)
+        return BackendOutcome(ok_keys=list(job.keys), removed=removed)
+
     def _one(
-        self, job: Job, promote: bool, key: bytes, slot: int
+        self, job: Job, promote: bool, key: bytes, slot: int, tenant: str = NO_TENANT
     ) -> tuple[bool, SlotTransfer | None, str]:
         """(data moved, transfer still holding the slot or None, failure summary or "")."""
         op = "get" if promote else "put"
@@ -244,12 +274,12 @@ class ObjectBackend(NoIndexBackend):
                 self._count(injected_corruptions=1)
             with self._require_pool().slot(slot) as view:
                 if promote:
-                    header = self._store.get(key, view)
+                    header = self._store.get(key, view, tenant)
                 else:
                     stamped = (
                         None if self._headers is None else self._headers.checksum_of(slot, key)
                     )
-                    self._store.put(key, view, corrupt=corrupt, checksum=stamped)
+                    self._store.put(key, view, corrupt=corrupt, checksum=stamped, tenant=tenant)
             if promote and self._headers is not None:
                 self._headers.stamp(slot, key, job.job_id, header.block_checksum)
         except ReleaseFailed as exc:

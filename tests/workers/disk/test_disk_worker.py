@@ -115,6 +115,7 @@ def test_backend_protocol_cascade_promote_and_restart(
     assert isinstance(backend, Backend) and backend.capabilities == [
         JobKind.PROMOTION,
         JobKind.CASCADE,
+        JobKind.DELETE,
     ]
     keys = keys_of("k", 8)
     originals = fill(pool, range(8), seed=1)
@@ -142,6 +143,21 @@ def test_backend_protocol_cascade_promote_and_restart(
     done = run(restarted, JobKind.PROMOTION, keys, list(range(16, 24)))
     assert done.ok_keys == keys
     assert slot_bytes(pool, range(16, 24)) == originals
+
+
+def test_a_delete_job_removes_its_keys_and_counts_those_the_store_held(
+    start_backend, pool: HostPool
+) -> None:
+    backend = start_backend()
+    keys = keys_of("d", 4)
+    fill(pool, range(4), seed=4)
+    run(backend, JobKind.CASCADE, keys, list(range(4)))
+    backend.take_index_changes()
+    done = run(backend, JobKind.DELETE, [*keys[:2], b"never-stored"], [])
+    assert done.ok_keys == [*keys[:2], b"never-stored"] and done.removed == 2
+    assert backend.take_index_changes() == ([], [*keys[:2], b"never-stored"])
+    assert sorted(k for batch in backend.initial_index() for k in batch) == sorted(keys[2:])
+    assert backend.stats().keys_deleted == 2
 
 
 @pytest.mark.parametrize("io", ["auto", "direct", "buffered"])

@@ -1,0 +1,101 @@
+"""Tenants on the manager: the ``TenantPolicy`` of the ``[tenants]`` configuration, the bytes
+per block of each tier, and tenant drops from the client's call to its ``TenantDropped`` reply.
+
+The configuration names tenants in clear; the policy knows them by ``tenant_id`` only, and
+counts shares and caps in blocks: pool slots as they are, disk bytes in disk records (a header
+page and the block), object bytes in blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvoffload import protocol as p
+from kvoffload import tenantconfig
+from kvoffload.config import Config
+from kvoffload.memory.blockformat import HEADER_SIZE
+from kvoffload.tenants import tenant_id, tenant_label
+from kvoffload.tiering.tenant_drops import TenantDrop
+from kvoffload.tiering.tenants import PRIMARY, TenantLimits, TenantPolicy
+
+DISK_RECORD_HEADER_BYTES = 4096
+"""The header page of each disk record (``workers.disk.layout``)."""
+
+_TIER_OF_FIELD = {"pool_slots": PRIMARY, "disk_bytes": "disk", "object_bytes": "object"}
+
+
+def block_bytes_per_tier(cfg: Config) -> dict[str, int]:
+    """The bytes one block takes on each tier, as it stores it."""
+    block = cfg.pool.block_bytes
+    return {
+        PRIMARY: block,
+        "disk": block + DISK_RECORD_HEADER_BYTES,
+        "object": block + HEADER_SIZE,
+    }
+
+
+def disk_capacity_keys(cfg: Config) -> int:
+    """The records the disk tier holds (its worker's ``DiskStore``)."""
+    return cfg.disk.capacity_bytes // block_bytes_per_tier(cfg)["disk"]
+
+
+def tenant_policy(cfg: Config) -> TenantPolicy:
+    """The configuration's shares and caps, by tenant id and tier, in blocks."""
+    per_block = block_bytes_per_tier(cfg)
+
+    def limits(values: Mapping[str, int | None]) -> dict[str, TenantLimits]:
+        out = {}
+        for field, tier in _TIER_OF_FIELD.items():
+            unit = 1 if tier == PRIMARY else per_block[tier]
+            share, cap = values[f"{field}_share"] or 0, values[f"{field}_cap"]
+            out[tier] = TenantLimits(share // unit, None if cap is None else cap // unit)
+        return out
+
+    tenants = cfg.tenants
+    named = {
+        tenant_id(name): limits(tenantconfig.resolve(tenants, name))
+        for name in tenants
+        if name != tenantconfig.DEFAULT
+    }
+    return TenantPolicy(named, limits(tenantconfig.resolve(tenants, tenantconfig.DEFAULT)))
+
+
+def with_bytes(tenants: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
+    """The ledger's per-tenant snapshot, by ``tenant_label``, with each tier's ``bytes`` (its
+    blocks' size there)."""
+    per_block = block_bytes_per_tier(cfg)
+    return {
+        tenant_label(tid): {
+            **entry,
+            "tiers": {
+                tier: {**counts, "bytes": counts["blocks"] * per_block.get(tier, 0)}
+                for tier, counts in entry["tiers"].items()
+            },
+        }
+        for tid, entry in tenants.items()
+    }
+
+
+class DropReplies:
+    """The ``TenantDrop`` calls waiting for their drop to finish, by drop id."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, tuple[bytes, int]] = {}
+
+    def wait(self, drop: TenantDrop, identity: bytes, rid: int) -> None:
+        self._waiting[drop.drop_id] = (identity, rid)
+
+    def settle(
+        self, finished: list[TenantDrop], reply: Callable[[bytes, p.ClientReply], None]
+    ) -> None:
+        """Answer the calls whose drop is among ``finished``."""
+        for drop in finished:
+            waiting = self._waiting.pop(drop.drop_id, None)
+            if waiting is not None:
+                identity, rid = waiting
+                reply(identity, dropped_reply(rid, drop))
+
+
+def dropped_reply(rid: int, drop: TenantDrop) -> p.TenantDropped:
+    return p.TenantDropped(rid, dict(drop.removed), dict(drop.failed))
