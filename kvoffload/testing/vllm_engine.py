@@ -202,7 +202,11 @@ class VllmEngineProcess:
         tensor_parallel_size: int = 1,
         extra_env: dict[str, str] | None = None,
         start_timeout_s: float = 600.0,
+        gpu_blocks: int | None = None,
     ) -> None:
+        """``gpu_blocks``: the blocks of vLLM's own KV cache (vLLM's
+        ``num_gpu_blocks_override``; None: as many as ``kvcache_gib`` holds), so a test can
+        evict a prefix from vLLM's cache by traffic alone."""
         read_fd, write_fd = os.pipe()
         cmd = [
             sys.executable,
@@ -221,6 +225,8 @@ class VllmEngineProcess:
         ]
         if kv_transfer is not None:
             cmd += ["--kv-transfer", json.dumps(kv_transfer)]
+        if gpu_blocks is not None:
+            cmd += ["--gpu-blocks", str(gpu_blocks)]
         env = {
             k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "KVOFFLOAD_ENDPOINT")
         }
@@ -279,9 +285,17 @@ class VllmEngineProcess:
         max_tokens: int = 8,
         logprobs: int = 3,
         timeout_s: float = 600.0,
+        cache_salt: str | None = None,
     ) -> list[dict[str, Any]]:
-        """Greedy generation of each prompt in turn (one ``LLM.generate`` call per prompt)."""
-        cmd = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs}
+        """Greedy generation of each prompt in turn (one ``LLM.generate`` call per prompt),
+        each with vLLM's ``cache_salt`` when given (its kvoffload tenant)."""
+        cmd = {
+            "op": "generate",
+            "prompts": prompts,
+            "max_tokens": max_tokens,
+            "logprobs": logprobs,
+            "cache_salt": cache_salt,
+        }
         return self._send(cmd, timeout_s)["outputs"]
 
     def reset_prefix_cache(self) -> bool:
@@ -384,6 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--gpu-blocks", type=int, default=None)
     args = parser.parse_args(argv)
 
     from vllm import LLM, SamplingParams
@@ -402,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend="mp" if args.tensor_parallel_size > 1 else None,
         kv_transfer_config=KVTransferConfig(**kv) if kv else None,
+        num_gpu_blocks_override=args.gpu_blocks,
     )
     replies = os.fdopen(args.reply_fd, "w", buffering=1)
     replies.write(json.dumps({"ready": True}) + "\n")
@@ -419,7 +435,10 @@ def main(argv: list[str] | None = None) -> None:
         for ids in cmd["prompts"]:
             t0 = time.monotonic()
             start = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+            prompt = TokensPrompt(prompt_token_ids=ids)
+            if cmd.get("cache_salt") is not None:
+                prompt["cache_salt"] = cmd["cache_salt"]
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
             seconds = time.perf_counter() - start
             t1 = time.monotonic()
             completion = out.outputs[0]

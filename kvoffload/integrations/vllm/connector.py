@@ -264,6 +264,13 @@ class KVOffloadConnector(OffloadingConnector):
 
     # ---- scheduler side -------------------------------------------------------------------
 
+    def on_new_request(self, request: Request) -> None:
+        """The request's ``cache_salt`` names its tenant (``requests.TenantNames``)."""
+        manager = self.scheduler.manager
+        if isinstance(manager, KVOffloadManager):
+            manager.tenants.name(request.request_id, request.cache_salt)
+        super().on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

@@ -21,6 +21,11 @@ keys before the workers reported those jobs, so, when vLLM (or the connector) ca
 then this engine answers MISS and drops its stores: what it would find or store now is gone at
 the service's reset. Without a caller of ``on_reset_flushed`` the pool is emptied at once.
 
+Tenants. A request's tenant is named by its ``cache_salt`` (``TenantNames``, told by the
+connector), else by the engine's ``namespace``; the service hears only its ``tenant_id``. Keys
+of different tenants already differ: vLLM hashes the salt into every block hash, and the
+namespace is part of the key fingerprint.
+
 No fate-sharing. Every call goes through ``ServiceLink``: bounded by a timeout, and answered
 locally while the service is unreachable (lookups MISS, stores dropped and counted). Nothing
 raises into vLLM's scheduler loop; requests are registered again with a restarted service.
@@ -54,7 +59,7 @@ from kvoffload.integrations.vllm.compat import VLLM_FENCES_RESETS
 from kvoffload.integrations.vllm.keys import namespaced, offload_key_of
 from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
 from kvoffload.integrations.vllm.metrics import ConfigInfo, Counter, StatsAccumulator
-from kvoffload.integrations.vllm.requests import EngineRequest, lookup_queued
+from kvoffload.integrations.vllm.requests import EngineRequest, TenantNames, lookup_queued
 
 log = integration_logger(__name__)
 
@@ -73,13 +78,15 @@ class KVOffloadManager(OffloadingManager):
         endpoint_setting: str = "",
         slices: int = 1,
         slice_bytes: int = 0,
+        namespace: str = "",
     ) -> None:
         """``secondary_source``: how vLLM's hit-source metrics label blocks that kvoffload
         promoted from one of its secondary tiers (blocks already in its host pool are HOST).
         ``engine_info``: this engine's facts for ``config_info``; ``endpoint_setting``: the
         endpoint the settings name ("" when it is discovered). ``slices``: the digests a
         stored block needs (one per tensor-parallel rank's slice of ``slice_bytes``, or one for
-        a block one rank writes whole): a block stamped with fewer is never served."""
+        a block one rank writes whole): a block stamped with fewer is never served.
+        ``namespace``: the tenant of this engine's requests that carry no ``cache_salt``."""
         self._link = link
         self._fingerprint = fingerprint
         self._secondary_source = secondary_source
@@ -96,6 +103,7 @@ class KVOffloadManager(OffloadingManager):
         self._fence_caller = VLLM_FENCES_RESETS
         self._fenced = False
         self._config_info = ConfigInfo(engine_info or {}, endpoint_setting)
+        self.tenants = TenantNames(namespace)
 
     def set_sliding_windows(self, windows: dict[int, int | None]) -> None:
         """vLLM's KV cache group index -> the chunks of it a resumed request reads (None: full
@@ -138,7 +146,9 @@ class KVOffloadManager(OffloadingManager):
             return False
         if state.generation != -1:
             self._forget_session_state(state)
-        level = client.new_request(state.ctx.req_id, _service_params(state.ctx))
+        level = client.new_request(
+            state.ctx.req_id, _service_params(state.ctx), tenant=state.tenant
+        )
         state.generation = self._link.generation
         return level
 
@@ -150,7 +160,7 @@ class KVOffloadManager(OffloadingManager):
     # ---- requests -------------------------------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        state = EngineRequest(req_context)
+        state = EngineRequest(req_context, self.tenants.take(req_context.req_id))
         self._requests[req_context.req_id] = state
         try:
             request_level = self._link.call(lambda c: self._ensure_registered(c, state))

@@ -31,6 +31,7 @@ class EngineRequest:
     """What this engine knows of one vLLM request."""
 
     ctx: ReqContext
+    tenant: str = ""  # the name of the request's tenant ("" for none)
     generation: int = -1  # link generation the request is registered at; -1: not registered
     pinned: dict[bytes, tuple[int, list[int]]] = field(default_factory=dict)  # (slot, digests)
     uncertain: dict[bytes, LookupResult] = field(default_factory=dict)  # last HIT_PENDING/RETRY
@@ -55,6 +56,23 @@ class EngineRequest:
             if windows.get(group_of(key)) is None
         ]
         return min((p for p in positions if p is not None), default=math.inf)
+
+
+class TenantNames:
+    """The tenant's name of each request about to start: its vLLM ``cache_salt`` (``name``,
+    from the connector's ``on_new_request``), else the engine's ``namespace``."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self._salts: dict[str, str] = {}
+
+    def name(self, req_id: str, cache_salt: str | None) -> None:
+        if cache_salt:
+            self._salts[req_id] = cache_salt
+
+    def take(self, req_id: str) -> str:
+        """The request's tenant (once: the request is starting)."""
+        return self._salts.pop(req_id, "") or self.namespace
 
 
 def lookup_queued(

@@ -6,7 +6,7 @@
 | ``call_timeout_s`` | 0.5 | bound of one call; then the service counts as down |
 | ``connect_timeout_s`` | 0.5 | bound of one connection attempt |
 | ``max_backoff_s`` | 2.0 | longest wait between reconnection attempts |
-| ``namespace`` | ``""`` | extra text in the key fingerprint (keeps deployments apart) |
+| ``namespace`` | ``""`` | extra text in the key fingerprint (keeps deployments apart); also the tenant of the engine's requests without a ``cache_salt`` (docs/tenants.md) |
 | ``model_revision`` | vLLM's revision | revision in the key fingerprint |
 | ``verify_loads`` | true | check each loaded block against the checksum taken when written |
 | ``faults`` | none | kvoffload fault spec for the worker side (``fail_fraction`` of loads) |

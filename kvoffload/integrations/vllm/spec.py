@@ -118,6 +118,7 @@ class KVOffloadSpec(OffloadingSpec):
             endpoint_setting=settings.endpoint or os.environ.get(ENDPOINT_ENV, ""),
             slices=1 if self.replicated_layout else self.config.parallel.world_size,
             slice_bytes=self.blocks_per_chunk * self.rank_block_bytes,
+            namespace=settings.namespace,
         )
         if link.connect_now() and link.info is not None:
             self._manager.set_secondary_source(_secondary_source(link.info.tiers))
