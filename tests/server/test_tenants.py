@@ -5,7 +5,6 @@ shares and caps that cannot hold."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -136,6 +135,16 @@ def test_a_bad_tenant_id_gets_a_typed_error_and_the_manager_keeps_serving(start_
     assert service.manager_pid() == pid
 
 
+def cli(service, *args: str) -> subprocess.CompletedProcess[str]:
+    """``kvoffload ARGS --endpoint`` the service's."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", *args, "--endpoint", service.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def bucket_names(s3, bucket: str, prefix: str) -> list[str]:
     listed = s3.list_objects_v2(Bucket=bucket, Prefix=prefix)
     return [entry["Key"] for entry in listed.get("Contents", [])]
@@ -169,14 +178,12 @@ def test_a_tenant_drop_removes_its_blocks_from_pool_disk_and_bucket_and_nothing_
         assert len(alice_names) == 8
         other_node = alice_names[0].rsplit("/", 1)[0] + "/" + "ab" * 32  # another node's block
         s3.put_object(Bucket=bucket, Key=other_node, Body=b"x")
-        out = subprocess.run(
-            [sys.executable, "-m", "kvoffload.cli", "tenant", "drop", "alice"]
-            + ["--endpoint", service.endpoint],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, "KVOFFLOAD_SERVICE__RUNTIME_DIR": str(service.runtime_dir)},
-        )
+        status = cli(service, "status")
+        assert status.returncode == 0 and ALICE in status.stdout and BOB in status.stdout
+        assert "alice" not in status.stdout and "bob" not in status.stdout
+        empty = cli(service, "tenant", "drop", "")
+        assert empty.returncode == 1 and len(empty.stderr.strip().splitlines()) == 1, empty
+        out = cli(service, "tenant", "drop", "alice")
         assert out.returncode == 0, out.stderr
         assert f"tenant {ALICE} dropped" in out.stdout and "alice" not in out.stdout.split()[1:]
         counts = {line.split()[0]: int(line.split()[1]) for line in out.stdout.splitlines()[1:]}
