@@ -224,3 +224,24 @@ def test_shares_over_a_tier_or_a_cap_below_a_share_are_refused_at_start(
     assert refused.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("kvoffload: invalid configuration: ") and named in err, err
+
+
+def test_a_tenants_blocks_come_back_from_the_bucket_to_that_tenant_only(start_service, s3_server):
+    bucket = s3_server.create_bucket("tenants")
+    prefix = f"promote-{time.time_ns()}"
+    service = start_service(
+        workers=("cpu", "object"),
+        extra_config=to_toml({"object": object_section(s3_server, bucket, prefix)}),
+    )
+    bob = keys_for("bob", 8)
+    with service.client("engine", timeout_s=20.0) as client:
+        store(client, "bob", "bob", bob)
+        wait_until(
+            lambda: client.status().tiering.per_tier["object"].cascaded_keys_ok == 8,
+            what="the cascade to the bucket",
+        )
+        client.reset_cache()
+        assert hits(client, "alice", "alice", bob) == 0  # the same keys: another tenant's
+        assert hits(client, "bob-again", "bob", bob) == 8
+        promoted = client.status().tiering.per_tier["object"].promoted_keys_ok
+    assert promoted == 8
