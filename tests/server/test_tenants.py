@@ -201,6 +201,8 @@ def test_a_tenant_drop_removes_its_blocks_from_pool_disk_and_bucket_and_nothing_
         assert hits(client, "bob-disk", "bob", bob) == 8  # promoted from disk
         dropped = client.tenant_drop("alice")  # nothing left: every count 0
         assert dropped.removed == {"primary": 0, "disk": 0, "object": 0}
+    log = service.log_path.read_text()
+    assert "tenant_dropped" in log and ALICE in log and "alice" not in log.lower()
 
 
 @pytest.mark.parametrize(
