@@ -118,11 +118,11 @@ def test_blocks_survive_a_manager_killed_between_store_and_load(engines, service
     prompt = case.new_prompt()
     offload(engine, service, case, prompt)
     old_pid = service.status().pid
-    promoted_before = disk_promotions(service)
 
     os.kill(old_pid, signal.SIGKILL)
     wait_until(lambda: _verified_manager(service, old_pid), 60.0, "a verified new manager", 0.1)
-    hits_before = primary_hits(service)
+    hits_before = primary_hits(service)  # the new manager's counters start from zero
+    promoted_before = disk_promotions(service)
     assert engine.reset_prefix_cache()
     deadline = time.monotonic() + 30
     out = engine.generate([prompt])[0]

@@ -587,7 +587,7 @@ def test_threads_put_and_get_concurrently(open_store) -> None:
         + [b"shared-%d" % i for i in range(3)]
     )
     assert store.used_bytes == len(store.keys()) * RECORD
-    for key in store:
+    for key in sorted(store.keys()):
         assert_self_consistent(key, read(store, key))
 
 
