@@ -18,7 +18,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -44,6 +44,9 @@ class ServiceUnavailable(KVOffloadError, TimeoutError):
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.UNAVAILABLE, message)
 
+
+R = TypeVar("R")
+"""The reply type a call expects."""
 
 LOST_JOB_ERROR = "lost: the manager restarted or dropped this client's session"
 DEFERRED_ERRORS_KEPT = 64
@@ -99,7 +102,7 @@ class KVOffloadClient:
         self._rids = itertools.count(1)
         self._events: deque[p.DeviceJobFinished] = deque()
         self._handles: dict[str, p.KVHandle] = {}
-        self._requests: dict[str, tuple[dict, str]] = {}
+        self._requests: dict[str, tuple[dict[str, Any], str]] = {}
         """Open requests: their params and tenant id (``reconnect`` opens them again)."""
         self._jobs: dict[
             int, tuple[str, p.DeviceJobKind]
@@ -109,14 +112,14 @@ class KVOffloadClient:
         """Errors answered to calls sent with ``wait=False``, newest last (the last 64)."""
         self._sock = self._open_socket()
         try:
-            self.info = self._exchange(p.Connect, None, self._connect_fields())
+            self.info = self._exchange(p.Connect, p.Connected, None, self._connect_fields())
         except BaseException:
             self._sock.close(linger=0)
             raise
 
     # ---- plumbing -------------------------------------------------------------------------
 
-    def _open_socket(self) -> zmq.Socket:
+    def _open_socket(self) -> zmq.Socket[bytes]:
         sock = self._zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if self._curve_keys is not None:
@@ -127,9 +130,12 @@ class KVOffloadClient:
     def _connect_fields(self) -> dict[str, Any]:
         return {"version": p.PROTOCOL_VERSION, "client_name": self.name}
 
-    def _call(self, kind: type, timeout_s: float | None = None, **fields: Any):
+    def _call(
+        self, kind: type, reply_type: type[R], timeout_s: float | None = None, **fields: Any
+    ) -> R:
+        """One call answered by a ``reply_type``; reconnects once on ``not_connected``."""
         try:
-            return self._exchange(kind, timeout_s, fields)
+            return self._exchange(kind, reply_type, timeout_s, fields)
         except KVOffloadError as exc:
             if not (
                 self.auto_reconnect
@@ -138,7 +144,7 @@ class KVOffloadClient:
             ):
                 raise
         self.reconnect()
-        return self._exchange(kind, timeout_s, fields)
+        return self._exchange(kind, reply_type, timeout_s, fields)
 
     def _send_request(self, kind: type, fields: dict[str, Any]) -> int:
         """Encode and send one request; returns its call id."""
@@ -166,9 +172,11 @@ class KVOffloadClient:
                 KVOffloadError(reply.code, f"{name} (sent without waiting): {reply.message}")
             )
 
-    def _exchange(self, kind: type, timeout_s: float | None, fields: dict[str, Any]):
-        """Send one request and return its reply; KVOffloadError for an Error reply,
-        ServiceUnavailable when none comes in time."""
+    def _exchange(
+        self, kind: type, reply_type: type[R], timeout_s: float | None, fields: dict[str, Any]
+    ) -> R:
+        """Send one request and return its reply; KVOffloadError for an Error reply or one of
+        another type than ``reply_type``, ServiceUnavailable when none comes in time."""
         rid = self._send_request(kind, fields)
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
@@ -183,6 +191,12 @@ class KVOffloadClient:
                 continue
             if isinstance(reply, p.Error):
                 raise KVOffloadError(reply.code, reply.message)
+            if not isinstance(reply, reply_type):
+                raise KVOffloadError(
+                    ErrorCode.BAD_MESSAGE,
+                    f"{kind.__name__} was answered by a {type(reply).__name__}, "
+                    f"not a {reply_type.__name__}",
+                )
             return reply
 
     def reconnect(self, timeout_s: float | None = None) -> None:
@@ -200,12 +214,12 @@ class KVOffloadClient:
         with contextlib.suppress(zmq.ZMQError):
             old.send(p.encode(p.Disconnect(rid=next(self._rids))), zmq.NOBLOCK)
         old.close(linger=200)
-        self.info = self._exchange(p.Connect, timeout_s, self._connect_fields())
+        self.info = self._exchange(p.Connect, p.Connected, timeout_s, self._connect_fields())
         for handle in list(self._handles.values()):
-            self._exchange(p.RegisterKV, None, {"handle": handle})
+            self._exchange(p.RegisterKV, p.Ok, None, {"handle": handle})
         for req_id, (params, tenant) in list(self._requests.items()):
             fields = {"req_id": req_id, "params": params, "tenant": tenant}
-            self._exchange(p.NewRequest, None, fields)
+            self._exchange(p.NewRequest, p.NewRequestReply, None, fields)
         lost, self._jobs = self._jobs, {}
         for job_id, (req_id, kind) in lost.items():
             self._events.append(
@@ -217,7 +231,7 @@ class KVOffloadClient:
         pins at once instead of at lease expiry), then close the socket."""
         if not self._sock.closed:
             with contextlib.suppress(TimeoutError, KVOffloadError, zmq.ZMQError):
-                self._call(p.Disconnect, timeout_s=1.0)
+                self._call(p.Disconnect, p.Ok, timeout_s=1.0)
             self._sock.close(linger=0)
 
     def abandon(self, linger_ms: int = 200) -> None:
@@ -233,17 +247,19 @@ class KVOffloadClient:
     def __enter__(self) -> KVOffloadClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- engine calls ---------------------------------------------------------------------
 
     def register_kv(self, handle: p.KVHandle) -> None:
         """Register a KV cache (``reconnect`` registers it again)."""
-        self._call(p.RegisterKV, handle=handle)
+        self._call(p.RegisterKV, p.Ok, handle=handle)
         self._handles[handle.handle_id] = handle
 
-    def new_request(self, req_id: str, params: dict | None = None, tenant: str = "") -> bool:
+    def new_request(
+        self, req_id: str, params: dict[str, Any] | None = None, tenant: str = ""
+    ) -> bool:
         """Returns True when some tier wants every block of the request (request level). The
         request stays open (``reconnect`` opens it again) until ``finish_request``.
         ``tenant``: the name of the request's tenant ("" for none; sent as its
@@ -251,7 +267,9 @@ class KVOffloadClient:
         other tenant's. Two tenants' keys for one content should differ (vLLM's ``cache_salt``
         does that): a key another tenant holds is a miss and is not stored again."""
         tid = tenant_id(tenant)
-        reply = self._call(p.NewRequest, req_id=req_id, params=params or {}, tenant=tid)
+        reply = self._call(
+            p.NewRequest, p.NewRequestReply, req_id=req_id, params=params or {}, tenant=tid
+        )
         self._requests[req_id] = (params or {}, tid)
         return reply.request_level
 
@@ -266,6 +284,7 @@ class KVOffloadClient:
         return LookupOutcome(
             self._call(
                 p.Lookup,
+                p.LookupReply,
                 timeout_s=wait_ms / 1000 + self.timeout_s,
                 req_id=req_id,
                 keys=keys,
@@ -279,7 +298,12 @@ class KVOffloadClient:
     ) -> p.JobAccepted:
         """Offload device blocks; returns the accepted job (job_id None if nothing was new)."""
         accepted = self._call(
-            p.Store, req_id=req_id, keys=keys, device_blocks=device_blocks, handle_id=handle_id
+            p.Store,
+            p.JobAccepted,
+            req_id=req_id,
+            keys=keys,
+            device_blocks=device_blocks,
+            handle_id=handle_id,
         )
         return self._accepted(req_id, p.DeviceJobKind.STORE, accepted)
 
@@ -288,7 +312,12 @@ class KVOffloadClient:
     ) -> p.JobAccepted:
         """Copy ready (HIT) keys into device blocks; the pins last until the job finishes."""
         accepted = self._call(
-            p.Load, req_id=req_id, keys=keys, device_blocks=device_blocks, handle_id=handle_id
+            p.Load,
+            p.JobAccepted,
+            req_id=req_id,
+            keys=keys,
+            device_blocks=device_blocks,
+            handle_id=handle_id,
         )
         return self._accepted(req_id, p.DeviceJobKind.LOAD, accepted)
 
@@ -300,7 +329,7 @@ class KVOffloadClient:
         return accepted
 
     def prepare_store(self, req_id: str, keys: list[bytes]) -> p.Slots:
-        return self._call(p.PrepareStore, req_id=req_id, keys=keys)
+        return self._call(p.PrepareStore, p.Slots, req_id=req_id, keys=keys)
 
     def complete_store(
         self,
@@ -325,39 +354,39 @@ class KVOffloadClient:
             "slice_bytes": slice_bytes,
         }
         if wait:
-            self._call(p.CompleteStore, **fields)
+            self._call(p.CompleteStore, p.Ok, **fields)
         else:
             self._send_unawaited(p.CompleteStore, fields)
 
     def prepare_load(self, req_id: str, keys: list[bytes]) -> p.Slots:
-        return self._call(p.PrepareLoad, req_id=req_id, keys=keys)
+        return self._call(p.PrepareLoad, p.Slots, req_id=req_id, keys=keys)
 
     def complete_load(self, req_id: str, keys: list[bytes], wait: bool = True) -> None:
         """Release pins taken by ``prepare_load`` or a pinned ``lookup``. ``wait=False`` sends
         the call without waiting for its reply (an error lands in ``deferred_errors``)."""
         if wait:
-            self._call(p.CompleteLoad, req_id=req_id, keys=keys)
+            self._call(p.CompleteLoad, p.Ok, req_id=req_id, keys=keys)
         else:
             self._send_unawaited(p.CompleteLoad, {"req_id": req_id, "keys": keys})
 
     def touch(self, keys: list[bytes]) -> None:
-        self._call(p.Touch, keys=keys)
+        self._call(p.Touch, p.Ok, keys=keys)
 
     def finish_request(self, req_id: str) -> None:
         """Finish the request; this client forgets it even when the call fails."""
         try:
-            self._call(p.FinishRequest, req_id=req_id)
+            self._call(p.FinishRequest, p.Ok, req_id=req_id)
         finally:
             self._requests.pop(req_id, None)
 
     def end_step(self) -> None:
-        self._call(p.EndStep)
+        self._call(p.EndStep, p.Ok)
 
     def reset_cache(self, timeout_s: float = 60.0) -> None:
-        self._call(p.ResetCache, timeout_s=timeout_s)
+        self._call(p.ResetCache, p.Ok, timeout_s=timeout_s)
 
     def status(self) -> ManagerStatus:
-        return self._call(p.Status).status
+        return self._call(p.Status, p.StatusReply).status
 
     def tenant_drop(self, name: str, timeout_s: float = 60.0) -> p.TenantDropped:
         """Remove every block of the tenant ``name`` from every tier of the service and from
@@ -365,7 +394,9 @@ class KVOffloadClient:
         the tiers removed them. Afterwards the tenant's lookups miss everywhere."""
         if not name:
             raise ValueError("name the tenant to drop")
-        return self._call(p.TenantDrop, timeout_s=timeout_s, tenant=tenant_id(name))
+        return self._call(
+            p.TenantDrop, p.TenantDropped, timeout_s=timeout_s, tenant=tenant_id(name)
+        )
 
     def poll(self, wait_ms: int = 0) -> list[p.DeviceJobFinished]:
         """Finished-job events not yet taken (each is returned exactly once)."""
@@ -374,7 +405,7 @@ class KVOffloadClient:
         if events:
             return events
         events = self._call(
-            p.Poll, timeout_s=wait_ms / 1000 + self.timeout_s, wait_ms=wait_ms
+            p.Poll, p.Events, timeout_s=wait_ms / 1000 + self.timeout_s, wait_ms=wait_ms
         ).finished
         for event in events:
             self._jobs.pop(event.job_id, None)

@@ -3,6 +3,8 @@ is asked to attach it. The manager stats segments; it never maps them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import structlog
 
 from kvoffload import protocol as p
@@ -52,7 +54,9 @@ class KVHandles:
         if self.state.registry.live(CPU_WORKER) is not None:
             self.state.send_worker(CPU_WORKER, p.AttachKV(handle))
 
-    def owned(self, identity: bytes, handle_id: str, keys, blocks) -> p.KVHandle:
+    def owned(
+        self, identity: bytes, handle_id: str, keys: list[bytes], blocks: list[int]
+    ) -> p.KVHandle:
         """The client's handle, once the device blocks are checked against it."""
         owner_handle = self.by_id.get(handle_id)
         if owner_handle is None or owner_handle[0] != identity:
@@ -87,7 +91,7 @@ class KVHandles:
             else:
                 self._drop(owner, handle.handle_id, "the cpu worker cannot serve it")
 
-    def release(self, handle_ids) -> None:
+    def release(self, handle_ids: Iterable[str]) -> None:
         """Forget handles of a client that left, and detach them from the cpu worker."""
         for handle_id in handle_ids:
             self.by_id.pop(handle_id, None)

@@ -112,7 +112,9 @@ class CurveGate:
     """Serves ZAP for ``sock``'s context and watches ``sock``'s handshakes (see the module
     docstring). Create it before ``sock`` binds; ``stop`` it before the socket is closed."""
 
-    def __init__(self, zctx: zmq.Context, sock: zmq.Socket, authorized_dir: str) -> None:
+    def __init__(
+        self, zctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], authorized_dir: str
+    ) -> None:
         self._dir = Path(authorized_dir)
         self._keys: set[bytes] = set()
         self._dir_mtime: float | None = None

@@ -12,6 +12,7 @@ from kvoffload import protocol as p
 from kvoffload.server.handles import KVHandles
 from kvoffload.server.sessions import ClientSession
 from kvoffload.server.state import CPU_WORKER, DeviceJob, ManagerState
+from kvoffload.server.workers import WorkerState
 from kvoffload.tiering import TransferResult
 from kvoffload.tiering.types import TieringError
 
@@ -146,7 +147,7 @@ class WorkerChannel:
                 return
             worker.jobs.add(job.job_id)
 
-    def _on_job_done(self, worker, done: p.JobDone) -> None:
+    def _on_job_done(self, worker: WorkerState, done: p.JobDone) -> None:
         state = self.state
         worker.jobs.discard(done.job_id)
         if done.job_id in state.device_jobs and worker.name == CPU_WORKER:
@@ -177,7 +178,7 @@ class WorkerChannel:
             log.warning("tier_job_failed", tier=worker.name, job_id=done.job_id, error=done.error)
         state.dispatch_tier_jobs()
 
-    def _on_job_progress(self, worker, progress: p.JobProgress) -> None:
+    def _on_job_progress(self, worker: WorkerState, progress: p.JobProgress) -> None:
         """Keys of a running promotion that landed: HIT before the job's result."""
         try:
             self.state.tiering.apply_progress(worker.name, progress.job_id, progress.keys)
@@ -186,7 +187,9 @@ class WorkerChannel:
                 "job_progress_rejected", worker=worker.name, job_id=progress.job_id, error=str(exc)
             )
 
-    def _finish_device_job(self, job_id: int, success: bool, successful_keys, error: str) -> None:
+    def _finish_device_job(
+        self, job_id: int, success: bool, successful_keys: list[bytes] | None, error: str
+    ) -> None:
         state = self.state
         job = state.device_jobs.pop(job_id)
         try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
+from types import FrameType
 from typing import cast
 
 import msgspec
@@ -79,13 +81,15 @@ class ManagerServer:
                     self._shutdown(idle)
                     return
 
-    def _request_drain(self, signum, _frame) -> None:
+    def _request_drain(self, signum: int, _frame: FrameType | None) -> None:
         if not self.state.draining:
             log.info("manager_draining", signal=signal.Signals(signum).name)
         self.state.draining = True
 
     @staticmethod
-    def _drain_socket(sock: zmq.Socket, handler, channel: str) -> None:
+    def _drain_socket(
+        sock: zmq.Socket[bytes], handler: Callable[[list[bytes]], None], channel: str
+    ) -> None:
         for _ in range(1000):
             if not cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
                 return  # cheaper than the zmq.Again a non-blocking receive raises

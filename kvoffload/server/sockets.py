@@ -17,8 +17,8 @@ TRANSPORT_SLACK_BYTES = 1 << 20
 
 
 def bind_client_socket(
-    zctx: zmq.Context, endpoint: str, svc: ServiceConfig
-) -> tuple[zmq.Socket, CurveGate | None]:
+    zctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, svc: ServiceConfig
+) -> tuple[zmq.Socket[bytes], CurveGate | None]:
     """ROUTER for engine clients. A tcp:// endpoint is served only with CURVE: the server's
     secret key file and a directory of authorized client public keys, checked by a
     ``CurveGate`` that logs and counts the handshakes it refuses. FatalStartError when the
@@ -49,7 +49,9 @@ def bind_client_socket(
     return sock, gate
 
 
-def bind_job_socket(zctx: zmq.Context, endpoint: str, max_message_bytes: int) -> zmq.Socket:
+def bind_job_socket(
+    zctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, max_message_bytes: int
+) -> zmq.Socket[bytes]:
     """ROUTER for tier workers; a restarted worker reclaims its identity (ROUTER_HANDOVER), and
     a send to a worker that is not connected fails at once (ROUTER_MANDATORY)."""
     sock = zctx.socket(zmq.ROUTER)

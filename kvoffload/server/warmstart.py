@@ -178,7 +178,7 @@ class WarmRestart:
         and go out again with the next ``verify_jobs``."""
         self._verifying.clear()
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, int]:
         return {**self.counters, "unverified": len(self._tiering.adopting())}
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -73,7 +74,7 @@ class WorkerRegistry:
             _kill_quietly(worker.pid)
         return dead
 
-    def snapshot(self, now: float) -> dict:
+    def snapshot(self, now: float) -> dict[str, dict[str, Any]]:
         return {
             w.name: {
                 "pid": w.pid,

@@ -122,13 +122,13 @@ def test_a_bad_tenant_id_gets_a_typed_error_and_the_manager_keeps_serving(start_
     with service.client("engine") as client:
         for bad in ("alice", "0123456789ABCDEF", "0" * 15):
             with pytest.raises(KVOffloadError) as error:
-                client._call(p.NewRequest, req_id="r", params={}, tenant=bad)
+                client._call(p.NewRequest, p.NewRequestReply, req_id="r", params={}, tenant=bad)
             assert error.value.code is ErrorCode.BAD_TENANT
             with pytest.raises(KVOffloadError) as error:
-                client._call(p.TenantDrop, tenant=bad)
+                client._call(p.TenantDrop, p.TenantDropped, tenant=bad)
             assert error.value.code is ErrorCode.BAD_TENANT
         with pytest.raises(KVOffloadError) as error:
-            client._call(p.TenantDrop, tenant="")
+            client._call(p.TenantDrop, p.TenantDropped, tenant="")
         assert error.value.code is ErrorCode.BAD_TENANT
         store(client, "after", "alice", keys_for("after", 4))
         assert hits(client, "again", "alice", keys_for("after", 4)) == 4

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferJob
@@ -69,7 +69,7 @@ def short_region(scheduler: Any) -> AbstractContextManager[Any]:
     failed ``schedule()`` left open), else the lock itself."""
     region = getattr(scheduler, "_manager_locked", None)
     if callable(region):
-        return region()
+        return cast(AbstractContextManager[Any], region())
     return manager_lock(scheduler.manager)
 
 

@@ -104,7 +104,7 @@ forward of the step that schedules them (one step sooner than an asynchronous lo
 batch waits for the copy: 256 MiB is about 5-10 ms at host-to-GPU DMA speed)."""
 
 
-def configure_sync_loads(extra: dict, kv_cache_config: KVCacheConfig) -> None:
+def configure_sync_loads(extra: dict[str, Any], kv_cache_config: KVCacheConfig) -> None:
     """Set the synchronous-load budget in ``kv_connector_extra_config`` (read by vLLM 0.33, by
     ``sync_loads`` on 0.32): the default when the user set none, and 0 for a model with several
     KV cache groups (vLLM cannot take a failed synchronous load of such a model: its scheduler
@@ -294,7 +294,8 @@ class KVOffloadConnector(OffloadingConnector):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         if not num_external_tokens or not self._sync.enabled:
-            return super().update_state_after_alloc(request, blocks, num_external_tokens)
+            super().update_state_after_alloc(request, blocks, num_external_tokens)
+            return
         before = set(self.scheduler._current_batch_load_jobs)
         super().update_state_after_alloc(
             request,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection, Iterable, Mapping
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -60,6 +61,7 @@ from kvoffload.integrations.vllm.keys import namespaced, offload_key_of
 from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
 from kvoffload.integrations.vllm.metrics import ConfigInfo, Counter, StatsAccumulator
 from kvoffload.integrations.vllm.requests import EngineRequest, TenantNames, lookup_queued
+from kvoffload.protocol import Slots
 
 log = integration_logger(__name__)
 
@@ -340,7 +342,7 @@ class KVOffloadManager(OffloadingManager):
             self.stats.add(Counter.STORES_DROPPED, len(nkeys), "reset")
             return None
 
-        def call(client: KVOffloadClient):
+        def call(client: KVOffloadClient) -> Slots:
             self._ensure_registered(client, state)
             return client.prepare_store(req_context.req_id, nkeys)
 
@@ -466,7 +468,7 @@ class KVOffloadManager(OffloadingManager):
         self._link.close()
 
 
-def _service_params(ctx: ReqContext) -> dict:
+def _service_params(ctx: ReqContext) -> dict[str, Any]:
     """The request parameters kvoffload understands (its tier filter)."""
     params = ctx.kv_transfer_params or {}
     tiers = params.get("kv_load_tiers")
