@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from kvoffload.client import KVOffloadClient, KVOffloadError, ServiceUnavailable
+from kvoffload.memory.blockformat import slice_checksums
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.memory.pool import HostPool
 from kvoffload.testing.helpers import keys_for, random_kv_cache, wait_until
@@ -213,12 +214,24 @@ def test_an_unreachable_service_raises_service_unavailable(tmp_path):
     assert isinstance(err.value, KVOffloadError) and time.monotonic() - started < 2.0
 
 
+def write_in_slices(
+    client: KVOffloadClient, pool: HostPool, keys: list[bytes], slices: int
+) -> list[list[int]]:
+    """Reserve slots for ``keys`` (request "r"), fill each with its own byte and return each
+    block's slice digests, as ``slices`` tensor-parallel ranks would report them."""
+    client.new_request("r")
+    prepared = client.prepare_store("r", keys)
+    digests = []
+    for i, slot in enumerate(prepared.slots):
+        pool.slot_array(slot)[:] = (i * 37 + 5) % 251
+        digests.append(slice_checksums(pool.slot_array(slot), slices, BLOCK // slices))
+    return digests
+
+
 def test_blocks_written_in_slices_keep_every_slice_digest_across_a_restart(start_service):
     """Tensor parallelism writes each block in slices, one per rank, and no rank sees the whole:
     the block is stamped with every slice's digest, a pinned lookup hands them out, a restarted
     manager verifies the block slice by slice, and a block with a changed slice is dropped."""
-    from kvoffload.memory.blockformat import slice_checksums
-
     service = start_service()
     keys = keys_for("sliced", 4)
     half = BLOCK // 2
@@ -226,12 +239,7 @@ def test_blocks_written_in_slices_keep_every_slice_digest_across_a_restart(start
         info = client.info
         pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
         try:
-            client.new_request("r")
-            prepared = client.prepare_store("r", keys)
-            digests = []
-            for i, slot in enumerate(prepared.slots):
-                pool.slot_array(slot)[:] = (i * 37 + 5) % 251
-                digests.append(slice_checksums(pool.slot_array(slot), 2, half))
+            digests = write_in_slices(client, pool, keys, 2)
             with pytest.raises(KVOffloadError, match="slices"):
                 client.complete_store("r", keys, checksums=[[1, 2, 3]] * 4, slice_bytes=half)
             client.complete_store("r", keys, checksums=digests, slice_bytes=half)
@@ -239,7 +247,7 @@ def test_blocks_written_in_slices_keep_every_slice_digest_across_a_restart(start
             outcome = client.lookup("r", keys, pin=True)
             assert outcome.results == [HIT] * 4 and outcome.checksums == digests
             client.complete_load("r", keys)
-            pool.slot_array(prepared.slots[1])[half + 3] ^= 0x01  # rank 1's slice changes
+            pool.slot_array(outcome.slots[1])[half + 3] ^= 0x01  # rank 1's slice changes
         finally:
             pool.close()
         client.finish_request("r")
@@ -261,8 +269,6 @@ def test_a_block_in_slices_comes_back_from_disk_with_its_slice_digests(start_ser
     """The disk record keeps the block's slice layout and checksum; the promotion verifies the
     slices it read and stamps the slot with their digests again, so every rank can check its
     slice of a block that came back from disk."""
-    from kvoffload.memory.blockformat import slice_checksums
-
     service = start_service(workers=("cpu", "disk"))
     keys = keys_for("sliced-disk", 3)
     quarter = BLOCK // 4
@@ -270,12 +276,7 @@ def test_a_block_in_slices_comes_back_from_disk_with_its_slice_digests(start_ser
         info = client.info
         pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
         try:
-            client.new_request("r")
-            prepared = client.prepare_store("r", keys)
-            digests = []
-            for i, slot in enumerate(prepared.slots):
-                pool.slot_array(slot)[:] = (i * 11 + 3) % 253
-                digests.append(slice_checksums(pool.slot_array(slot), 4, quarter))
+            digests = write_in_slices(client, pool, keys, 4)
             client.complete_store("r", keys, checksums=digests, slice_bytes=quarter)
             client.finish_request("r")
             wait_until(
