@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -16,6 +17,9 @@ from kvoffload.logs import configure_logging
 from kvoffload.runtime.discovery import NoServiceFound, find_endpoint
 from kvoffload.status import ManagerStatus, TenantStatus
 from kvoffload.tenants import tenant_id
+
+if TYPE_CHECKING:
+    from kvoffload.client import KVOffloadClient
 
 EXIT_REFUSED = 2
 """An invalid configuration, a set-up the service cannot run, a missing extra."""
@@ -48,7 +52,9 @@ def cmd_serve(args) -> int:
     return code
 
 
-def cmd_status(args) -> int:
+def _service_client(args, name: str) -> tuple[str, KVOffloadClient]:
+    """The endpoint of the running service (``--endpoint``, else discovery) and a client of
+    it; SystemExit naming why when there is none."""
     from kvoffload.client import KVOffloadClient
 
     cfg = _load(args)
@@ -56,9 +62,14 @@ def cmd_status(args) -> int:
         endpoint = find_endpoint(args.endpoint, cfg)
     except NoServiceFound as exc:
         raise SystemExit(f"kvoffload: {exc}") from None
-    with KVOffloadClient(
-        endpoint, timeout_s=5.0, name="status", curve_keys=_curve_keys(args)
-    ) as client:
+    return endpoint, KVOffloadClient(
+        endpoint, timeout_s=5.0, name=name, curve_keys=_curve_keys(args)
+    )
+
+
+def cmd_status(args) -> int:
+    endpoint, client = _service_client(args, "status")
+    with client:
         status = client.status()
     if args.json:
         print(
@@ -74,16 +85,10 @@ def cmd_status(args) -> int:
 
 def cmd_tenant_drop(args) -> int:
     """Drop every block of one tenant; exit 1 when a tier could not remove all of them."""
-    from kvoffload.client import KVOffloadClient, KVOffloadError
+    from kvoffload.client import KVOffloadError
 
-    cfg = _load(args)
-    try:
-        endpoint = find_endpoint(args.endpoint, cfg)
-    except NoServiceFound as exc:
-        raise SystemExit(f"kvoffload: {exc}") from None
-    with KVOffloadClient(
-        endpoint, timeout_s=5.0, name="tenant-drop", curve_keys=_curve_keys(args)
-    ) as client:
+    _, client = _service_client(args, "tenant-drop")
+    with client:
         try:
             dropped = client.tenant_drop(args.name, timeout_s=args.timeout)
         except (KVOffloadError, TimeoutError, ValueError) as exc:
