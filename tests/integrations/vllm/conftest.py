@@ -5,7 +5,7 @@ kvoffload as the reference, and the checks of identical output."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,15 @@ def work(tmp_path_factory: pytest.TempPathFactory, case: ModelCase) -> Path:
     return tmp_path_factory.mktemp(f"vllm-{case.name}")
 
 
+def stop_all(engines: Iterable[VllmEngineProcess]) -> None:
+    """Stop ``engines`` side by side: each is asked to quit before any is waited for."""
+    started = list(engines)
+    for engine in started:
+        engine.request_quit()
+    for engine in started:
+        engine.stop()
+
+
 class Models:
     """The models of the session, each written once (``get``)."""
 
@@ -126,10 +135,7 @@ class PlainEngines:
         return self._started[model, tp]
 
     def stop(self) -> None:
-        for engine in self._started.values():
-            engine.request_quit()
-        for engine in self._started.values():
-            engine.stop()
+        stop_all(self._started.values())
 
 
 @pytest.fixture(scope="session")
@@ -195,10 +201,7 @@ class Engines:
         return self._started[name]
 
     def stop(self) -> None:
-        for engine in self._started.values():
-            engine.request_quit()
-        for engine in self._started.values():
-            engine.stop()
+        stop_all(self._started.values())
 
 
 @pytest.fixture(scope="module")
