@@ -49,6 +49,7 @@ import structlog
 
 from kvoffload.client import KVOffloadClient, KVOffloadError
 from kvoffload.config import Config, load_config
+from kvoffload.memory.pool import HostPool
 from kvoffload.runtime.rundir import live_runs
 from kvoffload.runtime.supervisor import Supervisor
 from kvoffload.status import ManagerStatus, WorkerStatus
@@ -501,6 +502,18 @@ def _quiet_psutil() -> Iterator[None]:
     """A process that exits while being inspected is simply not there."""
     with contextlib.suppress(psutil.Error):
         yield
+
+
+@contextlib.contextmanager
+def service_pool(client: KVOffloadClient) -> Iterator[HostPool]:
+    """The host pool of the service ``client`` is connected to, attached in this process (the
+    service owns it: it is closed on exit, never unlinked)."""
+    info = client.info
+    pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
+    try:
+        yield pool
+    finally:
+        pool.close()
 
 
 TEST_DEFAULTS: dict[str, dict[str, Any]] = {

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -86,17 +87,50 @@ def test_tcp_endpoint_without_curve_keys_is_refused(tmp_path):
         bind_client_socket(zmq.Context.instance(), "tcp://127.0.0.1:0", ServiceConfig())
 
 
-def test_curve_admits_the_authorized_key_only(tmp_path, start_service):
+@dataclass(frozen=True)
+class CurveKeys:
+    """A server's key pair, a directory authorizing one client's key, and the key triples
+    (public, secret, server public) of that client, of a stranger and of the client expecting
+    another server."""
+
+    server_secret_file: Path
+    server_public_file: Path
+    client_secret_file: Path
+    authorized: Path
+    client: tuple[bytes, bytes, bytes]
+    stranger: tuple[bytes, bytes, bytes]
+    stranger_public_file: Path
+    wrong_server: tuple[bytes, bytes, bytes]
+
+
+def make_curve_keys(tmp_path: Path) -> CurveKeys:
     keys, authorized = tmp_path / "keys", tmp_path / "authorized"
     keys.mkdir()
     authorized.mkdir()
     server_public_file, server_secret_file = zmq.auth.create_certificates(keys, "server")
     client_public_file, client_secret_file = zmq.auth.create_certificates(keys, "client")
-    _, stranger_secret_file = zmq.auth.create_certificates(keys, "stranger")
+    stranger_public_file, stranger_secret_file = zmq.auth.create_certificates(keys, "stranger")
     shutil.copy(client_public_file, authorized)
     server_public, _ = zmq.auth.load_certificate(server_public_file)
-    client_keys = (*zmq.auth.load_certificate(client_secret_file), server_public)
-    stranger_keys = (*zmq.auth.load_certificate(stranger_secret_file), server_public)
+    client_public, client_secret = zmq.auth.load_certificate(client_secret_file)
+    stranger_public, stranger_secret = zmq.auth.load_certificate(stranger_secret_file)
+    assert client_secret is not None and stranger_secret is not None
+    return CurveKeys(
+        Path(server_secret_file),
+        Path(server_public_file),
+        Path(client_secret_file),
+        authorized,
+        (client_public, client_secret, server_public),
+        (stranger_public, stranger_secret, server_public),
+        Path(stranger_public_file),
+        (client_public, client_secret, client_public),
+    )
+
+
+def test_curve_admits_the_authorized_key_only(tmp_path, start_service):
+    curve = make_curve_keys(tmp_path)
+    server_secret_file, authorized = curve.server_secret_file, curve.authorized
+    client_keys, stranger_keys, wrong_server = curve.client, curve.stranger, curve.wrong_server
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     harness = start_service(
         curve_keys=client_keys,
@@ -109,7 +143,6 @@ def test_curve_admits_the_authorized_key_only(tmp_path, start_service):
     )
     with KVOffloadClient(endpoint, curve_keys=client_keys, timeout_s=5.0) as client:
         assert "cpu" in client.status().workers
-    wrong_server = (*client_keys[:2], zmq.auth.load_certificate(client_public_file)[0])
     for keys_tried in (stranger_keys, None, wrong_server):
         started = time.monotonic()
         with pytest.raises(TimeoutError):
@@ -128,17 +161,11 @@ def test_refused_handshakes_are_logged_rate_limited_and_counted(tmp_path, start_
     before; each is logged with the peer address, the key fingerprint (when the handshake got
     to the key) and the reason, at most LOG_BURST lines per window, and counted by reason in
     the status, the metrics and ``kvoffload status``."""
-    keys, authorized = tmp_path / "keys", tmp_path / "authorized"
-    keys.mkdir()
-    authorized.mkdir()
-    server_public_file, server_secret_file = zmq.auth.create_certificates(keys, "server")
-    client_public_file, client_secret_file = zmq.auth.create_certificates(keys, "client")
-    stranger_public_file, stranger_secret_file = zmq.auth.create_certificates(keys, "stranger")
-    shutil.copy(client_public_file, authorized)
-    server_public, _ = zmq.auth.load_certificate(server_public_file)
-    client_keys = (*zmq.auth.load_certificate(client_secret_file), server_public)
-    stranger_keys = (*zmq.auth.load_certificate(stranger_secret_file), server_public)
-    wrong_server = (*client_keys[:2], zmq.auth.load_certificate(client_public_file)[0])
+    curve = make_curve_keys(tmp_path)
+    server_secret_file, authorized = curve.server_secret_file, curve.authorized
+    client_keys, stranger_keys, wrong_server = curve.client, curve.stranger, curve.wrong_server
+    stranger_public_file = curve.stranger_public_file
+    client_secret_file, server_public_file = curve.client_secret_file, curve.server_public_file
     port, metrics_port = free_port(), free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
     harness = start_service(

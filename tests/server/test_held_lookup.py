@@ -12,8 +12,8 @@ import zmq
 from kvoffload import protocol as p
 from kvoffload.client import KVOffloadError
 from kvoffload.memory.blockformat import copy_with_checksum
-from kvoffload.memory.pool import HostPool
 from kvoffload.testing.helpers import keys_for, wait_until
+from kvoffload.testing.service import service_pool
 from kvoffload.tiering import LookupResult
 
 HIT, HIT_PENDING = LookupResult.HIT, LookupResult.HIT_PENDING
@@ -39,27 +39,22 @@ def cold(start_service):
     rng = np.random.default_rng(5)
     rows = rng.integers(0, 256, size=(PROMOTED_BLOCKS, BLOCK), dtype=np.uint8)
     keys = keys_for("cold", PROMOTED_BLOCKS)
-    with service.client("engine", timeout_s=20.0) as client:
-        info = client.info
-        pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
-        try:
-            client.new_request("writer")
-            prepared = client.prepare_store("writer", keys)
-            sums = [
-                copy_with_checksum(pool.slot_array(slot), rows[i])
-                for i, slot in enumerate(prepared.slots)
-            ]
-            client.complete_store("writer", keys, checksums=[[s] for s in sums])
-            client.finish_request("writer")
-            wait_until(
-                lambda: service.status().tiering.tiers["disk"].indexed_keys == len(keys),
-                what="the cascade to disk",
-            )
-            client.reset_cache()
-            client.new_request("reader")
-            yield client, pool, keys, rows
-        finally:
-            pool.close()
+    with service.client("engine", timeout_s=20.0) as client, service_pool(client) as pool:
+        client.new_request("writer")
+        prepared = client.prepare_store("writer", keys)
+        sums = [
+            copy_with_checksum(pool.slot_array(slot), rows[i])
+            for i, slot in enumerate(prepared.slots)
+        ]
+        client.complete_store("writer", keys, checksums=[[s] for s in sums])
+        client.finish_request("writer")
+        wait_until(
+            lambda: service.status().tiering.tiers["disk"].indexed_keys == len(keys),
+            what="the cascade to disk",
+        )
+        client.reset_cache()
+        client.new_request("reader")
+        yield client, pool, keys, rows
 
 
 def test_a_held_lookup_answers_when_the_promotion_lands_and_waits_at_most_wait_ms(cold):
@@ -102,25 +97,20 @@ def test_completions_sent_without_waiting_take_effect_in_order_and_report_errors
 ):
     service = start_service(block_bytes=BLOCK)
     keys = keys_for("nowait", 2)
-    with service.client("engine") as client:
-        info = client.info
-        pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
-        try:
-            client.new_request("r")
-            prepared = client.prepare_store("r", keys)
-            row = np.arange(BLOCK, dtype=np.uint8)
-            sums = [copy_with_checksum(pool.slot_array(s), row) for s in prepared.slots]
-            client.complete_store("r", keys, checksums=[[s] for s in sums], wait=False)
-            outcome = client.lookup("r", keys, pin=True)
-            assert outcome.results == [HIT, HIT]
-            client.complete_load("r", keys, wait=False)
-            assert client.status().tiering.pinned_slots == 0
-            client.complete_load("r", keys, wait=False)  # not pinned any more: refused later
-            assert client.lookup("r", keys).results == [HIT, HIT]
-            assert [e.code for e in client.deferred_errors] == ["not_pinned"]
-            assert isinstance(client.deferred_errors[0], KVOffloadError)
-        finally:
-            pool.close()
+    with service.client("engine") as client, service_pool(client) as pool:
+        client.new_request("r")
+        prepared = client.prepare_store("r", keys)
+        row = np.arange(BLOCK, dtype=np.uint8)
+        sums = [copy_with_checksum(pool.slot_array(s), row) for s in prepared.slots]
+        client.complete_store("r", keys, checksums=[[s] for s in sums], wait=False)
+        outcome = client.lookup("r", keys, pin=True)
+        assert outcome.results == [HIT, HIT]
+        client.complete_load("r", keys, wait=False)
+        assert client.status().tiering.pinned_slots == 0
+        client.complete_load("r", keys, wait=False)  # not pinned any more: refused later
+        assert client.lookup("r", keys).results == [HIT, HIT]
+        assert [e.code for e in client.deferred_errors] == ["not_pinned"]
+        assert isinstance(client.deferred_errors[0], KVOffloadError)
 
 
 def test_a_held_lookup_is_answered_when_its_client_sends_something_else(cold):

@@ -17,7 +17,7 @@ from kvoffload.memory.blockformat import slice_checksums
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.memory.pool import HostPool
 from kvoffload.testing.helpers import keys_for, random_kv_cache, wait_until
-from kvoffload.testing.service import shm_names_containing
+from kvoffload.testing.service import service_pool, shm_names_containing
 from kvoffload.tiering import LookupResult
 
 BLOCK = 65536
@@ -236,9 +236,7 @@ def test_blocks_written_in_slices_keep_every_slice_digest_across_a_restart(start
     keys = keys_for("sliced", 4)
     half = BLOCK // 2
     with service.client("ranks") as client:
-        info = client.info
-        pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
-        try:
+        with service_pool(client) as pool:
             digests = write_in_slices(client, pool, keys, 2)
             with pytest.raises(KVOffloadError, match="slices"):
                 client.complete_store("r", keys, checksums=[[1, 2, 3]] * 4, slice_bytes=half)
@@ -248,8 +246,6 @@ def test_blocks_written_in_slices_keep_every_slice_digest_across_a_restart(start
             assert outcome.results == [HIT] * 4 and outcome.checksums == digests
             client.complete_load("r", keys)
             pool.slot_array(outcome.slots[1])[half + 3] ^= 0x01  # rank 1's slice changes
-        finally:
-            pool.close()
         client.finish_request("r")
 
     after = wait_for_new_manager(service, kill_manager(service))
@@ -272,29 +268,24 @@ def test_a_block_in_slices_comes_back_from_disk_with_its_slice_digests(start_ser
     service = start_service(workers=("cpu", "disk"))
     keys = keys_for("sliced-disk", 3)
     quarter = BLOCK // 4
-    with service.client("ranks") as client:
-        info = client.info
-        pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
-        try:
-            digests = write_in_slices(client, pool, keys, 4)
-            client.complete_store("r", keys, checksums=digests, slice_bytes=quarter)
-            client.finish_request("r")
-            wait_until(
-                lambda: service.status().tiering.tiers["disk"].indexed_keys == len(keys),
-                20.0,
-                "the cascade to disk",
-            )
-            client.reset_cache()  # the pool forgets them: they come back from disk
+    with service.client("ranks") as client, service_pool(client) as pool:
+        digests = write_in_slices(client, pool, keys, 4)
+        client.complete_store("r", keys, checksums=digests, slice_bytes=quarter)
+        client.finish_request("r")
+        wait_until(
+            lambda: service.status().tiering.tiers["disk"].indexed_keys == len(keys),
+            20.0,
+            "the cascade to disk",
+        )
+        client.reset_cache()  # the pool forgets them: they come back from disk
 
-            client.new_request("r2")
+        client.new_request("r2")
+        outcome = client.lookup("r2", keys, pin=True, wait_ms=10_000)
+        while outcome.must_wait:
             outcome = client.lookup("r2", keys, pin=True, wait_ms=10_000)
-            while outcome.must_wait:
-                outcome = client.lookup("r2", keys, pin=True, wait_ms=10_000)
-            assert outcome.results == [HIT] * 3 and outcome.checksums == digests
-            for slot, want in zip(outcome.slots, digests, strict=True):
-                assert slice_checksums(pool.slot_array(slot), 4, quarter) == want
-            client.complete_load("r2", keys)
-            client.finish_request("r2")
-        finally:
-            pool.close()
+        assert outcome.results == [HIT] * 3 and outcome.checksums == digests
+        for slot, want in zip(outcome.slots, digests, strict=True):
+            assert slice_checksums(pool.slot_array(slot), 4, quarter) == want
+        client.complete_load("r2", keys)
+        client.finish_request("r2")
     assert service.status().tiering.per_tier["disk"].promoted_keys_ok == len(keys)
