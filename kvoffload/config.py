@@ -93,11 +93,24 @@ class PoolConfig(_Section, frozen=True):
     slot_headers: bool = True
 
 
-class CpuConfig(_Section, frozen=True):
-    """The cpu worker (device <-> pool copies). Empty ``cpu_affinity`` means no pinning."""
+AUTO_COPY_THREADS = 4
+"""The most copy threads ``cpu.threads = 0`` gives the cpu worker (memory bandwidth is shared)."""
 
-    threads: Positive = 4
+
+class CpuConfig(_Section, frozen=True):
+    """The cpu worker (device <-> pool copies). Empty ``cpu_affinity`` means no pinning.
+    ``threads``: copies in flight at once (0: one per core the worker may run on, at most
+    ``AUTO_COPY_THREADS``; more threads than cores only take turns)."""
+
+    threads: Annotated[int, Meta(ge=0)] = 0
     cpu_affinity: Cores = ()
+
+    def copy_threads(self) -> int:
+        """``threads``, with 0 resolved for the cores of ``cpu_affinity`` (else this process's)."""
+        if self.threads:
+            return self.threads
+        cores = len(self.cpu_affinity) or len(os.sched_getaffinity(0))
+        return max(1, min(AUTO_COPY_THREADS, cores))
 
 
 class DiskConfig(_Section, frozen=True):

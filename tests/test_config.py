@@ -204,7 +204,7 @@ def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:
             {"KVOFFLOAD_SUPERVISOR__RESTART_BACKOFF_MAX_S": "0.1"},
             "supervisor.restart_backoff_max_s",
         ),
-        ({"KVOFFLOAD_CPU__THREADS": "0"}, "cpu.threads"),
+        ({"KVOFFLOAD_CPU__THREADS": "-1"}, "cpu.threads"),
         ({"KVOFFLOAD_CPU__CPU_AFFINITY": "[-1]"}, "cpu.cpu_affinity"),
         ({"KVOFFLOAD_FAULTS__FAIL_FRACTION": "2"}, "faults.fail_fraction"),
         ({"KVOFFLOAD_FAULTS__DELAY_S": "-1"}, "faults.delay_s"),

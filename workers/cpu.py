@@ -5,12 +5,16 @@ Jobs: ``device_store`` (device block ``device_blocks[i]`` of KV cache ``handle_i
 concatenation, in tensor order, of each tensor's row for that block.
 
 KV caches arrive with ``AttachKV``:
-- ``shm``: the engine's ``SharedKVCache`` segment is mapped; rows are copied with ``np.copyto``
-  straight between the engine's row and the slot (no staging buffer; the GIL is released).
+- ``shm``: the engine's ``SharedKVCache`` segment is mapped; rows are copied straight between
+  the engine's row and the slot (no staging buffer) by the backend's ``SlotCopier``: a job's
+  blocks are cut into parts that every copy thread takes from one queue, loads first, at most
+  ``cpu.threads`` at once over all jobs. The worker's glibc streams large copies to memory
+  (non-temporal stores, ``kvoffload.runtime.childenv``).
 - ``cuda_ipc``: the CUDA tensors are opened through CUDA IPC and copied on a stream per job
   thread, batched (``kvoffload.memory.cudacopy``: per tensor one gather or scatter through a
-  staging buffer on the GPU, one DMA per run of consecutive slots), synchronized before the
-  job's outcome is returned. Only a worker
+  staging buffer on the GPU, one DMA per run of consecutive slots), a job's keys cut into
+  parts run by the copier's threads, each synchronized before the job's outcome is returned.
+  Only a worker
   that sees a CUDA device (asked through libcuda at start, without torch) advertises
   ``cuda_ipc`` in its hello; any other refuses such a handle at once. The opening (importing
   torch, opening the IPC memory, registering the pool with ``cudaHostRegister``) runs on a
@@ -21,8 +25,9 @@ cache once no job holds it.
 
 Slot headers (when on): a ``device_store`` stamps each slot it copied (xxh3 of the slot,
 generation = job id) after the copies are complete and before the result. From a ``shm``
-cache the xxh3 is taken during the copy, a chunk at a time while it is in cache (no second
-pass over the slot); from CUDA it is computed from the slot once the stream is synchronized.
+cache the xxh3 is taken during the copy, each chunk of the engine's row right after it was
+copied, while it is in cache (``Hashed.SOURCE``: no second pass over the slot); from CUDA it
+is computed from the slot once the part's stream is synchronized, by the same thread.
 A ``verify`` job (keys + slots, from a restarted manager) recomputes each slot's xxh3 and
 compares it with the slot's header; its ok keys are the slots that match.
 
@@ -31,23 +36,24 @@ Run: ``python -m workers.cpu --spec RUNSPEC_JSON``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
 import numpy as np
-import xxhash
 
 from kvoffload.config import Config
 from kvoffload.logs import get_logger
-from kvoffload.memory.blockformat import BlockChecksum, copy_and_hash
+from kvoffload.memory.blockformat import BlockChecksum, payload_checksum
 from kvoffload.memory.cuda_host import cuda_device_count
 from kvoffload.memory.kvcache import SharedKVCache, rebuild_cuda_ipc_tensor
 from kvoffload.memory.pool import HostPool
+from kvoffload.memory.slotcopy import Hashed, SlotCopier
 from kvoffload.protocol import HandleKind, Job, JobKind, KVHandle
 from kvoffload.status import CpuWorkerStats
 from workers.backend import AttachRefused, BackendOutcome, NoIndexBackend
@@ -60,14 +66,11 @@ log = get_logger()
 UNKNOWN_HANDLE = "unknown_handle"
 CUDA_OPEN_TIMEOUT_S = 120.0
 """How long a job waits for its cuda_ipc handle to be opened (the first one imports torch)."""
-PARALLEL_MIN_BLOCK_BYTES = 256 * 1024
-"""Jobs with blocks at least this large are split across copy threads; smaller blocks copy
-faster on one thread (the per-copy GIL hand-offs cost more than the copy)."""
 
 
 class _AttachedKV:
-    """One attached KV cache: per-block row copies to and from pool slots, plus the count of
-    jobs holding it. Subclasses implement the copies; ``close`` unmaps."""
+    """One attached KV cache: copies of a job's blocks to and from pool slots, plus the count
+    of jobs holding it. Subclasses implement ``transfer``; ``close`` unmaps."""
 
     def __init__(self, handle: KVHandle) -> None:
         self.handle_id = handle.handle_id
@@ -76,46 +79,26 @@ class _AttachedKV:
         self.holders = 0
         self.detached = False
 
-    def store(self, block: int, slot: int) -> None:
-        """Copy device block -> pool slot (may complete only at ``finish``)."""
+    def transfer(
+        self, blocks: list[int], slots: list[int], store: bool, hashed: bool
+    ) -> list[int] | None:
+        """Copy device block ``blocks[i]`` to (``store``) or from pool slot ``slots[i]`` for
+        every ``i``, complete when this returns; with ``hashed`` (stores only) return each
+        slot's xxh3, else None. Raises when the copies could not all be done."""
         raise NotImplementedError
-
-    def store_checksummed(self, block: int, slot: int) -> int | None:
-        """``store``, returning the xxh3 of the slot when the copy computed it on the way
-        (complete at once); None when it is to be computed from the slot after ``finish``."""
-        self.store(block, slot)
-        return None
-
-    def load(self, slot: int, block: int) -> None:
-        """Copy pool slot -> device block (may complete only at ``finish``)."""
-        raise NotImplementedError
-
-    batched = False
-    """Whether copies go through ``copy_many`` (one batched copy for a job's keys)."""
-
-    def copy_many(self, blocks: list[int], slots: list[int], store: bool) -> None:
-        """Copy device block ``blocks[i]`` to (``store``) or from pool slot ``slots[i]``, for
-        every ``i`` at once (may complete only at ``finish``)."""
-        for block, slot in zip(blocks, slots, strict=True):
-            if store:
-                self.store(block, slot)
-            else:
-                self.load(slot, block)
 
     def wait_ready(self) -> None:
         """Return once copies can start; raise AttachRefused when they never can."""
-
-    def finish(self) -> None:
-        """Wait until every copy this thread issued is complete."""
 
     def close(self) -> None:
         raise NotImplementedError
 
 
 class _ShmKV(_AttachedKV):
-    def __init__(self, handle: KVHandle, pool: HostPool) -> None:
+    def __init__(self, handle: KVHandle, pool: HostPool, copier: SlotCopier) -> None:
         super().__init__(handle)
         self._cache = SharedKVCache.attach(handle)
+        self._copier = copier
         # (device rows, the same tensor's column range in every pool slot), per tensor
         slots = pool.as_numpy()
         self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
@@ -124,20 +107,30 @@ class _ShmKV(_AttachedKV):
             self._pairs.append((rows, slots[:, offset : offset + size]))
             offset += size
 
-    def store(self, block: int, slot: int) -> None:
-        for rows, parts in self._pairs:
-            np.copyto(parts[slot], rows[block])
-
-    def store_checksummed(self, block: int, slot: int) -> int:
-        """Copy and hash in one pass, tensor by tensor in slot order (``copy_and_hash``)."""
-        digest = xxhash.xxh3_64()
-        for rows, parts in self._pairs:
-            copy_and_hash(parts[slot], rows[block], digest)
-        return digest.intdigest()
-
-    def load(self, slot: int, block: int) -> None:
-        for rows, parts in self._pairs:
-            np.copyto(rows[block], parts[slot])
+    def transfer(
+        self, blocks: list[int], slots: list[int], store: bool, hashed: bool
+    ) -> list[int] | None:
+        pairs = self._pairs
+        if hashed:
+            segments = [
+                [(parts[slot], rows[block]) for rows, parts in pairs]
+                for block, slot in zip(blocks, slots, strict=True)
+            ]
+            return self._copier.copy_blocks(segments, Hashed.SOURCE)
+        if store:
+            flat = [
+                (parts[slot], rows[block])
+                for block, slot in zip(blocks, slots, strict=True)
+                for rows, parts in pairs
+            ]
+        else:
+            flat = [
+                (rows[block], parts[slot])
+                for block, slot in zip(blocks, slots, strict=True)
+                for rows, parts in pairs
+            ]
+        self._copier.copy(flat, urgent=not store)
+        return None
 
     def close(self) -> None:
         self._pairs = []
@@ -146,16 +139,21 @@ class _ShmKV(_AttachedKV):
 
 class _CudaKV(_AttachedKV):
     """CUDA tensors opened from IPC handles on a daemon thread of their own (``wait_ready``
-    joins it); copies go through ``streams`` (one per thread)."""
+    joins it); a job's keys are cut into parts, each copied through the stream of the thread
+    that runs it (``streams``: one per thread) and synchronized there."""
 
-    def __init__(self, handle: KVHandle, pool: HostPool, streams: threading.local) -> None:
+    def __init__(
+        self, handle: KVHandle, pool: HostPool, streams: threading.local, copier: SlotCopier
+    ) -> None:
         super().__init__(handle)
         self._streams = streams
+        self._copier = copier
         self._lock = threading.Lock()
         self._closed = False
         self._torch: Any = None
         self._device: Any = None
         self._pool: Any = None
+        self._host: np.ndarray = pool.as_numpy()
         self._rows: list[Any] = []
         self._opened: Future = Future()
         self._opened.set_running_or_notify_cancel()
@@ -223,34 +221,39 @@ class _CudaKV(_AttachedKV):
             stream = streams[self._device] = self._torch.cuda.Stream(device=self._device)
         return stream
 
-    def store(self, block: int, slot: int) -> None:
-        dst = self._pool[slot]
-        offset = 0
-        with self._torch.cuda.stream(self._stream()):
-            for rows, size in zip(self._rows, self.row_bytes, strict=True):
-                dst[offset : offset + size].copy_(rows[block], non_blocking=True)
-                offset += size
+    def transfer(
+        self, blocks: list[int], slots: list[int], store: bool, hashed: bool
+    ) -> list[int] | None:
+        count = len(blocks)
+        shares = [range(count)]
+        if count >= 2 and self._copier.threads > 1:
+            parts = min(self._copier.threads, count)
+            shares = [range(count * i // parts, count * (i + 1) // parts) for i in range(parts)]
+        work = [
+            functools.partial(self._copy_share, blocks, slots, s, store, hashed) for s in shares
+        ]
+        sums = self._copier.run(work, urgent=not store)
+        return sums if hashed else None
 
-    def load(self, slot: int, block: int) -> None:
-        src = self._pool[slot]
-        offset = 0
-        with self._torch.cuda.stream(self._stream()):
-            for rows, size in zip(self._rows, self.row_bytes, strict=True):
-                rows[block].copy_(src[offset : offset + size], non_blocking=True)
-                offset += size
-
-    batched = True
-
-    def copy_many(self, blocks: list[int], slots: list[int], store: bool) -> None:
+    def _copy_share(
+        self, blocks: list[int], slots: list[int], share: range, store: bool, hashed: bool
+    ) -> list[int]:
+        """Copy keys ``share`` on this thread's stream, synchronize it, and return the xxh3 of
+        each copied slot when ``hashed``."""
         from kvoffload.memory.cudacopy import Part, SlotRegion, copy_slots  # imports torch
 
+        mine_blocks = [blocks[i] for i in share]
+        mine_slots = [slots[i] for i in share]
         parts, offset = [], 0
         for rows, size in zip(self._rows, self.row_bytes, strict=True):
-            parts.append(Part(rows, blocks, range(len(blocks)), offset, size))
+            parts.append(Part(rows, mine_blocks, range(len(mine_blocks)), offset, size))
             offset += size
         region = SlotRegion(0, offset, offset)
-        with self._torch.cuda.stream(self._stream()):
-            copy_slots(self._pool, slots, region, parts, store, self._stage())
+        stream = self._stream()
+        with self._torch.cuda.stream(stream):
+            copy_slots(self._pool, mine_slots, region, parts, store, self._stage())
+        stream.synchronize()
+        return [payload_checksum(self._host[slot]) for slot in mine_slots] if hashed else []
 
     def _stage(self) -> Any:
         """This thread's staging buffer on the tensors' device (``cudacopy.StageBuffer``)."""
@@ -263,9 +266,6 @@ class _CudaKV(_AttachedKV):
         if stage is None:
             stage = stages[self._device] = StageBuffer(self._device)
         return stage
-
-    def finish(self) -> None:
-        self._stream().synchronize()
 
     def close(self) -> None:
         with self._lock:
@@ -297,15 +297,10 @@ class CpuBackend(NoIndexBackend):
         self._handles: dict[str, _AttachedKV] = {}
         self._streams = threading.local()
         self._stats = CpuWorkerStats()
-        self._parallelism = max(1, (cfg.cpu.threads if cfg is not None else 1))
-        self._copy_pool = (
-            ThreadPoolExecutor(self._parallelism - 1, thread_name_prefix="copy")
-            if self._parallelism > 1
-            else None
-        )
+        self._copier = SlotCopier(cfg.cpu.copy_threads() if cfg is not None else 1)
 
     def job_threads(self, cfg: Config) -> int:
-        return cfg.cpu.threads
+        return cfg.cpu.copy_threads()
 
     def cpu_affinity(self, cfg: Config) -> tuple[int, ...]:
         return cfg.cpu.cpu_affinity
@@ -339,9 +334,9 @@ class CpuBackend(NoIndexBackend):
             raise AttachRefused(f"handle {handle.handle_id}: this cpu worker has no CUDA device")
         try:
             if handle.kind == HandleKind.SHM:
-                kv: _AttachedKV = _ShmKV(handle, pool)
+                kv: _AttachedKV = _ShmKV(handle, pool, self._copier)
             elif handle.kind == HandleKind.CUDA_IPC:
-                kv = _CudaKV(handle, pool, self._streams)
+                kv = _CudaKV(handle, pool, self._streams, self._copier)
             else:
                 raise AttachRefused(f"unknown handle kind {handle.kind!r}")
         except AttachRefused:
@@ -432,15 +427,16 @@ class CpuBackend(NoIndexBackend):
         return BackendOutcome(ok_keys=ok, error=error)
 
     def _stamp(
-        self, job: Job, keys: list[bytes], slots: list[int], checksums: list[int | None]
+        self, job: Job, keys: list[bytes], slots: list[int], checksums: list[int] | None
     ) -> None:
-        """Stamp the slots a device store completely wrote, with the checksum its copy took
-        (None: read from the slot now); a failed stamp only costs the block its warm restart
+        """Stamp the slots a device store completely wrote, with the checksums its copy took
+        (None: read from the slots now); a failed stamp only costs the block its warm restart
         (logged)."""
         headers = self._headers
         if headers is None:
             return
-        for key, slot, checksum in zip(keys, slots, checksums, strict=True):
+        sums: list[int | None] = [None] * len(keys) if checksums is None else list(checksums)
+        for key, slot, checksum in zip(keys, slots, sums, strict=True):
             try:
                 headers.stamp(
                     slot, key, job.job_id, None if checksum is None else BlockChecksum(checksum)
@@ -455,49 +451,18 @@ class CpuBackend(NoIndexBackend):
                 )
 
     def _copy(self, job: Job, kv: _AttachedKV) -> tuple[list[bytes], int, str]:
-        """Copy every key of the job; a large job is split into contiguous ranges copied by
-        several threads at once (copies release the GIL), each syncing its own stream."""
+        """Copy every key of the job whose device block and slot are in range (and that no
+        injected fault fails), in one transfer over the copier's threads; stamp what a store
+        wrote. A transfer that raises fails every key of the job (logged)."""
         pool = self._require_pool()
-        count = len(job.keys)
-        ranges = [range(count)]
-        copy_pool = self._copy_pool
-        if copy_pool is not None and count >= 2 and pool.block_bytes >= PARALLEL_MIN_BLOCK_BYTES:
-            parts = min(self._parallelism, count)
-            bounds = [count * i // parts for i in range(parts + 1)]
-            ranges = [range(bounds[i], bounds[i + 1]) for i in range(parts)]
-        futures = (
-            [copy_pool.submit(self._copy_range, job, kv, r) for r in ranges[1:]]
-            if copy_pool is not None
-            else []
-        )
-        outcomes = [self._copy_range(job, kv, ranges[0])] + [f.result() for f in futures]
-        ok = [key for part_ok, _ in outcomes for key in part_ok]
-        failures = [failure for _, part_failures in outcomes for failure in part_failures]
-        nbytes = len(ok) * pool.block_bytes
-        with self._lock:
-            if job.kind == JobKind.DEVICE_STORE:
-                self._stats.bytes_stored += nbytes
-            else:
-                self._stats.bytes_loaded += nbytes
-            self._stats.keys_failed += len(failures)
-        error = f"{len(failures)} of {count} keys failed, first: {failures[0]}" if failures else ""
-        return ok, nbytes, error
-
-    def _copy_range(
-        self, job: Job, kv: _AttachedKV, indices: range
-    ) -> tuple[list[bytes], list[str]]:
-        """Copy keys ``indices`` of the job on this thread; (ok keys in order, failures)."""
         store = job.kind == JobKind.DEVICE_STORE
-        num_slots = self._require_pool().num_slots
+        num_slots = pool.num_slots
         faults = self._faults
-        hashed = store and self._headers is not None
         ok: list[bytes] = []
-        ok_slots: list[int] = []
-        ok_checksums: list[int | None] = []
+        blocks: list[int] = []
+        slots: list[int] = []
         failures: list[str] = []
-        queued: list[int] = []  # device blocks of the ok keys, for a batched copy
-        for i in indices:
-            key, slot, block = job.keys[i], job.slots[i], job.device_blocks[i]
+        for key, slot, block in zip(job.keys, job.slots, job.device_blocks, strict=True):
             try:
                 if not 0 <= block < kv.num_blocks:
                     raise IndexError(f"device block {block} not in [0, {kv.num_blocks})")
@@ -505,15 +470,6 @@ class CpuBackend(NoIndexBackend):
                     raise IndexError(f"slot {slot} not in [0, {num_slots})")
                 if faults.active:
                     faults.on_op(job.kind, key)
-                checksum = None
-                if kv.batched:
-                    queued.append(block)
-                elif hashed:
-                    checksum = kv.store_checksummed(block, slot)
-                elif store:
-                    kv.store(block, slot)
-                else:
-                    kv.load(slot, block)
             except Exception as exc:  # noqa: BLE001 - one block's failure fails its key only
                 failures.append(repr(exc))
                 log.warning(
@@ -527,30 +483,41 @@ class CpuBackend(NoIndexBackend):
                 )
                 continue
             ok.append(key)
-            ok_slots.append(slot)
-            ok_checksums.append(checksum)
-        try:
-            if queued:
-                kv.copy_many(queued, ok_slots, store)
-            kv.finish()
-        except Exception as exc:  # noqa: BLE001 - the job's keys fail, the worker goes on
-            log.error("device_copy_sync_failed", job_id=job.job_id, kind=job.kind, error=repr(exc))
-            return [], [f"copy_failed: {exc!r}"] * len(indices)
-        if store:
-            self._stamp(job, ok, ok_slots, ok_checksums)
-        return ok, failures
+            blocks.append(block)
+            slots.append(slot)
+        checksums: list[int] | None = None
+        if ok:
+            try:
+                checksums = kv.transfer(blocks, slots, store, store and self._headers is not None)
+            except Exception as exc:  # noqa: BLE001 - the job's keys fail, the worker goes on
+                log.error(
+                    "device_copy_sync_failed", job_id=job.job_id, kind=job.kind, error=repr(exc)
+                )
+                failures.extend([f"copy_failed: {exc!r}"] * len(ok))
+                ok = []
+        if store and ok:
+            self._stamp(job, ok, slots, checksums)
+        count = len(job.keys)
+        nbytes = len(ok) * pool.block_bytes
+        with self._lock:
+            if store:
+                self._stats.bytes_stored += nbytes
+            else:
+                self._stats.bytes_loaded += nbytes
+            self._stats.keys_failed += len(failures)
+        error = f"{len(failures)} of {count} keys failed, first: {failures[0]}" if failures else ""
+        return ok, nbytes, error
 
     def stats(self) -> CpuWorkerStats:
         with self._lock:
             return msgspec.structs.replace(self._stats, kv_handles=len(self._handles))
 
     def close(self) -> None:
-        if self._copy_pool is not None:
-            self._copy_pool.shutdown(wait=True)
         with self._lock:
             handles = list(self._handles)
         for handle_id in handles:
             self.detach_kv(handle_id)
+        self._copier.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,9 +2,11 @@
 
 A ``Cell`` holds a measured value, the reference measured in the same run (memcpy, dd, bare
 ZeroMQ, plain obstore, recompute, LMCache) and ``ratio_to_reference``: how many times the
-reference's performance it reaches (> 1: faster than the reference), whatever the unit. Cells of
-several rounds of one suite are merged into their medians; a recorded baseline is matched by
-``Cell.key``.
+reference's performance it reaches (> 1: faster than the reference), whatever the unit. Where
+the suite measured the machine's own limit for the same work (``kvoffload.bench.limits``), the
+cell also holds ``limit`` (what it is), ``limit_value`` and ``ratio_to_limit``: the share of
+the limit's performance it reaches (at most about 1). Cells of several rounds of one suite are
+merged into their medians; a recorded baseline is matched by ``Cell.key``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class Cell:
     others: dict[str, float] = dataclasses.field(default_factory=dict)
     chart: bool = False
     ratio_to_reference: float | None = None
+    limit: str | None = None
+    limit_value: float | None = None
+    ratio_to_limit: float | None = None
     baseline_value: float | None = None
     vs_baseline: float | None = None
     vs_baseline_normalized: float | None = None
@@ -40,6 +45,8 @@ class Cell:
     def __post_init__(self) -> None:
         if self.ratio_to_reference is None and self.reference_value:
             self.ratio_to_reference = self.performance_ratio(self.value, self.reference_value)
+        if self.ratio_to_limit is None and self.limit_value:
+            self.ratio_to_limit = self.performance_ratio(self.value, self.limit_value)
 
     @property
     def key(self) -> tuple[str, str, int | None]:
@@ -77,6 +84,8 @@ def merge_rounds(rounds: list[list[Cell]]) -> list[Cell]:
         first = group[0]
         references = [c.reference_value for c in group if c.reference_value is not None]
         ratios = [c.ratio_to_reference for c in group if c.ratio_to_reference is not None]
+        limits = [c.limit_value for c in group if c.limit_value is not None]
+        of_limit = [c.ratio_to_limit for c in group if c.ratio_to_limit is not None]
         others = {
             name: statistics.median(c.others[name] for c in group if name in c.others)
             for name in first.others
@@ -88,9 +97,47 @@ def merge_rounds(rounds: list[list[Cell]]) -> list[Cell]:
                 reference_value=statistics.median(references) if references else None,
                 others=others,
                 ratio_to_reference=statistics.median(ratios) if ratios else None,
+                limit_value=statistics.median(limits) if limits else None,
+                ratio_to_limit=statistics.median(of_limit) if of_limit else None,
             )
         )
     return merged
+
+
+def size_label(cell: Cell) -> str:
+    if cell.size is None:
+        return "-"
+    if cell.size_unit != "bytes":
+        return f"{cell.size} {cell.size_unit}"
+    return f"{cell.size >> 20} MiB" if cell.size >= 1 << 20 else f"{cell.size >> 10} KiB"
+
+
+def ratio_text(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "-"
+
+
+def ratio_table(cells: list[Cell]) -> list[str]:
+    """A Markdown table of the cells' ratios, one row per operation and one column per size:
+    the ratio to the reference, then (where measured) the ratio to the machine's limit."""
+    by_size = {c.size: size_label(c) for c in sorted(cells, key=lambda c: c.size or 0)}
+    table = {(c.metric, c.size): c for c in cells}
+    reference = next((c.reference for c in cells if c.reference), "the reference")
+
+    def entry(cell: Cell | None) -> str:
+        if cell is None:
+            return "-"
+        text = ratio_text(cell.ratio_to_reference)
+        return text if cell.ratio_to_limit is None else f"{text} ({cell.ratio_to_limit:.2f})"
+
+    lines = [
+        f"performance / {reference} in the same run (in brackets: / the machine's limit):",
+        f"| op | {' | '.join(by_size.values())} |",
+        f"|---|{'---|' * len(by_size)}",
+    ]
+    for metric in dict.fromkeys(c.metric for c in cells):
+        row = " | ".join(entry(table.get((metric, size))) for size in by_size)
+        lines.append(f"| {metric} | {row} |")
+    return lines
 
 
 def _median(summary: Any) -> float:

@@ -21,6 +21,13 @@ fit kvoffload's), and the rounds of the two sides alternate. Operations:
   O_DIRECT ``batched_get_blocking`` per prefix;
 - cold one-block disk load (p50 of ``LATENCY_LOADS`` single-block loads, same paths), in
   microseconds; its ratio is LMCache's time over kvoffload's.
+Each round also measures the machine's own limit for each cell's work (``kvoffload.bench.
+limits``, ``LIMITS``), on the same block size, bytes and disk directory, so every cell carries
+``limit_value`` and ``ratio_to_limit`` beside ``reference_value`` and ``ratio_to_reference``.
+Before the first round the bench touches and frees ``WARM_MEMORY_BYTES`` of memory (a virtual
+machine backs a guest page on its first touch, at about 1 GB/s; page-cache writes into such
+pages would measure the hypervisor, not the disk path), and the two sides take turns going
+first, round by round.
 Writes JSON (cells: medians of the rounds, ratio = median of the per-round ratios) and prints
 the ratio table. Skips, saying why, when LMCache cannot be imported by ``--peer-python``.
 """
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -44,6 +52,8 @@ from typing import Any
 
 import numpy as np
 
+from kvoffload.bench.cells import Cell, ratio_table
+from kvoffload.bench.limits import measure_limits, serial
 from kvoffload.bench.service import engine_load, engine_store
 from kvoffload.client import KVOffloadClient
 from kvoffload.logs import configure_logging
@@ -93,6 +103,54 @@ LATENCY_OPS = (
 WRITERS = 4
 LATENCY_LOADS = 32
 HOLD_MS = 1000
+WARM_MEMORY_BYTES = 4 << 30
+
+Limit = Callable[[dict[str, Any], int, int], float]
+"""The limit of a cell from the round's limit figures, the bytes of a round and the prefixes
+it makes (GB/s; microseconds for the latency)."""
+
+
+def _per_prefix(gbps: float, nbytes: int, prefixes: int, rtt_us: float) -> float:
+    """``gbps`` over ``nbytes`` with one bare round trip of ``rtt_us`` per prefix added."""
+    return nbytes / (nbytes / (gbps * 1e9) + prefixes * rtt_us * 1e-6) / 1e9
+
+
+LIMITS: dict[str, tuple[str, Limit]] = {
+    "host_store": ("one-pass copy + xxh3, every core", lambda f, b, p: f["copy_hash_gbps"]),
+    "host_load": ("memcpy, every core", lambda f, b, p: f["memcpy_gbps"]),
+    "host_store_engine": (
+        "one-pass copy + xxh3, every core, plus one bare round trip per prefix",
+        lambda f, b, p: _per_prefix(f["copy_hash_gbps"], b, p, f["zmq_rtt_us"]),
+    ),
+    "host_load_engine": (
+        "one-pass copy + xxh3, every core, plus one bare round trip per prefix",
+        lambda f, b, p: _per_prefix(f["copy_hash_gbps"], b, p, f["zmq_rtt_us"]),
+    ),
+    "disk_store": (
+        "copy + xxh3, then a page-cache write, one after the other on the same cores",
+        lambda f, b, p: serial(f["copy_hash_gbps"], f["disk_write_buffered_gbps"]),
+    ),
+    "disk_store_sync": (
+        "the slower of copy + xxh3 and the best synced write at its best queue depth",
+        lambda f, b, p: min(f["copy_hash_gbps"], f["disk_write_synced_gbps"]),
+    ),
+    "library_put": (
+        "the slower of xxh3 and O_DIRECT writes at their best queue depth",
+        lambda f, b, p: min(f["xxh3_gbps"], f["disk_write_direct_gbps"]),
+    ),
+    "cold_load": (
+        "the slower of O_DIRECT reads at their best queue depth and copy + xxh3, plus one "
+        "bare round trip per prefix",
+        lambda f, b, p: _per_prefix(
+            min(f["disk_read_direct_gbps"], f["copy_hash_gbps"]), b, p, f["zmq_rtt_us"]
+        ),
+    ),
+    "cold_load_one_us": (
+        "one cold O_DIRECT read of the block plus one bare round trip",
+        lambda f, b, p: f["disk_read_one_us"] + f["zmq_rtt_us"],
+    ),
+}
+"""Per kvoffload figure: what its limit is and how it follows from ``measure_limits``."""
 
 
 @contextlib.contextmanager
@@ -111,6 +169,23 @@ def peer_service(
         service.client("peer", timeout_s=60.0) as client,
     ):
         yield client
+
+
+def register_engine(client: KVOffloadClient, kv: SharedKVCache, n: int, disk: bool) -> None:
+    """Register the engine's KV cache and wait until the cpu worker has it mapped (one block
+    stored from block 0 and loaded into block ``n``, which is zeroed again; with a ``disk``
+    tier, until that block is on disk too; then the pool emptied), as an engine registers its
+    cache once at start, before serving."""
+    client.register_kv(kv.handle("bench"))
+    client.new_request("warm")
+    key = b"warm-up".ljust(32, b".")
+    device_jobs(client, "warm", [key], range(1), True, 1)
+    device_jobs(client, "warm", [key], range(n, n + 1), False, 1)
+    kv.tensors[0][n] = 0
+    if disk:
+        wait_on_disk(client, 1)
+    client.finish_request("warm")
+    client.reset_cache()
 
 
 def prefixes(n: int, size: int) -> list[range]:
@@ -222,7 +297,7 @@ def measure(
         rows[n:] = 0
 
     with peer_service(block, n + 64, False, 0) as client:
-        client.register_kv(kv.handle("bench"))
+        register_engine(client, kv, n, disk=False)
         client.new_request("host")
         keys = keys_for(f"{salt}-host", n)
         timed("host_store", lambda: device_jobs(client, "host", keys, src, True, prefix))
@@ -247,18 +322,19 @@ def measure(
     disk_bytes = 3 * n * (block + 8192)
 
     def until_on_disk(client: KVOffloadClient, batch: list[bytes], sync: bool) -> None:
+        before = client.status().tiering.per_tier["disk"].cascaded_keys_ok
         device_jobs(client, "disk", batch, src, True, prefix)
-        wait_on_disk(client, len(batch))
+        wait_on_disk(client, before + len(batch))
         if sync:
             os.sync()
 
     with peer_service(block, n + 64, True, disk_bytes, io="buffered") as client:
-        client.register_kv(kv.handle("bench"))
+        register_engine(client, kv, n, disk=True)
         client.new_request("disk")
         buffered = keys_for(f"{salt}-buffered", n)
         timed("disk_store", lambda: until_on_disk(client, buffered, False))
     with peer_service(block, n + 64, True, disk_bytes) as client:
-        client.register_kv(kv.handle("bench"))
+        register_engine(client, kv, n, disk=True)
         client.new_request("disk")
         keys = keys_for(f"{salt}-sync", n)
         timed("disk_store_sync", lambda: until_on_disk(client, keys, True))
@@ -323,19 +399,6 @@ def lmcache_missing(python: str) -> str | None:
     return None
 
 
-def label(size: int) -> str:
-    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-
-
-def print_table(cells: list[dict[str, Any]], sizes: list[int], rounds: int) -> None:
-    print(f"kvoffload / LMCache, median of {rounds} round(s):")
-    print(f"| op | {' | '.join(label(s) for s in sizes)} |")
-    print(f"|---|{'---|' * len(sizes)}")
-    for op, *_ in OPS + LATENCY_OPS:
-        row = {c["size"]: c["ratio_to_reference"] for c in cells if c["metric"] == op}
-        print(f"| {op} | {' | '.join(f'{row[s]:.2f}' if s in row else '-' for s in sizes)} |")
-
-
 def peer_cell(
     op: str,
     ours: str,
@@ -344,25 +407,54 @@ def peer_cell(
     size: int,
     samples: dict[str, list[dict[str, Any]]],
     throughput: bool,
-) -> dict[str, Any]:
-    """One cell from the rounds' samples: medians of both sides and of the per-round ratios of
-    performance (GB/s ours / theirs; for a latency in microseconds, their time / ours)."""
-    pairs = [
-        (k[str(size)][ours], t[str(size)][theirs]) for k, t in zip(*samples.values(), strict=True)
-    ]
-    return {
-        "suite": "peer",
-        "metric": op,
-        "size": size,
-        "size_unit": "bytes",
-        "value": statistics.median(k for k, _ in pairs),
-        "unit": "GB/s" if throughput else "us",
-        "higher_is_better": throughput,
-        "reference": f"LMCache {backend}",
-        "reference_value": statistics.median(t for _, t in pairs),
-        "ratio_to_reference": statistics.median(k / t if throughput else t / k for k, t in pairs),
-        "chart": throughput,
-    }
+) -> Cell:
+    """One cell from the rounds' samples: medians of both sides, of the limit, and of the
+    per-round ratios of performance (GB/s ours / theirs; for a latency in microseconds, their
+    time / ours), to LMCache and to the round's limit."""
+    rounds = zip(samples["kvoffload"], samples["lmcache"], samples["limits"], strict=True)
+    triples = [(k[str(size)][ours], t[str(size)][theirs], m[str(size)][ours]) for k, t, m in rounds]
+
+    def performance(value: float, other: float) -> float:
+        return value / other if throughput else other / value
+
+    return Cell(
+        suite="peer",
+        metric=op,
+        size=size,
+        size_unit="bytes",
+        value=statistics.median(k for k, _, _ in triples),
+        unit="GB/s" if throughput else "us",
+        higher_is_better=throughput,
+        reference=f"LMCache {backend}",
+        reference_value=statistics.median(t for _, t, _ in triples),
+        ratio_to_reference=statistics.median(performance(k, t) for k, t, _ in triples),
+        limit=LIMITS[ours][0],
+        limit_value=statistics.median(m for _, _, m in triples),
+        ratio_to_limit=statistics.median(performance(k, m) for k, _, m in triples),
+        chart=throughput,
+    )
+
+
+def cell_limits(figures: dict[str, Any], block: int, n: int, prefix: int) -> dict[str, float]:
+    """Each kvoffload figure's limit (``LIMITS``) from the machine's ``figures`` for this
+    block size (``measure_limits``), for ``n`` blocks moved in prefixes of ``prefix``."""
+    count = len(prefixes(n, prefix))
+    return {name: limit(figures, n * block, count) for name, (_, limit) in LIMITS.items()}
+
+
+def warm_memory(nbytes: int = WARM_MEMORY_BYTES) -> None:
+    """Touch and free ``nbytes`` (at most half the available memory), 64 MiB at a time."""
+    import psutil
+
+    nbytes = min(nbytes, psutil.virtual_memory().available // 2)
+    chunk = 64 << 20
+    held = []
+    for _ in range(nbytes // chunk):
+        area = mmap.mmap(-1, chunk)
+        np.frombuffer(area, dtype=np.uint8)[::4096] = 1
+        held.append(area)
+    for area in held:
+        area.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,16 +477,41 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     directory = Path(tempfile.mkdtemp(prefix="kvo-peer-", dir=args.dir))
-    samples: dict[str, list[dict[str, Any]]] = {"kvoffload": [], "lmcache": []}
+    samples: dict[str, list[dict[str, Any]]] = {
+        "kvoffload": [],
+        "lmcache": [],
+        "limits": [],
+        "machine": [],
+    }
+    warm_memory()
     try:
         for round_no in range(args.rounds):
-            mine = {}
-            for size in sizes:
-                n = max(prefix, (args.mib << 20) // size)
-                mine[str(size)] = kvoffload_round(size, n, prefix, f"r{round_no}", directory)
-            samples["kvoffload"].append(mine)
-            samples["lmcache"].append(
-                lmcache_round(args.peer_python, sizes, args.mib, prefix, directory)
+            counts = {size: max(prefix, (args.mib << 20) // size) for size in sizes}
+
+            def ours(round_no: int = round_no, counts: dict[int, int] = counts) -> None:
+                samples["kvoffload"].append(
+                    {
+                        str(size): kvoffload_round(size, n, prefix, f"r{round_no}", directory)
+                        for size, n in counts.items()
+                    }
+                )
+
+            def theirs() -> None:
+                samples["lmcache"].append(
+                    lmcache_round(args.peer_python, sizes, args.mib, prefix, directory)
+                )
+
+            for side in (ours, theirs) if round_no % 2 == 0 else (theirs, ours):
+                side()
+            machine = {
+                str(size): measure_limits(size, n * size, directory) for size, n in counts.items()
+            }
+            samples["machine"].append(machine)
+            samples["limits"].append(
+                {
+                    str(size): cell_limits(machine[str(size)], size, n, prefix)
+                    for size, n in counts.items()
+                }
             )
             print(f"round {round_no + 1}/{args.rounds} done", flush=True)
     finally:
@@ -412,10 +529,11 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "prefix_blocks": prefix,
         "samples_gbps": samples,
-        "cells": cells,
+        "cells": [c.to_json() for c in cells],
     }
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print_table(cells, sizes, args.rounds)
+    print(f"median of {args.rounds} round(s)")
+    print("\n".join(ratio_table(cells)))
     return 0
 
 

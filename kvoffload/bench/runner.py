@@ -27,7 +27,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvoffload.bench.cells import EXTRACTORS, Cell, merge_rounds
+from kvoffload.bench.cells import (
+    EXTRACTORS,
+    Cell,
+    merge_rounds,
+    ratio_table,
+    ratio_text,
+    size_label,
+)
 from kvoffload.extras import missing_extra, require_extra
 
 
@@ -406,6 +413,7 @@ def write_baseline(path: Path, summary: dict[str, Any], cells: list[Cell]) -> No
     kept = (
         *("suite", "metric", "size", "size_unit", "value", "unit", "higher_is_better"),
         *("reference", "reference_value", "ratio_to_reference"),
+        *("limit", "limit_value", "ratio_to_limit"),
     )
     old = json.loads(path.read_text()) if path.is_file() else {}
     measured = {s for s, e in summary["suites"].items() if e["status"] == Status.OK}
@@ -422,45 +430,27 @@ def write_baseline(path: Path, summary: dict[str, Any], cells: list[Cell]) -> No
     path.write_text(json.dumps(document, indent=1) + "\n")
 
 
-def _size(cell: Cell) -> str:
-    if cell.size is None:
-        return "-"
-    if cell.size_unit != "bytes":
-        return f"{cell.size} {cell.size_unit}"
-    return f"{cell.size >> 20} MiB" if cell.size >= 1 << 20 else f"{cell.size >> 10} KiB"
-
-
-def _ratio(value: float | None) -> str:
-    return f"{value:.2f}" if value is not None else "-"
-
-
 def print_summary(summary: dict[str, Any], cells: list[Cell]) -> None:
-    """Per suite: one line per cell with the value, x reference and x baseline."""
+    """Per suite: one line per cell with the value, x reference, x limit and x baseline."""
     for suite, entry in summary["suites"].items():
         if entry["status"] != Status.OK:
             print(f"\n{suite}: {entry['status']}: {entry['reason']}")
             continue
         rows = [c for c in cells if c.suite == suite]
-        print(f"\n{suite}  (x ref: performance / same-run reference; x base: / baseline)")
-        print(f"  {'metric':<52}{'size':>12}{'value':>14}  {'x ref':>6}{'x base':>8}  reference")
+        print(
+            f"\n{suite}  (x ref: performance / same-run reference; x limit: / the machine's "
+            "same-run limit; x base: / baseline)"
+        )
+        print(
+            f"  {'metric':<52}{'size':>12}{'value':>14}  {'x ref':>6}{'x limit':>8}{'x base':>8}"
+            "  reference"
+        )
         for c in rows:
             print(
-                f"  {c.metric:<52}{_size(c):>12}{c.value:>10.4g} {c.unit:<4}"
-                f"{_ratio(c.ratio_to_reference):>6}{_ratio(c.vs_baseline):>8}  {c.reference or ''}"
+                f"  {c.metric:<52}{size_label(c):>12}{c.value:>10.4g} {c.unit:<4}"
+                f"{ratio_text(c.ratio_to_reference):>6}{ratio_text(c.ratio_to_limit):>8}"
+                f"{ratio_text(c.vs_baseline):>8}  {c.reference or ''}"
             )
         if suite == Suite.PEER:
-            print_ratio_table(
-                rows, "kvoffload / LMCache performance in the same run (GB/s, or inverse time)"
-            )
-
-
-def print_ratio_table(cells: list[Cell], title: str) -> None:
-    """Ratios to the reference as a Markdown table: one row per operation, one column per size."""
-    by_size = {c.size: _size(c) for c in sorted(cells, key=lambda c: c.size or 0)}
-    ratios = {(c.metric, c.size): c.ratio_to_reference for c in cells}
-    print(f"\n{title}:")
-    print(f"| op | {' | '.join(by_size.values())} |")
-    print(f"|---|{'---|' * len(by_size)}")
-    for metric in dict.fromkeys(c.metric for c in cells):
-        row = " | ".join(_ratio(ratios.get((metric, size))) for size in by_size)
-        print(f"| {metric} | {row} |")
+            print()
+            print("\n".join(ratio_table(rows)))

@@ -33,7 +33,7 @@ from kvoffload.client import KVOffloadClient
 from kvoffload.logs import configure_logging
 from kvoffload.memory.kvcache import SharedKVCache, unique_kv_name
 from kvoffload.memory.pool import HostPool
-from kvoffload.memory.slotcopy import shared_copier
+from kvoffload.memory.slotcopy import Hashed, shared_copier
 from kvoffload.protocol import LookupResult
 from kvoffload.testing.helpers import keys_for
 from kvoffload.testing.service import ServiceHarness
@@ -237,10 +237,13 @@ def engine_load(
     wait_ms: int = 0,
     wait: bool = False,
 ) -> int:
-    """The engine-side load path: a pinned lookup, a copy of every HIT slot (over the process's
-    shared copier threads), complete_load (without waiting for its reply unless ``wait``); keys
-    not ready yet are looked up again (held by the manager up to ``wait_ms`` until some of them
-    land, when ``wait_ms`` > 0). Returns the number of lookups it took."""
+    """The engine-side load path, as the vLLM integration loads: a pinned lookup, a copy of
+    every HIT slot verified against the checksum recorded when it was written (each block's
+    xxh3 taken of the bytes just copied, ``Hashed.DESTINATION``, over the process's shared
+    copier threads), complete_load (without waiting for its reply unless ``wait``); keys not
+    ready yet are looked up again (held by the manager up to ``wait_ms`` until some of them
+    land, when ``wait_ms`` > 0). Returns the number of lookups it took; RuntimeError if a key
+    missed or a copy did not match its checksum."""
     position = {key: i for i, key in enumerate(keys)}
     remaining = list(keys)
     lookups = 0
@@ -250,12 +253,20 @@ def engine_load(
         if LookupResult.MISS in outcome.results:
             raise RuntimeError(f"cold load missed: {outcome}")
         hits = [
-            (key, slot) for key, slot in zip(remaining, outcome.slots, strict=False) if slot >= 0
+            (key, slot, digests)
+            for key, slot, digests in zip(remaining, outcome.slots, outcome.checksums, strict=False)
+            if slot >= 0
         ]
-        shared_copier().copy([(out[position[key]], pool.slot_array(slot)) for key, slot in hits])
-        copied = [key for key, _ in hits]
+        sums = shared_copier().copy_blocks(
+            [[(out[position[key]], pool.slot_array(slot))] for key, slot, _ in hits],
+            Hashed.DESTINATION,
+        )
+        copied = [key for key, _, _ in hits]
         if copied:
             client.complete_load(req, copied, wait=wait)
+        bad = [key for (key, _, digests), got in zip(hits, sums, strict=True) if digests != [got]]
+        if bad:
+            raise RuntimeError(f"{len(bad)} loaded blocks do not match their checksums")
         done = set(copied)
         remaining = [key for key in remaining if key not in done]
     return lookups

@@ -32,7 +32,6 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-import numpy as np
 import xxhash
 
 MAGIC = b"KVOB"
@@ -145,35 +144,6 @@ def block_checksum(payload, slices: int = 1, slice_bytes: int = 0) -> int:
     if slices <= 1:
         return payload_checksum(payload)
     return combine_checksums(slice_checksums(payload, slices, slice_bytes))
-
-
-CHECKSUM_CHUNK_BYTES = 1 << 20
-"""Chunk of ``copy_and_hash``: small enough that a chunk just copied is still in the L3 cache
-when it is hashed, large enough that the copy threads of a worker do not go back to the GIL
-every few microseconds, as they do between two calls (256 KiB chunks stored 1 MiB blocks at
-4.3 GB/s through the service on the 2-core machine, 1 MiB chunks at 5.6-6.1)."""
-
-
-def copy_and_hash(dst: np.ndarray, src: np.ndarray, digest: xxhash.xxh3_64) -> None:
-    """Copy ``src`` into ``dst`` (same size, uint8, ``dst`` contiguous) and feed the copied
-    bytes to ``digest``, a chunk at a time right after copying it (while it is in cache)
-    instead of reading the whole block again afterwards. numpy's copy and xxhash's update both
-    release the GIL on chunks this large."""
-    if not dst.flags.c_contiguous:
-        raise ValueError("copy_and_hash needs a contiguous destination")
-    flat_dst, flat_src = dst.reshape(-1), src.reshape(-1)
-    for start in range(0, flat_dst.size, CHECKSUM_CHUNK_BYTES):
-        part = flat_dst[start : start + CHECKSUM_CHUNK_BYTES]
-        np.copyto(part, flat_src[start : start + CHECKSUM_CHUNK_BYTES])
-        digest.update(part.data)
-
-
-def copy_with_checksum(dst: np.ndarray, src: np.ndarray) -> int:
-    """``copy_and_hash`` into a fresh digest: copies ``src`` into ``dst`` and returns
-    ``payload_checksum(dst)``."""
-    digest = xxhash.xxh3_64()
-    copy_and_hash(dst, src, digest)
-    return digest.intdigest()
 
 
 def make_header(

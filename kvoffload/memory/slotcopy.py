@@ -1,110 +1,244 @@
-"""``SlotCopier``: engine-side copies between an engine's buffers and host-pool slots, spread
-over threads.
+"""``SlotCopier``: copies between an engine's buffers and host-pool slots over several threads,
+with the xxh3 of each block taken in the same pass.
 
-An engine that maps the pool moves its blocks itself (``prepare_store``, copy, ``complete_store``;
-a pinned lookup, copy, ``complete_load``). One thread copies at memcpy speed and, for a store,
-also hashes every byte; numpy's copy and xxhash release the GIL on buffers this large, so the
-work of one call is cut into contiguous shares of about equal bytes and run at once, one share on
-the calling thread and the others on the copier's threads. A transfer under
-``PARALLEL_MIN_BYTES`` runs on the calling thread alone: waking another thread costs more than
-copying it.
+A *block* is a sequence of *segments* ``(dst, src)``: byte arrays (uint8 or int8) of the same
+size, such as one KV tensor's row of a block and its range of the block's pool slot. Its digest
+is the xxh3_64 of the hashed side's bytes, segment after segment (``payload_checksum`` of the
+slot when the segments cover it in order). Which side is hashed (``Hashed``):
 
-Every call returns only after every share has finished, also when one raised (its exception is
-then raised): no thread writes into a buffer after the call returned.
+- ``SOURCE`` (stores): each chunk of the source right after it was copied, while the copy's
+  reads left it in the cache; the digest then describes the bytes the engine handed over,
+  which a store copied. A source that changed during the copy leaves a slot that fails this
+  digest when it is read: never wrong bytes that pass;
+- ``DESTINATION`` (verified loads): each chunk of the destination right after it was written,
+  so the digest describes exactly what the engine will use.
+
+Copies use the process's memcpy (numpy releases the GIL around it). Where glibc was told to
+use non-temporal stores for large copies (the service's workers are, see
+``kvoffload.runtime.childenv``), a copy does not pull the slot into the cache, which is why
+stores hash the source.
+
+Threads: a call's work is cut into *parts* (contiguous runs of blocks of about equal bytes, a
+large single copy cut into pieces), as many as there are threads not busy with other calls and
+at least enough for parts of ``MAX_PART_BYTES``, that the calling thread and the copier's ``threads - 1`` helper threads take from one queue;
+parts of urgent calls (loads) go first. At most ``threads``
+parts run at once over all callers, so several callers (the cpu worker's job threads) share the
+cores without oversubscribing them. A transfer under ``PARALLEL_MIN_BYTES`` is one part, run by
+the calling thread. Every call returns only after each of its parts finished, also when one
+raised (the first exception is then raised): no thread writes into a buffer after the call
+returned.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import os
+import threading
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
+import xxhash
 
-from kvoffload.memory.blockformat import copy_with_checksum, payload_checksum
+from kvoffload.memory.blockformat import payload_checksum
 
 PARALLEL_MIN_BYTES = 1 << 20
 """Transfers smaller than this are not split (a thread hand-off costs about 100 µs on a busy
 2-core VM, the time to copy 0.5-1 MiB)."""
+MAX_PART_BYTES = 8 << 20
+"""The largest part of a call that other calls keep the threads busy around (see
+``SlotCopier._part_count``)."""
+CHUNK_BYTES = 512 << 10
+"""Bytes copied, then hashed, at a time: the chunk is still in the core's cache when it is
+hashed, and large enough for glibc's non-temporal stores (from 256 KiB in the workers) and for
+few GIL hand-offs (two a chunk)."""
 DEFAULT_THREADS = min(4, len(os.sched_getaffinity(0)))
 """Threads per copier, the calling thread included: the cores this process may run on, at most
-4 (on the 2-core test machine two threads copied and hashed 1-4 MiB blocks 1.6-1.9x as fast as
-one; more cores are untested)."""
+4 (more did not copy faster on the machines measured; memory bandwidth is shared)."""
 
-CopyPair = tuple[np.ndarray, np.ndarray]
-"""``(dst, src)``: byte arrays (uint8 or int8) of one dtype and size (``dst`` contiguous for a
-copy with checksum)."""
+Segment = tuple[np.ndarray, np.ndarray]
+"""``(dst, src)``: byte arrays of one dtype and size; hashed segments must be contiguous."""
+Block = Sequence[Segment]
 T = TypeVar("T")
-_Item = TypeVar("_Item")
+
+
+class Hashed(enum.Enum):
+    """Which side of each segment a copy hashes (see the module docstring)."""
+
+    SOURCE = "source"
+    DESTINATION = "destination"
+
+
+class _Call(Generic[T]):
+    """One call's parts, the next one to take, and their results as they finish."""
+
+    __slots__ = ("error", "left", "next", "parts", "results")
+
+    def __init__(self, parts: list[Callable[[], list[T]]]) -> None:
+        self.parts = parts
+        self.next = 0
+        self.left = len(parts)
+        self.results: list[list[T]] = [[] for _ in parts]
+        self.error: BaseException | None = None
 
 
 class SlotCopier:
     """Copies and hashes over ``threads`` threads, the calling thread included (``threads=1``:
     everything on the calling thread). Safe to call from several threads at once. ``close``
-    stops the threads; the copier is unusable afterwards."""
+    stops the helper threads; the copier is unusable afterwards."""
 
     def __init__(self, threads: int = DEFAULT_THREADS) -> None:
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
         self.threads = threads
-        self._pool = (
-            ThreadPoolExecutor(threads - 1, thread_name_prefix="kvoffload-copy")
-            if threads > 1
-            else None
-        )
+        self._cv = threading.Condition()
+        self._queue: deque[_Call[object]] = deque()
+        self._running = 0
+        self._closed = False
+        self._helpers = [
+            threading.Thread(target=self._help, name=f"kvoffload-copy-{i}", daemon=True)
+            for i in range(threads - 1)
+        ]
+        for helper in self._helpers:
+            helper.start()
 
-    def copy(self, pairs: Sequence[CopyPair]) -> None:
-        """Copy each ``src`` into its ``dst``. Pairs fewer than the threads are cut into parts
-        (when they are worth splitting), so one large block is copied by every thread."""
+    # ---- copies ----------------------------------------------------------------------------
+
+    def copy(self, pairs: Sequence[Segment], urgent: bool = False) -> None:
+        """Copy each ``src`` into its ``dst`` (any layout). Pairs fewer than the threads are
+        cut into pieces when they are worth splitting, so one large block is copied by every
+        thread."""
+        for dst, src in pairs:
+            _check_sizes(dst, src)
         sizes = [dst.nbytes for dst, _ in pairs]
-        if len(pairs) < self.threads and sum(sizes) >= PARALLEL_MIN_BYTES:
-            pairs = _cut(pairs, self.threads)
+        threads = self._part_count(sum(sizes))
+        if len(pairs) < threads and sum(sizes) >= PARALLEL_MIN_BYTES:
+            pairs = _cut(pairs, threads)
             sizes = [dst.nbytes for dst, _ in pairs]
-        self._run(pairs, sizes, _copy_share)
+        shares = _shares(sizes, threads)
+        self.run([functools.partial(_copy_pairs, pairs[s.start : s.stop]) for s in shares], urgent)
 
-    def copy_with_checksums(self, pairs: Sequence[CopyPair]) -> list[int]:
-        """Copy each ``src`` into its ``dst`` and return the xxh3 of each ``dst`` (as
-        ``payload_checksum``), in order. Each block is copied and hashed in one pass, by one
-        thread (the hash of one block cannot be split)."""
-        return self._run(pairs, [dst.nbytes for dst, _ in pairs], _checksum_copy_share)
+    def copy_blocks(
+        self, blocks: Sequence[Block], hashed: Hashed, urgent: bool = False
+    ) -> list[int]:
+        """Copy every segment of every block and return each block's digest (its ``hashed``
+        side, segments in order), in order. A block is copied and hashed by one thread (the
+        hash of one block cannot be split)."""
+        for block in blocks:
+            for dst, src in block:
+                _check_sizes(dst, src)
+                if not (dst.flags.c_contiguous and src.flags.c_contiguous):
+                    raise ValueError("a hashed copy needs contiguous segments")
+        sizes = [sum(dst.nbytes for dst, _ in block) for block in blocks]
+        source = hashed is Hashed.SOURCE
+        parts = [
+            functools.partial(_copy_hash_blocks, blocks[s.start : s.stop], source)
+            for s in _shares(sizes, self._part_count(sum(sizes)))
+        ]
+        return self.run(parts, urgent)
+
+    def copy_with_checksums(self, pairs: Sequence[Segment]) -> list[int]:
+        """Copy each ``src`` into its ``dst`` (each pair one block) and return the xxh3 of each
+        (``payload_checksum``), in order: ``copy_blocks`` hashing the source."""
+        return self.copy_blocks([[pair] for pair in pairs], Hashed.SOURCE)
 
     def checksums(self, buffers: Sequence[np.ndarray]) -> list[int]:
         """The xxh3 of each buffer (as ``payload_checksum``), in order."""
-        return self._run(buffers, [buf.nbytes for buf in buffers], _checksum_share)
+        sizes = [buf.nbytes for buf in buffers]
+        parts = [
+            functools.partial(_hash_buffers, buffers[s.start : s.stop])
+            for s in _shares(sizes, self._part_count(sum(sizes)))
+        ]
+        return self.run(parts)
+
+    # ---- parts -----------------------------------------------------------------------------
+
+    def _part_count(self, nbytes: int) -> int:
+        """How many parts a call of ``nbytes`` is cut into: one per thread not busy with other
+        calls' parts (read without the lock: a hint), and at least enough for parts of at most
+        ``MAX_PART_BYTES``. When every core already copies for other callers, a small call is
+        one part, which keeps the cores busy without hand-offs; a large one is still cut, so
+        the last calls of a burst end together on every core."""
+        if self.threads == 1:
+            return 1
+        queued = sum(len(call.parts) - call.next for call in list(self._queue))
+        spare = self.threads - self._running - queued
+        return max(1, spare, -(-nbytes // MAX_PART_BYTES))
+
+    def run(self, parts: Sequence[Callable[[], list[T]]], urgent: bool = False) -> list[T]:
+        """Run ``parts`` (each returns a list) on the calling thread and the helpers, at most
+        ``threads`` parts of all callers at once; their results concatenated in order. Raises
+        the first part's exception once every part has finished."""
+        if not parts:
+            return []
+        call: _Call[T] = _Call(list(parts))
+        cv = self._cv
+        with cv:
+            if self._closed:
+                raise RuntimeError("the copier is closed")
+            if len(parts) > 1 and self._helpers:
+                if urgent:
+                    self._queue.appendleft(call)  # type: ignore[arg-type]
+                else:
+                    self._queue.append(call)  # type: ignore[arg-type]
+                cv.notify_all()
+            while call.left:
+                if call.next < len(call.parts) and self._running < self.threads:
+                    self._take_and_run(call)
+                else:
+                    cv.wait()
+        if call.error is not None:
+            raise call.error
+        return [item for result in call.results for item in result]
+
+    def _take_and_run(self, call: _Call[T]) -> None:
+        """Run ``call``'s next part; the caller holds the lock, released while it runs."""
+        index = call.next
+        call.next += 1
+        if call.next == len(call.parts) and call in self._queue:
+            self._queue.remove(call)  # type: ignore[arg-type]
+        self._running += 1
+        self._cv.release()
+        try:
+            result = call.parts[index]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the call's own thread
+            error: BaseException | None = exc
+        else:
+            call.results[index] = result
+            error = None
+        finally:
+            self._cv.acquire()
+        self._running -= 1
+        call.left -= 1
+        if error is not None and call.error is None:
+            call.error = error
+        self._cv.notify_all()
+
+    def _help(self) -> None:
+        cv = self._cv
+        with cv:
+            while True:
+                while not self._closed and not (self._queue and self._running < self.threads):
+                    cv.wait()
+                if self._closed:
+                    return
+                self._take_and_run(self._queue[0])
 
     def close(self) -> None:
-        """Stop the threads (waits for running shares). Idempotent."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        """Stop the helper threads (running parts finish first). Idempotent."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for helper in self._helpers:
+            helper.join()
 
     def __enter__(self) -> SlotCopier:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _run(
-        self,
-        items: Sequence[_Item],
-        sizes: list[int],
-        share_fn: Callable[[Sequence[_Item]], list[T]],
-    ) -> list[T]:
-        """``share_fn`` over contiguous shares of ``items``, results concatenated in order."""
-        shares = _shares(sizes, self.threads)
-        if len(shares) == 1 or self._pool is None:
-            return share_fn(items)
-        futures: list[Future[list[T]]] = [
-            self._pool.submit(share_fn, items[share.start : share.stop]) for share in shares[1:]
-        ]
-        try:
-            out = share_fn(items[shares[0].start : shares[0].stop])
-        finally:
-            wait(futures)
-        for future in futures:
-            out.extend(future.result())
-        return out
 
 
 @functools.cache
@@ -115,8 +249,8 @@ def shared_copier() -> SlotCopier:
 
 
 def _shares(sizes: list[int], threads: int) -> list[range]:
-    """Contiguous index ranges of about equal bytes, at most ``threads`` of them; one range when
-    the total is under ``PARALLEL_MIN_BYTES``."""
+    """Contiguous index ranges of about equal bytes, at most ``threads`` of them (a part
+    count); one range when the total is under ``PARALLEL_MIN_BYTES``."""
     total = sum(sizes)
     if threads == 1 or len(sizes) < 2 or total < PARALLEL_MIN_BYTES:
         return [range(len(sizes))]
@@ -133,12 +267,11 @@ def _shares(sizes: list[int], threads: int) -> list[range]:
     return [share for share in shares if share]
 
 
-def _cut(pairs: Sequence[CopyPair], parts: int) -> list[CopyPair]:
+def _cut(pairs: Sequence[Segment], parts: int) -> list[Segment]:
     """Each pair with contiguous buffers cut into up to ``parts`` pieces of consecutive bytes
     (flat views, no copy); other pairs are kept whole."""
-    out: list[CopyPair] = []
+    out: list[Segment] = []
     for dst, src in pairs:
-        _check_sizes(dst, src)
         if not (dst.flags.c_contiguous and src.flags.c_contiguous):
             out.append((dst, src))
             continue
@@ -155,20 +288,33 @@ def _check_sizes(dst: np.ndarray, src: np.ndarray) -> None:
         raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
 
 
-def _copy_share(pairs: Sequence[CopyPair]) -> list[None]:
+def _copy_pairs(pairs: Sequence[Segment]) -> list[None]:
     for dst, src in pairs:
-        _check_sizes(dst, src)
         np.copyto(dst, src if src.shape == dst.shape else src.reshape(dst.shape), casting="no")
     return []
 
 
-def _checksum_copy_share(pairs: Sequence[CopyPair]) -> list[int]:
+def _copy_hash_blocks(blocks: Sequence[Block], source: bool) -> list[int]:
+    """Copy each block's segments a chunk at a time, hashing each chunk just copied (its source
+    or its destination) into the block's digest."""
     out = []
-    for dst, src in pairs:
-        _check_sizes(dst, src)
-        out.append(copy_with_checksum(dst, src))
+    for block in blocks:
+        digest = xxhash.xxh3_64()
+        for dst, src in block:
+            flat_dst, flat_src = dst.reshape(-1), src.reshape(-1)
+            size = flat_dst.size
+            if size <= CHUNK_BYTES:
+                np.copyto(flat_dst, flat_src, casting="no")
+                digest.update((flat_src if source else flat_dst).data)
+                continue
+            for at in range(0, size, CHUNK_BYTES):
+                part_src = flat_src[at : at + CHUNK_BYTES]
+                part_dst = flat_dst[at : at + CHUNK_BYTES]
+                np.copyto(part_dst, part_src, casting="no")
+                digest.update((part_src if source else part_dst).data)
+        out.append(digest.intdigest())
     return out
 
 
-def _checksum_share(buffers: Sequence[np.ndarray]) -> list[int]:
+def _hash_buffers(buffers: Sequence[np.ndarray]) -> list[int]:
     return [payload_checksum(buf) for buf in buffers]

@@ -30,6 +30,7 @@ import structlog
 from kvoffload.config import Config, resolve_runtime_dir
 from kvoffload.memory.pool import HostPool
 from kvoffload.memory.slottable import SlotTable
+from kvoffload.runtime.childenv import worker_environment
 from kvoffload.runtime.preflight import SHM_DIR, StartRefused, check_shm_space, check_startup
 from kvoffload.runtime.rundir import RunDir, RunDirError, cleanup_stale
 from kvoffload.runtime.runspec import (
@@ -220,6 +221,8 @@ class Supervisor:
         """Start ``child``; False when its program cannot be run (the reason is in its
         reason file, or logged for a child without one)."""
         env = {**os.environ, **child.env}
+        if child.name in WORKER_MODULES:
+            env = worker_environment(env)
         child.spawn_error = ""
         if child.reason_file is not None:
             env[FATAL_REASON_ENV] = str(child.reason_file)

@@ -1,10 +1,11 @@
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from kvoffload.memory.blockformat import payload_checksum
-from kvoffload.memory.slotcopy import PARALLEL_MIN_BYTES, SlotCopier, _shares
+from kvoffload.memory.slotcopy import CHUNK_BYTES, PARALLEL_MIN_BYTES, Hashed, SlotCopier, _shares
 
 MIB = 1 << 20
 
@@ -53,20 +54,83 @@ def test_checksums_match_payload_checksum():
         assert copier.checksums(bufs) == [payload_checksum(buf) for buf in bufs]
 
 
-def test_a_failing_share_raises_only_after_every_other_share_finished():
+def test_a_failing_part_raises_only_after_every_other_part_finished():
     finished: list[int] = []
 
-    def share(items):
-        if items[0] == 0:
-            raise ValueError("the calling thread's share failed")
-        time.sleep(0.2)
-        finished.extend(items)
-        return list(items)
+    def part(index):
+        def run():
+            if index == 0:
+                raise ValueError("the calling thread's part failed")
+            time.sleep(0.2)
+            finished.append(index)
+            return [index]
+
+        return run
 
     with SlotCopier(3) as copier:
         with pytest.raises(ValueError, match="calling thread"):
-            copier._run([0, 1, 2], [MIB] * 3, share)
-        assert finished == [1, 2] or finished == [2, 1]
+            copier.run([part(0), part(1), part(2)])
+        assert sorted(finished) == [1, 2]
+
+
+@pytest.mark.parametrize("hashed", list(Hashed))
+@pytest.mark.parametrize("threads", [1, 3])
+def test_copy_blocks_hashes_each_block_of_several_segments_in_order(hashed, threads):
+    """A block of three segments (one crossing chunks) is copied whole and its digest is the
+    xxh3 of its segments' bytes one after the other, whichever side is hashed."""
+    sizes = [4096, 2 * CHUNK_BYTES + 4096, 12288]
+    sources = [blocks(3, size, seed=size) for size in sizes]
+    block_list = []
+    for b in range(3):
+        block_list.append(
+            [(np.zeros(size, np.uint8), sources[j][b]) for j, size in enumerate(sizes)]
+        )
+    with SlotCopier(threads) as copier:
+        sums = copier.copy_blocks(block_list, hashed)
+    for b, block in enumerate(block_list):
+        whole = np.concatenate([src for _, src in block])
+        assert sums[b] == payload_checksum(whole)
+        for dst, src in block:
+            assert np.array_equal(dst, src)
+
+
+def test_copy_blocks_refuses_strided_segments():
+    src = np.zeros(8192, np.uint8)
+    with SlotCopier(2) as copier, pytest.raises(ValueError, match="contiguous"):
+        copier.copy_blocks([[(np.zeros(16384, np.uint8)[::2], src)]], Hashed.SOURCE)
+
+
+def test_callers_together_never_run_more_parts_than_the_copier_has_threads():
+    """Four callers of a 2-thread copier, each with four parts: at most two parts run at once,
+    and every caller gets its own results back in order."""
+    lock = threading.Lock()
+    running = [0, 0]  # now, most seen
+
+    def part(caller, index):
+        def run():
+            with lock:
+                running[0] += 1
+                running[1] = max(running[1], running[0])
+            time.sleep(0.01)
+            with lock:
+                running[0] -= 1
+            return [(caller, index)]
+
+        return run
+
+    results = {}
+    with SlotCopier(2) as copier:
+
+        def call(caller):
+            results[caller] = copier.run([part(caller, i) for i in range(4)], urgent=caller == 0)
+
+        threads = [threading.Thread(target=call, args=(c,)) for c in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert running[1] == 2
+    assert results == {c: [(c, i) for i in range(4)] for c in range(4)}
 
 
 def test_a_size_mismatch_is_a_value_error():

@@ -11,7 +11,7 @@ import zmq
 
 from kvoffload import protocol as p
 from kvoffload.client import KVOffloadError
-from kvoffload.memory.blockformat import copy_with_checksum
+from kvoffload.memory.slotcopy import shared_copier
 from kvoffload.testing.helpers import keys_for, wait_until
 from kvoffload.testing.service import service_pool
 from kvoffload.tiering import LookupResult
@@ -42,10 +42,9 @@ def cold(start_service):
     with service.client("engine", timeout_s=20.0) as client, service_pool(client) as pool:
         client.new_request("writer")
         prepared = client.prepare_store("writer", keys)
-        sums = [
-            copy_with_checksum(pool.slot_array(slot), rows[i])
-            for i, slot in enumerate(prepared.slots)
-        ]
+        sums = shared_copier().copy_with_checksums(
+            [(pool.slot_array(slot), rows[i]) for i, slot in enumerate(prepared.slots)]
+        )
         client.complete_store("writer", keys, checksums=[[s] for s in sums])
         client.finish_request("writer")
         wait_until(
@@ -101,7 +100,9 @@ def test_completions_sent_without_waiting_take_effect_in_order_and_report_errors
         client.new_request("r")
         prepared = client.prepare_store("r", keys)
         row = np.arange(BLOCK, dtype=np.uint8)
-        sums = [copy_with_checksum(pool.slot_array(s), row) for s in prepared.slots]
+        sums = shared_copier().copy_with_checksums(
+            [(pool.slot_array(s), row) for s in prepared.slots]
+        )
         client.complete_store("r", keys, checksums=[[s] for s in sums], wait=False)
         outcome = client.lookup("r", keys, pin=True)
         assert outcome.results == [HIT, HIT]

@@ -70,7 +70,7 @@ class EchoBackend(NoIndexBackend):
         self._faults = FaultInjector()
 
     def job_threads(self, cfg: Config) -> int:
-        return cfg.cpu.threads
+        return cfg.cpu.copy_threads()
 
     def cpu_affinity(self, cfg: Config) -> tuple[int, ...]:
         return cfg.cpu.cpu_affinity

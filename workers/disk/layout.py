@@ -87,10 +87,17 @@ class SlabLayout:
         }
 
 
+MIN_SLABS = 8
+"""A new store spreads its records over at least this many slab files (fewer records per slab
+when the capacity is small), so that the writes in flight at once land in different files."""
+
+
 def plan_layout(
     root: Path, block_bytes: int, fingerprint: bytes, capacity_bytes: int, records_per_slab: int
 ) -> SlabLayout:
-    """The layout a new store would use; ValueError if the numbers cannot hold one record."""
+    """The layout a new store would use: at most ``records_per_slab`` records per slab, fewer
+    when that leaves under ``MIN_SLABS`` slabs; ValueError if the numbers cannot hold one
+    record."""
     if block_bytes < 1:
         raise ValueError(f"block_bytes must be positive, got {block_bytes}")
     if records_per_slab < 1:
@@ -101,9 +108,8 @@ def plan_layout(
         raise ValueError(
             f"capacity_bytes {capacity_bytes} is below one record ({record_size} bytes)"
         )
-    return SlabLayout(
-        root / fingerprint.hex(), block_bytes, fingerprint, records_per_slab, n_records
-    )
+    per_slab = min(records_per_slab, max(1, -(-n_records // MIN_SLABS)))
+    return SlabLayout(root / fingerprint.hex(), block_bytes, fingerprint, per_slab, n_records)
 
 
 def adopt_layout(layout: SlabLayout) -> SlabLayout:

@@ -32,8 +32,23 @@ class Reservation:
     evicted: list[bytes]
 
 
+def allocation_order(n_records: int, records_per_slab: int) -> list[int]:
+    """Every record, slab after slab round robin (the first record of each slab, then the
+    second, ...): consecutive puts land in different slab files, so writes in flight at once
+    do not queue on one file's inode lock."""
+    slabs = -(-n_records // records_per_slab)
+    return [
+        slab * records_per_slab + index
+        for index in range(records_per_slab)
+        for slab in range(slabs)
+        if slab * records_per_slab + index < n_records
+    ]
+
+
 class RecordIndex:
-    def __init__(self, n_records: int) -> None:
+    """``records_per_slab``: free records are handed out in ``allocation_order``."""
+
+    def __init__(self, n_records: int, records_per_slab: int) -> None:
         self._lru: OrderedDict[bytes, int] = OrderedDict()
         self._state = bytearray(n_records)
         self._stale = bytearray(n_records)
@@ -41,17 +56,22 @@ class RecordIndex:
         self._key: list[bytes | None] = [None] * n_records
         self._generation = [0] * n_records
         self._read_errors = [0] * n_records
-        self._free: deque[int] = deque(range(n_records))
+        self._order = allocation_order(n_records, records_per_slab)
+        self._free: deque[int] = deque(self._order)
         self._next_generation = 1
 
     @classmethod
     def from_scan(
-        cls, n_records: int, entries: Iterable[tuple[bytes, int, int]], stale: Iterable[int] = ()
+        cls,
+        n_records: int,
+        records_per_slab: int,
+        entries: Iterable[tuple[bytes, int, int]],
+        stale: Iterable[int] = (),
     ) -> RecordIndex:
         """An index of the scanned ``(key, record, generation)`` entries (distinct keys and
         records), LRU order by generation. Every other record is free; those in ``stale`` may
         hold a valid header on disk."""
-        index = cls(n_records)
+        index = cls(n_records, records_per_slab)
         for key, record, generation in sorted(entries, key=lambda e: e[2]):
             index._state[record] = LIVE
             index._key[record] = key
@@ -60,7 +80,7 @@ class RecordIndex:
             index._next_generation = max(index._next_generation, generation + 1)
         for record in stale:
             index._stale[record] = 1
-        index._free = deque(r for r in range(n_records) if index._state[r] == FREE)
+        index._free = deque(r for r in index._order if index._state[r] == FREE)
         return index
 
     @property

@@ -137,7 +137,7 @@ class DiskStore:
         self._fault_hook = fault_hook
         self._lock = threading.Lock()
         self._files = SlabFiles(self._durable, self._fault)
-        self._index = RecordIndex(self._layout.n_records)
+        self._index = RecordIndex(self._layout.n_records, self._layout.records_per_slab)
         self._local = threading.local()
         self._is_open = False
         self._degraded = False
@@ -441,7 +441,9 @@ class DiskStore:
         if lost:
             self._log.warning("disk_scan_corrupt_blocks", keys=[key.hex() for key in lost])
         entries = [(key, record, generation) for key, (record, generation) in best.items()]
-        self._index = RecordIndex.from_scan(layout.n_records, entries, stale)
+        self._index = RecordIndex.from_scan(
+            layout.n_records, layout.records_per_slab, entries, stale
+        )
         return len(entries)
 
     def _choose_direct_io(self) -> bool:
