@@ -270,10 +270,9 @@ class ClientApi:
             session.add_pins(hit_keys)
             slots = [next(pinned) if r is LookupResult.HIT else -1 for r in reply.results]
             warm = self.state.warm
-            checksums = [
-                warm.slice_checksums_of(slot, key) if warm is not None and slot >= 0 else []
-                for key, slot in zip(msg.keys, slots, strict=False)
-            ]
+            checksums = (
+                warm.checksums_of(msg.keys, slots) if warm is not None else [[] for _ in slots]
+            )
         return p.LookupReply(
             msg.rid,
             bytes(reply.results),
@@ -436,7 +435,7 @@ class ClientApi:
             for keys in stores:
                 self.tiering.complete_store(scoped, keys, success=False)
         if session.pinned:
-            self.tiering.complete_load(list(session.pinned.elements()))
+            self.tiering.complete_load(session.all_pins())
         for scoped in session.requests:
             if self.tiering.has_request(scoped):
                 self.tiering.on_request_finished(scoped)

@@ -25,7 +25,8 @@ class ClientSession:
     name: str
     last_seen: float
     requests: set[str] = field(default_factory=set)
-    pinned: Counter[bytes] = field(default_factory=Counter)
+    pinned: dict[bytes, int] = field(default_factory=dict)
+    """Pins this client holds, per key (a key looked up pinned twice holds two)."""
     open_stores: dict[str, list[list[bytes]]] = field(default_factory=dict)
     events: deque[DeviceJobFinished] = field(default_factory=deque)
     pending_poll: PendingPoll | None = None
@@ -36,17 +37,29 @@ class ClientSession:
         return f"{self.client_id}/{req_id}"
 
     def add_pins(self, keys: list[bytes]) -> None:
-        self.pinned.update(keys)
+        pinned = self.pinned
+        for key in keys:
+            pinned[key] = pinned.get(key, 0) + 1
 
     def owns_pins(self, keys: list[bytes]) -> bool:
-        need = Counter(keys)
-        return all(self.pinned[k] >= n for k, n in need.items())
+        pinned = self.pinned
+        if len(set(keys)) == len(keys):
+            return all(key in pinned for key in keys)
+        return all(pinned.get(k, 0) >= n for k, n in Counter(keys).items())
 
     def drop_pins(self, keys: list[bytes]) -> None:
-        self.pinned.subtract(keys)
-        for key in set(keys):
-            if self.pinned[key] <= 0:
-                del self.pinned[key]
+        """Release one pin per key (of ``owns_pins`` keys)."""
+        pinned = self.pinned
+        for key in keys:
+            left = pinned.get(key, 0) - 1
+            if left > 0:
+                pinned[key] = left
+            else:
+                pinned.pop(key, None)
+
+    def all_pins(self) -> list[bytes]:
+        """Every pin held, a key once per pin."""
+        return [key for key, count in self.pinned.items() for _ in range(count)]
 
     def add_open_store(self, scoped_req: str, keys: list[bytes]) -> None:
         self.open_stores.setdefault(scoped_req, []).append(list(keys))

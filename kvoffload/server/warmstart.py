@@ -70,6 +70,9 @@ class WarmRestart:
         self._block_bytes = block_bytes
         self._tiering = tiering
         self._verifying: dict[int, list[bytes]] = {}
+        self._digests: dict[int, tuple[bytes, list[int]]] = {}
+        """Per slot, the key and digests its header records, as last stamped or read here;
+        dropped with the slot's invalidation (every header change follows one)."""
         self._started = time.monotonic()
         self._rebuilt_logged = False
         self.counters = {
@@ -118,19 +121,41 @@ class WarmRestart:
         )
         header = checksum.header(key, self._block_bytes, self._fingerprint, generation)
         self._table.write(slot, header, digests)
+        self._digests[slot] = (key, list(digests))
 
     def slice_checksums_of(self, slot: int, key: bytes) -> list[int]:
         """The digests the slot's header records for ``key`` (see ``stamp``); empty when the
-        slot has no header for it (a write that stamps nothing, or slot headers off)."""
+        slot has no header for it (a write that stamps nothing, or slot headers off). Read
+        from the table once per stamped slot, then from memory: a header changes only after
+        the slot was invalidated, which drops what was read. The list is shared: read only."""
+        known = self._digests.get(slot)
+        if known is not None and known[0] == key:
+            return known[1]
         header = self._table.read(slot, self._fingerprint)
         if header is None or header.key != key:
             return []
-        return self._table.slice_checksums(slot, header)
+        digests = self._table.slice_checksums(slot, header)
+        if digests:
+            self._digests[slot] = (key, digests)
+        return digests
+
+    def checksums_of(self, keys: list[bytes], slots: list[int]) -> list[list[int]]:
+        """``slice_checksums_of`` each (slot, key), empty for a slot of -1 (read only)."""
+        known = self._digests
+        out: list[list[int]] = []
+        for key, slot in zip(keys, slots, strict=False):
+            entry = known.get(slot)
+            if entry is not None and entry[0] == key:
+                out.append(entry[1])
+            else:
+                out.append(self.slice_checksums_of(slot, key) if slot >= 0 else [])
+        return out
 
     def clear_invalidated(self) -> None:
         """Clear the headers of the slots the primary index freed or reassigned since the last call."""
         for slot in self._tiering.take_invalidated_slots():
             self._table.clear(slot)
+            self._digests.pop(slot, None)
 
     def verify_jobs(self) -> list[p.Job]:
         """Verify jobs for every adopted key not already in a verify job in flight (tracked

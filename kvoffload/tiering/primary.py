@@ -193,30 +193,31 @@ class PrimaryIndex:
     def pin(self, keys: Iterable[Key]) -> list[int]:
         """+1 reader on each key (all must be ready, else NotReady and nothing changes)."""
         keys = list(keys)
+        refs, holds = self._refs, self._holds
         for key in keys:
-            ref = self._refs.get(key)
+            ref = refs.get(key)
             if ref is None or ref == WRITING:
                 raise NotReady(f"key {key.hex()} is not ready in the primary tier")
-        slots = []
         for key in keys:
-            ref = self._refs[key]
-            if ref == 0:
-                self._idle_changed(key, -1)
-            self._refs[key] = ref + 1
-            slots.append(self._slot[key])
-        return slots
+            ref = refs[key]
+            if ref == 0 and key not in holds:
+                self._evictable -= 1
+            refs[key] = ref + 1
+        slot = self._slot
+        return [slot[key] for key in keys]
 
     def unpin(self, keys: Iterable[Key]) -> None:
         """-1 reader on each key; a key that is not pinned is a protocol violation."""
         keys = list(keys)
+        refs, holds = self._refs, self._holds
         for key in keys:
-            if self._refs.get(key, 0) <= 0:
+            if refs.get(key, 0) <= 0:
                 raise ProtocolViolation(f"key {key.hex()} is not pinned")
         for key in keys:
-            ref = self._refs[key] - 1
-            self._refs[key] = ref
-            if ref == 0:
-                self._idle_changed(key, 1)
+            ref = refs[key] - 1
+            refs[key] = ref
+            if ref == 0 and key not in holds:
+                self._evictable += 1
 
     def _idle_changed(self, key: Key, delta: int) -> None:
         """A ready key's last pin went (+1) or its first came (-1): evictable unless held."""
