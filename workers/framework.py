@@ -128,6 +128,7 @@ class _Worker:
         # queue only on a live connection: no pile of stale hellos while the manager is down
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_pending = False
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_fd, zmq.POLLIN)
@@ -149,8 +150,12 @@ class _Worker:
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def _wake(self) -> None:
-        """Rouse the main loop (from a job thread)."""
-        os.eventfd_write(self._wake_fd, 1)
+        """Rouse the main loop (from a job thread), unless a wake-up is already on its way: the
+        main loop reads the eventfd, then clears ``_wake_pending``, then takes every finished
+        job and progress report queued, so what is queued after the clear wakes it again."""
+        if not self._wake_pending:
+            self._wake_pending = True
+            os.eventfd_write(self._wake_fd, 1)
 
     def request_stop(self) -> None:
         """Signal-safe: ask the main loop to shut down."""
@@ -368,6 +373,7 @@ class _Worker:
         if events.get(self._wake_fd):
             with contextlib.suppress(BlockingIOError):
                 os.eventfd_read(self._wake_fd)
+            self._wake_pending = False  # after the read: a wake-up written before it is taken
 
     def _bad_message(self, nbytes: int, error: str) -> None:
         self._loop_stats.bad_messages += 1

@@ -16,9 +16,9 @@ fit kvoffload's), and the rounds of the two sides alternate. Operations:
   (kvoffload on its default I/O, O_DIRECT);
 - disk store library put (DiskStore, 4 threads like LMCache's disk writers) vs LMCache O_DIRECT;
 - cold disk load, per prefix (host pool reset, so every block is promoted from disk), through
-  the engine-side path an engine such as vLLM uses: a pinned lookup held by the manager until
-  blocks land, a copy of each landed block out of its pool slot, again for the rest; vs LMCache
-  O_DIRECT ``batched_get_blocking`` per prefix;
+  the engine-side path: a pinned lookup held by the manager until blocks land, a verified
+  copy of each landed block out of its pool slot, again for the rest; vs LMCache O_DIRECT
+  ``batched_get_blocking`` per prefix;
 - cold one-block disk load (p50 of ``LATENCY_LOADS`` single-block loads, same paths), in
   microseconds; its ratio is LMCache's time over kvoffload's.
 Each round also measures the machine's own limit for each cell's work (``kvoffload.bench.
@@ -225,12 +225,12 @@ def cold_load(
     prefix: int,
 ) -> None:
     """Per prefix, the engine-side load path (``bench.service.engine_load``): a pinned lookup
-    held until blocks of the prefix have landed, a copy of each landed block, ``complete_load``,
-    again for the rest."""
+    held until blocks of the prefix have landed, a copy of each landed block verified against
+    its checksum, ``complete_load``, again for the rest."""
     for part in prefixes(len(keys), prefix):
-        engine_load(
-            client, req, [keys[i] for i in part], pool, out[part.start : part.stop], HOLD_MS
-        )
+        batch = [keys[i] for i in part]
+        rows = out[part.start : part.stop]
+        engine_load(client, req, batch, pool, rows, HOLD_MS)
 
 
 def engine_copies(

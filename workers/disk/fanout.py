@@ -21,24 +21,29 @@ def fan_out(
     list, so a job never waits for a free helper to make progress. An exception of ``run(i)``
     is raised in its turn; no new item starts after that or after the generator is closed, and
     every item started has returned before the generator ends, raises or is closed."""
-    results: dict[int, T] = {}
+    results: list[T | None] = [None] * count
     errors: list[BaseException | None] = [None] * count
-    done = [threading.Event() for _ in range(count)]
-    lock = threading.Lock()
-    pending = iter(range(count))
-    stopped = False
+    finished = [False] * count
+    cv = threading.Condition()
+    state = {"next": 0, "stopped": False, "waiting_for": -1}
 
     def take() -> int | None:
-        with lock:
-            return None if stopped else next(pending, None)
+        with cv:
+            index = state["next"]
+            if state["stopped"] or index >= count:
+                return None
+            state["next"] = index + 1
+            return index
 
     def work(index: int) -> None:
         try:
             results[index] = run(index)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             errors[index] = exc
-        finally:
-            done[index].set()
+        with cv:
+            finished[index] = True
+            if state["waiting_for"] == index:
+                cv.notify()
 
     def drain() -> None:
         while (index := take()) is not None:
@@ -47,17 +52,23 @@ def fan_out(
     futures = [helpers.submit(drain) for _ in range(min(max_helpers, count - 1))]
     try:
         for index in range(count):
-            while not done[index].is_set():
+            while not finished[index]:
                 mine = take()
-                if mine is None:
-                    done[index].wait()
-                else:
+                if mine is not None:
                     work(mine)
+                    continue
+                with cv:
+                    state["waiting_for"] = index
+                    while not finished[index]:
+                        cv.wait()
+                    state["waiting_for"] = -1
             error = errors[index]
             if error is not None:
                 raise error
-            yield results.pop(index)
+            result = results[index]
+            results[index] = None
+            yield result  # type: ignore[misc]
     finally:
-        with lock:
-            stopped = True
+        with cv:
+            state["stopped"] = True
         wait(futures)
