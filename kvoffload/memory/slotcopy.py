@@ -2,9 +2,11 @@
 with the xxh3 of each block taken in the same pass.
 
 A *block* is a sequence of *segments* ``(dst, src)``: byte arrays (uint8 or int8) of the same
-size, such as one KV tensor's row of a block and its range of the block's pool slot. Its digest
-is the xxh3_64 of the hashed side's bytes, segment after segment (``payload_checksum`` of the
-slot when the segments cover it in order). Which side is hashed (``Hashed``):
+size, such as one KV tensor's row of a block and its range of the block's pool slot. A segment
+``(buf, None)`` is only hashed, not copied (bytes of the slot between copied ones, such as its
+unused tail). A block's digest is the xxh3_64 of its segments' bytes in order, the hashed side
+of each copied one (``payload_checksum`` of the slot when the segments cover it in order).
+Which side of a copied segment is hashed (``Hashed``):
 
 - ``SOURCE`` (stores): each chunk of the source right after it was copied, while the copy's
   reads left it in the cache; the digest then describes the bytes the engine handed over,
@@ -58,8 +60,10 @@ DEFAULT_THREADS = min(4, len(os.sched_getaffinity(0)))
 """Threads per copier, the calling thread included: the cores this process may run on, at most
 4 (more did not copy faster on the machines measured; memory bandwidth is shared)."""
 
-Segment = tuple[np.ndarray, np.ndarray]
-"""``(dst, src)``: byte arrays of one dtype and size; hashed segments must be contiguous."""
+Pair = tuple[np.ndarray, np.ndarray]
+"""``(dst, src)``: byte arrays of one dtype and size."""
+Segment = tuple[np.ndarray, np.ndarray | None]
+"""A ``Pair`` of a block, or ``(buf, None)``: bytes only hashed; both must be contiguous."""
 Block = Sequence[Segment]
 T = TypeVar("T")
 
@@ -106,7 +110,7 @@ class SlotCopier:
 
     # ---- copies ----------------------------------------------------------------------------
 
-    def copy(self, pairs: Sequence[Segment], urgent: bool = False) -> None:
+    def copy(self, pairs: Sequence[Pair], urgent: bool = False) -> None:
         """Copy each ``src`` into its ``dst`` (any layout). Pairs fewer than the threads are
         cut into pieces when they are worth splitting, so one large block is copied by every
         thread."""
@@ -128,8 +132,9 @@ class SlotCopier:
         hash of one block cannot be split)."""
         for block in blocks:
             for dst, src in block:
-                _check_sizes(dst, src)
-                if not (dst.flags.c_contiguous and src.flags.c_contiguous):
+                if src is not None:
+                    _check_sizes(dst, src)
+                if not (dst.flags.c_contiguous and (src is None or src.flags.c_contiguous)):
                     raise ValueError("a hashed copy needs contiguous segments")
         sizes = [sum(dst.nbytes for dst, _ in block) for block in blocks]
         source = hashed is Hashed.SOURCE
@@ -139,7 +144,7 @@ class SlotCopier:
         ]
         return self.run(parts, urgent)
 
-    def copy_with_checksums(self, pairs: Sequence[Segment]) -> list[int]:
+    def copy_with_checksums(self, pairs: Sequence[Pair]) -> list[int]:
         """Copy each ``src`` into its ``dst`` (each pair one block) and return the xxh3 of each
         (``payload_checksum``), in order: ``copy_blocks`` hashing the source."""
         return self.copy_blocks([[pair] for pair in pairs], Hashed.SOURCE)
@@ -267,10 +272,10 @@ def _shares(sizes: list[int], threads: int) -> list[range]:
     return [share for share in shares if share]
 
 
-def _cut(pairs: Sequence[Segment], parts: int) -> list[Segment]:
+def _cut(pairs: Sequence[Pair], parts: int) -> list[Pair]:
     """Each pair with contiguous buffers cut into up to ``parts`` pieces of consecutive bytes
     (flat views, no copy); other pairs are kept whole."""
-    out: list[Segment] = []
+    out: list[Pair] = []
     for dst, src in pairs:
         if not (dst.flags.c_contiguous and src.flags.c_contiguous):
             out.append((dst, src))
@@ -288,7 +293,7 @@ def _check_sizes(dst: np.ndarray, src: np.ndarray) -> None:
         raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
 
 
-def _copy_pairs(pairs: Sequence[Segment]) -> list[None]:
+def _copy_pairs(pairs: Sequence[Pair]) -> list[None]:
     for dst, src in pairs:
         np.copyto(dst, src if src.shape == dst.shape else src.reshape(dst.shape), casting="no")
     return []
@@ -301,6 +306,9 @@ def _copy_hash_blocks(blocks: Sequence[Block], source: bool) -> list[int]:
     for block in blocks:
         digest = xxhash.xxh3_64()
         for dst, src in block:
+            if src is None:
+                digest.update(dst.reshape(-1).data)
+                continue
             flat_dst, flat_src = dst.reshape(-1), src.reshape(-1)
             size = flat_dst.size
             if size <= CHUNK_BYTES:

@@ -94,6 +94,25 @@ def test_copy_blocks_hashes_each_block_of_several_segments_in_order(hashed, thre
             assert np.array_equal(dst, src)
 
 
+def test_hashed_only_segments_count_in_the_digest_and_are_not_copied():
+    """A block whose copied segments leave gaps in its slot: the gaps, given as (slot bytes,
+    None), are hashed in place, so the digest is the whole slot's; no byte is written there."""
+    slot = np.random.default_rng(7).integers(0, 256, 3 * CHUNK_BYTES, dtype=np.uint8)
+    before = slot.copy()
+    row = np.random.default_rng(8).integers(0, 256, CHUNK_BYTES, dtype=np.uint8)
+    block = [
+        (slot[:4096], None),
+        (slot[4096 : 4096 + CHUNK_BYTES], row),
+        (slot[4096 + CHUNK_BYTES :], None),
+    ]
+    with SlotCopier(2) as copier:
+        (digest,) = copier.copy_blocks([block], Hashed.SOURCE)
+    expected = before.copy()
+    expected[4096 : 4096 + CHUNK_BYTES] = row
+    assert np.array_equal(slot, expected)
+    assert digest == payload_checksum(expected)
+
+
 def test_copy_blocks_refuses_strided_segments():
     src = np.zeros(8192, np.uint8)
     with SlotCopier(2) as copier, pytest.raises(ValueError, match="contiguous"):

@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -46,7 +47,7 @@ from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks
 from kvoffload.integrations.vllm.layout import BlockLayout, CopyRow, transfer_rows
 from kvoffload.memory.cudacopy import Part, SlotRegion, StageBuffer, copy_slots
 from kvoffload.memory.pool import HostPool
-from kvoffload.memory.slotcopy import SlotCopier
+from kvoffload.memory.slotcopy import Block, Hashed, Segment, SlotCopier
 from kvoffload.protocol import FaultSpec
 
 log = integration_logger(__name__)
@@ -69,23 +70,26 @@ class TransferReport:
 
 @dataclass
 class _LoadCheck:
-    """What a CUDA load checks once its copy completed: the loaded key indexes of ``spec`` and
-    the destination blocks of each key."""
+    """What a load checks once its copy completed: the loaded key indexes of ``spec``, the
+    destination blocks of each key, and (CPU) each key's digest taken by the copy itself."""
 
     spec: PoolBlocks
     loaded: set[int]
     blocks: dict[int, list[int]]
+    digests: dict[int, int] | None = None
 
 
 @dataclass
 class _Pending:
-    """A submitted job; ``stored`` is a store whose slots get checksummed once it is done,
-    ``check`` a CUDA load verified then."""
+    """A submitted job; ``stored`` is a store whose slots get checksummed once it is done
+    (``digests``: the digests its CPU copy took on the way, by key index), ``check`` a CUDA
+    load verified then."""
 
     result: TransferResult
     event: torch.cuda.Event | None = None
     stored: PoolBlocks | None = None
     check: _LoadCheck | None = None
+    digests: dict[int, int] | None = None
 
 
 class KVOffloadWorker(OffloadingWorker):
@@ -207,13 +211,13 @@ class KVOffloadWorker(OffloadingWorker):
                 raise ProcessLookupError(
                     f"manager {dst_spec.manager_pid} that reserved the slots is gone"
                 )
-            moved = self._copy(pool, rows, dst_spec.slots, to_pool=True)
+            moved, digests = self._copy(pool, rows, dst_spec.slots, to_pool=True)
         except (OSError, ValueError) as exc:
             log.warning("kvoffload_store_copy_failed req_id=%s error=%s", dst_spec.req_id, exc)
             self._report.failed_stores.extend(dst_spec.keys)
             self._finish(job_id, 0, start)
             return True
-        self._finish(job_id, moved, start, dst_spec)
+        self._finish(job_id, moved, start, dst_spec, digests=digests)
         return True
 
     def submit_load(
@@ -248,11 +252,13 @@ class KVOffloadWorker(OffloadingWorker):
         good = [r for r in rows if r.key_index not in failed]
         check = None
         if pool is not None and good:
-            moved = self._copy(pool, good, src_spec.slots, to_pool=False, expedited=expedited)
+            moved, digests = self._copy(
+                pool, good, src_spec.slots, to_pool=False, expedited=expedited
+            )
             blocks: dict[int, list[int]] = {}
             for row in good:
                 blocks.setdefault(row.key_index, []).append(row.block_id)
-            check = _LoadCheck(src_spec, set(blocks), blocks)
+            check = _LoadCheck(src_spec, set(blocks), blocks, digests)
             if self._stream is None:  # CPU: the copy is done, check it now
                 failed |= self._check_load(check)
                 check = None
@@ -274,7 +280,7 @@ class KVOffloadWorker(OffloadingWorker):
             log.warning("kvoffload_manager_gone_during_load pid=%d", spec.manager_pid)
             return set(check.loaded)
         if self._verify_loads:
-            return self._corrupt_slots(spec, check.loaded)
+            return self._corrupt_slots(spec, check.loaded, check.digests)
         return set()
 
     def _finish_check(self, check: _LoadCheck) -> None:
@@ -309,7 +315,7 @@ class KVOffloadWorker(OffloadingWorker):
     def _completed(self, pending: _Pending) -> None:
         """A job's copies are complete: checksum what it stored, check what it loaded."""
         if pending.stored is not None:
-            self._checksum(pending.stored)
+            self._checksum(pending.stored, pending.digests)
             pending.stored = None
         if pending.check is not None:
             self._finish_check(pending.check)
@@ -360,19 +366,25 @@ class KVOffloadWorker(OffloadingWorker):
         out, self._report = self._report, TransferReport()
         return out
 
-    def _corrupt_slots(self, spec: PoolBlocks, loaded: set[int]) -> set[int]:
+    def _corrupt_slots(
+        self, spec: PoolBlocks, loaded: set[int], taken: dict[int, int] | None = None
+    ) -> set[int]:
         """Indexes of the loaded keys whose bytes for this rank (its slice, or the whole slot)
         no longer have the digest recorded when they were written, or whose block was written
-        in another layout (another number of slices). The slots stay pinned while this runs,
-        so a match proves the copied bytes are the ones written."""
+        in another layout (another number of slices). ``taken``: the digests the copy took of
+        what it wrote, by key index (CPU); else the slots are hashed now. The slots stay pinned
+        while this runs, so a match proves the copied bytes are the ones written."""
         pool = self._pools[spec.pool_name]
         layout = self._layout
         recorded = {i: spec.checksums[i] for i in loaded if i < len(spec.checksums)}
         checked = sorted(i for i, digests in recorded.items() if len(digests) == layout.copies)
         bad = {i for i, digests in recorded.items() if digests and len(digests) != layout.copies}
-        sums = self._copier.checksums(
-            [layout.checked_bytes(pool.slot_array(spec.slots[i])) for i in checked]
-        )
+        if taken is not None:
+            sums = [taken[i] for i in checked]
+        else:
+            sums = self._copier.checksums(
+                [layout.checked_bytes(pool.slot_array(spec.slots[i])) for i in checked]
+            )
         bad |= {
             i
             for i, got in zip(checked, sums, strict=True)
@@ -387,17 +399,21 @@ class KVOffloadWorker(OffloadingWorker):
             )
         return bad
 
-    def _checksum(self, spec: PoolBlocks) -> None:
+    def _checksum(self, spec: PoolBlocks, taken: dict[int, int] | None = None) -> None:
         """Checksum what a finished store wrote of each slot (this rank's slice, or the whole
         slot), so the manager can stamp the slots once every rank's digest is in, and a
-        restarted manager keeps them."""
+        restarted manager keeps them. ``taken``: the digests its copy took (CPU), by key
+        index; else the slots are hashed now."""
         pool = self._pools.get(spec.pool_name)
         if pool is None:
             return
         layout = self._layout
-        sums = self._copier.checksums(
-            [layout.checked_bytes(pool.slot_array(slot)) for slot in spec.slots]
-        )
+        if taken is not None:
+            sums = [taken[i] for i in range(len(spec.keys))]
+        else:
+            sums = self._copier.checksums(
+                [layout.checked_bytes(pool.slot_array(slot)) for slot in spec.slots]
+            )
         for key, digest in zip(spec.keys, sums, strict=True):
             self._report.store_checksums.setdefault(key, {})[layout.slice_index] = digest
 
@@ -411,6 +427,7 @@ class KVOffloadWorker(OffloadingWorker):
         stored: PoolBlocks | None = None,
         check: _LoadCheck | None = None,
         expedited: bool = False,
+        digests: dict[int, int] | None = None,
     ) -> None:
         result = TransferResult(job_id, True, moved, time.perf_counter() - start)
         event = None
@@ -418,7 +435,7 @@ class KVOffloadWorker(OffloadingWorker):
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
-        self._pending.append(_Pending(result, event, stored, check))
+        self._pending.append(_Pending(result, event, stored, check, digests))
 
     def _copy(
         self,
@@ -427,24 +444,21 @@ class KVOffloadWorker(OffloadingWorker):
         slots: Sequence[int],
         to_pool: bool,
         expedited: bool = False,
-    ) -> int:
-        """Copy ``rows`` between the KV tensors and their keys' slots; returns bytes moved."""
+    ) -> tuple[int, dict[int, int] | None]:
+        """Copy ``rows`` between the KV tensors and their keys' slots; returns the bytes moved
+        and, on CPU, each key's digest of this rank's part of its slot (``layout.
+        checked_bytes``) taken in the same pass (``copy_plan_cpu``); None on CUDA, where the
+        digests are taken once the copy completed."""
         if self._stream is not None:
-            return self._copy_cuda(pool, rows, slots, to_pool, expedited)
+            return self._copy_cuda(pool, rows, slots, to_pool, expedited), None
         # One memcpy per (block, tensor) through numpy views: torch's advanced indexing of
         # int8 rows measured 0.36 GB/s here, row slices 4.5 GB/s.
-        host = pool.numpy()
-        arrays = self._arrays
-        pairs = []
-        for row in rows:
-            base = self._layout.offset(row.chunk_block)
-            slot = host[slots[row.key_index]]
-            for tensor, page, offset in self._group_refs[row.group]:
-                start = base + offset
-                part, block = slot[start : start + page], arrays[tensor][row.block_id, :page]
-                pairs.append((part, block) if to_pool else (block, part))
-        self._copier.copy(pairs)
-        return sum(dst.nbytes for dst, _ in pairs)
+        keys, blocks, moved = copy_plan_cpu(
+            self._layout, self._group_refs, self._arrays, pool.numpy(), rows, slots, to_pool
+        )
+        hashed = Hashed.SOURCE if to_pool else Hashed.DESTINATION
+        sums = self._copier.copy_blocks(blocks, hashed, urgent=not to_pool)
+        return moved, dict(zip(keys, sums, strict=True))
 
     def _copy_cuda(
         self,
@@ -464,6 +478,48 @@ class KVOffloadWorker(OffloadingWorker):
         )
         with torch.cuda.stream(stream):
             return copy_slots(pool, used_slots, region, parts, to_pool, self._stages[expedited])
+
+
+def copy_plan_cpu(
+    layout: BlockLayout,
+    group_refs: Sequence[Sequence[tuple[int, int, int]]],
+    arrays: Sequence[np.ndarray],
+    host: np.ndarray,
+    rows: Sequence[CopyRow],
+    slots: Sequence[int],
+    to_pool: bool,
+) -> tuple[list[int], list[Block], int]:
+    """The CPU copy of ``rows`` as one ``slotcopy`` block per key: its segments (KV row <->
+    its range of the key's slot, ``to_pool`` or back) in slot order across this rank's part of
+    the slot (``layout.checked_bytes``), the bytes between them (unused tails, blocks this
+    transfer does not move) as hashed-only segments, so each block's digest is that of the
+    slot's part. Returns (key indexes in first-use order, their blocks, bytes copied)."""
+    per_key: dict[int, list[tuple[int, np.ndarray]]] = {}
+    moved = 0
+    for row in rows:
+        base = layout.offset(row.chunk_block)
+        parts = per_key.setdefault(row.key_index, [])
+        for tensor, page, offset in group_refs[row.group]:
+            parts.append((base + offset, arrays[tensor][row.block_id, :page]))
+            moved += page
+    keys = list(per_key)
+    blocks: list[Block] = []
+    for key in keys:
+        slot = host[slots[key]]
+        first = 0 if layout.copies == 1 else layout.rank * layout.per_rank_bytes
+        end = first + layout.checked_bytes(slot).size
+        at = first
+        segments: list[Segment] = []
+        for start, kv in sorted(per_key[key], key=lambda part: part[0]):
+            if start > at:
+                segments.append((slot[at:start], None))
+            part = slot[start : start + kv.size]
+            segments.append((part, kv) if to_pool else (kv, part))
+            at = start + kv.size
+        if at < end:
+            segments.append((slot[at:end], None))
+        blocks.append(segments)
+    return keys, blocks, moved
 
 
 def copy_plan(
