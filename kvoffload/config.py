@@ -26,6 +26,7 @@ from msgspec import Meta
 
 from kvoffload import tenantconfig
 from kvoffload.memory.blockformat import MAX_KEY_BYTES
+from kvoffload.memory.slotcopy import MAX_COPY_THREADS
 from kvoffload.protocol import FaultSpec
 from kvoffload.tenantconfig import TenantConfig
 
@@ -93,14 +94,10 @@ class PoolConfig(_Section, frozen=True):
     slot_headers: bool = True
 
 
-AUTO_COPY_THREADS = 4
-"""The most copy threads ``cpu.threads = 0`` gives the cpu worker (memory bandwidth is shared)."""
-
-
 class CpuConfig(_Section, frozen=True):
     """The cpu worker (device <-> pool copies). Empty ``cpu_affinity`` means no pinning.
     ``threads``: copies in flight at once (0: one per core the worker may run on, at most
-    ``AUTO_COPY_THREADS``; more threads than cores only take turns)."""
+    ``MAX_COPY_THREADS``; more threads than cores only take turns)."""
 
     threads: Annotated[int, Meta(ge=0)] = 0
     cpu_affinity: Cores = ()
@@ -110,7 +107,7 @@ class CpuConfig(_Section, frozen=True):
         if self.threads:
             return self.threads
         cores = len(self.cpu_affinity) or len(os.sched_getaffinity(0))
-        return max(1, min(AUTO_COPY_THREADS, cores))
+        return max(1, min(MAX_COPY_THREADS, cores))
 
 
 class DiskConfig(_Section, frozen=True):

@@ -2,11 +2,9 @@
 with the xxh3 of each block taken in the same pass.
 
 A *block* is a sequence of *segments* ``(dst, src)``: byte arrays (uint8 or int8) of the same
-size, such as one KV tensor's row of a block and its range of the block's pool slot. A segment
-``(buf, None)`` is only hashed, not copied (bytes of the slot between copied ones, such as its
-unused tail). A block's digest is the xxh3_64 of its segments' bytes in order, the hashed side
-of each copied one (``payload_checksum`` of the slot when the segments cover it in order).
-Which side of a copied segment is hashed (``Hashed``):
+size, such as one KV tensor's row of a block and its range of the block's pool slot. Its digest
+is the xxh3_64 of the hashed side's bytes, segment after segment (``payload_checksum`` of the
+slot when the segments cover it in order). Which side is hashed (``Hashed``):
 
 - ``SOURCE`` (stores): each chunk of the source right after it was copied, while the copy's
   reads left it in the cache; the digest then describes the bytes the engine handed over,
@@ -39,12 +37,16 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Generic, TypeVar
 
 import numpy as np
 import xxhash
 
+from kvoffload.logs import get_logger
 from kvoffload.memory.blockformat import payload_checksum
+
+log = get_logger()
 
 PARALLEL_MIN_BYTES = 1 << 20
 """Transfers smaller than this are not split (a thread hand-off costs about 100 µs on a busy
@@ -56,15 +58,18 @@ CHUNK_BYTES = 512 << 10
 """Bytes copied, then hashed, at a time: the chunk is still in the core's cache when it is
 hashed, and large enough for glibc's non-temporal stores (from 256 KiB in the workers) and for
 few GIL hand-offs (two a chunk)."""
-DEFAULT_THREADS = min(4, len(os.sched_getaffinity(0)))
-"""Threads per copier, the calling thread included: the cores this process may run on, at most
-4 (more did not copy faster on the machines measured; memory bandwidth is shared)."""
+MAX_COPY_THREADS = 4
+"""The most threads a copier gets by default (more did not copy faster on the machines
+measured; memory bandwidth is shared)."""
+DEFAULT_THREADS = min(MAX_COPY_THREADS, len(os.sched_getaffinity(0)))
+"""Threads per copier, the calling thread included: the cores the importing thread may run on,
+at most ``MAX_COPY_THREADS``."""
 
 Pair = tuple[np.ndarray, np.ndarray]
-"""``(dst, src)``: byte arrays of one dtype and size."""
-Segment = tuple[np.ndarray, np.ndarray | None]
-"""A ``Pair`` of a block, or ``(buf, None)``: bytes only hashed; both must be contiguous."""
-Block = Sequence[Segment]
+"""``(dst, src)``: byte arrays of one dtype and size (contiguous, in a hashed copy)."""
+Block = Sequence[Pair]
+HashedPart = tuple[Sequence[Pair], Sequence[np.ndarray]]
+"""Pairs to copy, then regions to hash (``SlotCopier.copy_then_hash``)."""
 T = TypeVar("T")
 
 
@@ -88,15 +93,54 @@ class _Call(Generic[T]):
         self.error: BaseException | None = None
 
 
+def process_cpus() -> set[int]:
+    """The CPUs a thread of this process may be moved to: its cpuset (cgroup v2, else v1),
+    else the online CPUs. Wider than the calling thread's affinity when that thread was bound
+    to a core (vLLM's CPU workers bind theirs to their OpenMP cores)."""
+    try:
+        cgroups = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        cgroups = []
+    candidates = []
+    for line in cgroups:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0":
+            candidates.append(Path(f"/sys/fs/cgroup{path}") / "cpuset.cpus.effective")
+        elif "cpuset" in controllers.split(","):
+            candidates.append(Path(f"/sys/fs/cgroup/cpuset{path}") / "cpuset.effective_cpus")
+    candidates.append(Path("/sys/devices/system/cpu/online"))
+    for candidate in candidates:
+        try:
+            cpus = _cpu_list(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+        if cpus:
+            return cpus
+    return set(range(os.cpu_count() or 1))
+
+
+def _cpu_list(text: str) -> set[int]:
+    """CPU ids of a kernel list such as ``0-3,8``."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 class SlotCopier:
     """Copies and hashes over ``threads`` threads, the calling thread included (``threads=1``:
-    everything on the calling thread). Safe to call from several threads at once. ``close``
-    stops the helper threads; the copier is unusable afterwards."""
+    everything on the calling thread). ``helper_cpus``: the CPUs the helper threads run on
+    (None: those of the thread that made the copier). Safe to call from several threads at
+    once. ``close`` stops the helper threads; the copier is unusable afterwards."""
 
-    def __init__(self, threads: int = DEFAULT_THREADS) -> None:
+    def __init__(self, threads: int = DEFAULT_THREADS, helper_cpus: set[int] | None = None) -> None:
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
         self.threads = threads
+        self._helper_cpus = helper_cpus
         self._cv = threading.Condition()
         self._queue: deque[_Call[object]] = deque()
         self._running = 0
@@ -132,9 +176,8 @@ class SlotCopier:
         hash of one block cannot be split)."""
         for block in blocks:
             for dst, src in block:
-                if src is not None:
-                    _check_sizes(dst, src)
-                if not (dst.flags.c_contiguous and (src is None or src.flags.c_contiguous)):
+                _check_sizes(dst, src)
+                if not (dst.flags.c_contiguous and src.flags.c_contiguous):
                     raise ValueError("a hashed copy needs contiguous segments")
         sizes = [sum(dst.nbytes for dst, _ in block) for block in blocks]
         source = hashed is Hashed.SOURCE
@@ -143,6 +186,18 @@ class SlotCopier:
             for s in _shares(sizes, self._part_count(sum(sizes)))
         ]
         return self.run(parts, urgent)
+
+    def copy_then_hash(self, parts: Sequence[HashedPart], urgent: bool = False) -> list[int]:
+        """For each part, copy its pairs (any layout: a 2-D view copies many blocks in one
+        call), then hash each of its regions (the slots its copies wrote or read, still in the
+        cache); the regions' digests, in order. Each part runs on one thread, the parts on
+        every thread at once: the caller sizes them (a few MiB keeps a part's regions cached
+        between its copies and its hashes)."""
+        for pairs, _ in parts:
+            for dst, src in pairs:
+                _check_sizes(dst, src)
+        work = [functools.partial(_copy_then_hash, pairs, regions) for pairs, regions in parts]
+        return self.run(work, urgent)
 
     def copy_with_checksums(self, pairs: Sequence[Pair]) -> list[int]:
         """Copy each ``src`` into its ``dst`` (each pair one block) and return the xxh3 of each
@@ -222,6 +277,13 @@ class SlotCopier:
         self._cv.notify_all()
 
     def _help(self) -> None:
+        if self._helper_cpus:
+            try:
+                os.sched_setaffinity(0, self._helper_cpus)
+            except OSError as exc:
+                log.warning(
+                    "copy_thread_affinity_failed", cpus=sorted(self._helper_cpus), error=str(exc)
+                )
         cv = self._cv
         with cv:
             while True:
@@ -299,6 +361,12 @@ def _copy_pairs(pairs: Sequence[Pair]) -> list[None]:
     return []
 
 
+def copy_and_hash(block: Block, hashed: Hashed) -> int:
+    """Copy one block's segments on the calling thread, a chunk at a time, and return its
+    digest (see the module docstring); for a thread of its own (an object worker's GET)."""
+    return _copy_hash_blocks([block], hashed is Hashed.SOURCE)[0]
+
+
 def _copy_hash_blocks(blocks: Sequence[Block], source: bool) -> list[int]:
     """Copy each block's segments a chunk at a time, hashing each chunk just copied (its source
     or its destination) into the block's digest."""
@@ -306,9 +374,6 @@ def _copy_hash_blocks(blocks: Sequence[Block], source: bool) -> list[int]:
     for block in blocks:
         digest = xxhash.xxh3_64()
         for dst, src in block:
-            if src is None:
-                digest.update(dst.reshape(-1).data)
-                continue
             flat_dst, flat_src = dst.reshape(-1), src.reshape(-1)
             size = flat_dst.size
             if size <= CHUNK_BYTES:
@@ -322,6 +387,11 @@ def _copy_hash_blocks(blocks: Sequence[Block], source: bool) -> list[int]:
                 digest.update((part_src if source else part_dst).data)
         out.append(digest.intdigest())
     return out
+
+
+def _copy_then_hash(pairs: Sequence[Pair], regions: Sequence[np.ndarray]) -> list[int]:
+    _copy_pairs(pairs)
+    return _hash_buffers(regions)
 
 
 def _hash_buffers(buffers: Sequence[np.ndarray]) -> list[int]:

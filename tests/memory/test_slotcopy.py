@@ -94,23 +94,19 @@ def test_copy_blocks_hashes_each_block_of_several_segments_in_order(hashed, thre
             assert np.array_equal(dst, src)
 
 
-def test_hashed_only_segments_count_in_the_digest_and_are_not_copied():
-    """A block whose copied segments leave gaps in its slot: the gaps, given as (slot bytes,
-    None), are hashed in place, so the digest is the whole slot's; no byte is written there."""
-    slot = np.random.default_rng(7).integers(0, 256, 3 * CHUNK_BYTES, dtype=np.uint8)
-    before = slot.copy()
-    row = np.random.default_rng(8).integers(0, 256, CHUNK_BYTES, dtype=np.uint8)
-    block = [
-        (slot[:4096], None),
-        (slot[4096 : 4096 + CHUNK_BYTES], row),
-        (slot[4096 + CHUNK_BYTES :], None),
+def test_copy_then_hash_copies_each_part_then_hashes_its_regions():
+    """Two parts, each a 2-D copy of consecutive rows into a strided column of the slots: every
+    byte lands, and each region's digest is that of the slot after the copy."""
+    slots = np.random.default_rng(7).integers(0, 256, (6, 3 * 4096), dtype=np.uint8)
+    rows = np.random.default_rng(8).integers(0, 256, (6, 4096), dtype=np.uint8)
+    parts = [
+        ([(slots[0:3, 4096:8192], rows[0:3])], [slots[i] for i in range(3)]),
+        ([(slots[3:6, 4096:8192], rows[3:6])], [slots[i] for i in range(3, 6)]),
     ]
     with SlotCopier(2) as copier:
-        (digest,) = copier.copy_blocks([block], Hashed.SOURCE)
-    expected = before.copy()
-    expected[4096 : 4096 + CHUNK_BYTES] = row
-    assert np.array_equal(slot, expected)
-    assert digest == payload_checksum(expected)
+        sums = copier.copy_then_hash(parts)
+    assert np.array_equal(slots[:, 4096:8192], rows)
+    assert sums == [payload_checksum(slots[i]) for i in range(6)]
 
 
 def test_copy_blocks_refuses_strided_segments():

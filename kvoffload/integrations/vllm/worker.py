@@ -1,14 +1,16 @@
 """vLLM's ``OffloadingWorker`` for kvoffload (runs in each model-worker process).
 
 The worker maps kvoffload's host pool itself and copies between vLLM's KV tensors and pool
-slots: memcpy (one copy per block and tensor, spread over a ``SlotCopier``'s threads) for CPU
-tensors, and for GPU tensors batched asynchronous copies (``kvoffload.memory.cudacopy``: per
+slots: for CPU tensors memcpy (one copy per tensor for each run of keys whose slots and blocks
+are consecutive, in parts of ``PART_BYTES`` spread over a ``SlotCopier``'s threads, each part's
+slots hashed right after its copies while they are in cache; the copy threads may use every
+CPU of the process, ``worker_copier``), and for GPU tensors batched asynchronous copies (``kvoffload.memory.cudacopy``: per
 tensor one gather or scatter through a staging buffer on the GPU, per run of slots one DMA)
 from the CUDA-registered pool, on a stream of the worker's (expedited loads, which vLLM 0.33
 waits for within the step, on a second one, so they do not queue behind stores). The checksums
 of stored slots and the checks of loaded ones run on the ``SlotCopier``'s threads: on CPU
-inside the submission (the copy is done by then), on CUDA in the ``get_finished`` that finds
-the copy's event completed, so neither a submission nor ``wait`` blocks on them. It never talks to the manager: slot numbers arrive in the ``PoolBlocks`` the scheduler
+inside the submission, with the copy, on CUDA in the ``get_finished`` that finds the copy's
+event completed, so neither a submission nor ``wait`` blocks on them. It never talks to the manager: slot numbers arrive in the ``PoolBlocks`` the scheduler
 side built, and completions leave through ``get_finished``.
 
 Every KV cache group of the model is served: a key's slot holds that group's blocks (see
@@ -47,10 +49,20 @@ from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks
 from kvoffload.integrations.vllm.layout import BlockLayout, CopyRow, transfer_rows
 from kvoffload.memory.cudacopy import Part, SlotRegion, StageBuffer, copy_slots
 from kvoffload.memory.pool import HostPool
-from kvoffload.memory.slotcopy import Block, Hashed, Segment, SlotCopier
+from kvoffload.memory.slotcopy import (
+    MAX_COPY_THREADS,
+    HashedPart,
+    Pair,
+    SlotCopier,
+    process_cpus,
+)
 from kvoffload.protocol import FaultSpec
 
 log = integration_logger(__name__)
+
+PART_BYTES = 2 << 20
+"""Slot bytes of one part of a CPU copy: copied, then hashed by one thread while they are in
+its cache."""
 
 
 @dataclass
@@ -138,7 +150,7 @@ class KVOffloadWorker(OffloadingWorker):
         self._fail_fraction = faults.fail_fraction
         self._verify_loads = verify_loads
         self._rng = random.Random(faults.seed)
-        self._copier = SlotCopier()
+        self._copier = worker_copier()
 
     # ---- pool -----------------------------------------------------------------------------
 
@@ -447,17 +459,17 @@ class KVOffloadWorker(OffloadingWorker):
     ) -> tuple[int, dict[int, int] | None]:
         """Copy ``rows`` between the KV tensors and their keys' slots; returns the bytes moved
         and, on CPU, each key's digest of this rank's part of its slot (``layout.
-        checked_bytes``) taken in the same pass (``copy_plan_cpu``); None on CUDA, where the
-        digests are taken once the copy completed."""
+        checked_bytes``) taken right after the copies that wrote or read it, while it is in
+        cache (``copy_plan_cpu``); None on CUDA, where the digests are taken once the copy
+        completed."""
         if self._stream is not None:
             return self._copy_cuda(pool, rows, slots, to_pool, expedited), None
         # One memcpy per (block, tensor) through numpy views: torch's advanced indexing of
         # int8 rows measured 0.36 GB/s here, row slices 4.5 GB/s.
-        keys, blocks, moved = copy_plan_cpu(
+        keys, parts, moved = copy_plan_cpu(
             self._layout, self._group_refs, self._arrays, pool.numpy(), rows, slots, to_pool
         )
-        hashed = Hashed.SOURCE if to_pool else Hashed.DESTINATION
-        sums = self._copier.copy_blocks(blocks, hashed, urgent=not to_pool)
+        sums = self._copier.copy_then_hash(parts, urgent=not to_pool)
         return moved, dict(zip(keys, sums, strict=True))
 
     def _copy_cuda(
@@ -480,6 +492,19 @@ class KVOffloadWorker(OffloadingWorker):
             return copy_slots(pool, used_slots, region, parts, to_pool, self._stages[expedited])
 
 
+def worker_copier() -> SlotCopier:
+    """The copier of a model-worker process. vLLM's CPU workers bind each of their threads
+    to the worker's OpenMP cores and reserve the machine's other cores for connectors
+    (``VLLM_CPU_NUM_OF_RESERVED_CPU``; vLLM's own NIXL connector moves its transfer thread
+    there): the copy threads may run on every CPU of the process's cpuset, the calling thread
+    copying its part on its own core."""
+    cpus = process_cpus()
+    mine = os.sched_getaffinity(0)
+    if cpus <= mine:
+        return SlotCopier()
+    return SlotCopier(max(1, min(MAX_COPY_THREADS, len(cpus))), helper_cpus=cpus)
+
+
 def copy_plan_cpu(
     layout: BlockLayout,
     group_refs: Sequence[Sequence[tuple[int, int, int]]],
@@ -488,38 +513,56 @@ def copy_plan_cpu(
     rows: Sequence[CopyRow],
     slots: Sequence[int],
     to_pool: bool,
-) -> tuple[list[int], list[Block], int]:
-    """The CPU copy of ``rows`` as one ``slotcopy`` block per key: its segments (KV row <->
-    its range of the key's slot, ``to_pool`` or back) in slot order across this rank's part of
-    the slot (``layout.checked_bytes``), the bytes between them (unused tails, blocks this
-    transfer does not move) as hashed-only segments, so each block's digest is that of the
-    slot's part. Returns (key indexes in first-use order, their blocks, bytes copied)."""
-    per_key: dict[int, list[tuple[int, np.ndarray]]] = {}
-    moved = 0
+) -> tuple[list[int], list[HashedPart], int]:
+    """The CPU copy of ``rows`` as ``SlotCopier.copy_then_hash`` parts of about
+    ``PART_BYTES`` of slots each: per tensor, one copy for every run of keys whose slots and
+    blocks are both consecutive (a 2-D view of the pool against one of the tensor), then the
+    digest of each key's part of its slot (``layout.checked_bytes``: what this rank wrote or
+    reads). Returns (key indexes in first-use order, the parts, bytes copied)."""
+    per_key: dict[int, list[CopyRow]] = {}
     for row in rows:
-        base = layout.offset(row.chunk_block)
-        parts = per_key.setdefault(row.key_index, [])
-        for tensor, page, offset in group_refs[row.group]:
-            parts.append((base + offset, arrays[tensor][row.block_id, :page]))
-            moved += page
+        per_key.setdefault(row.key_index, []).append(row)
     keys = list(per_key)
-    blocks: list[Block] = []
-    for key in keys:
-        slot = host[slots[key]]
-        first = 0 if layout.copies == 1 else layout.rank * layout.per_rank_bytes
-        end = first + layout.checked_bytes(slot).size
-        at = first
-        segments: list[Segment] = []
-        for start, kv in sorted(per_key[key], key=lambda part: part[0]):
-            if start > at:
-                segments.append((slot[at:start], None))
-            part = slot[start : start + kv.size]
-            segments.append((part, kv) if to_pool else (kv, part))
-            at = start + kv.size
-        if at < end:
-            segments.append((slot[at:end], None))
-        blocks.append(segments)
-    return keys, blocks, moved
+    region_bytes = max(1, layout.checked_bytes(host[0]).size)
+    keys_per_part = max(1, PART_BYTES // region_bytes)
+    parts: list[HashedPart] = []
+    moved = 0
+    for first in range(0, len(keys), keys_per_part):
+        mine = keys[first : first + keys_per_part]
+        # (group, chunk block) -> [(slot, block id)] in key order, split into runs below
+        places: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for key in mine:
+            for row in per_key[key]:
+                places.setdefault((row.group, row.chunk_block), []).append(
+                    (slots[key], row.block_id)
+                )
+        pairs: list[Pair] = []
+        for (group, chunk_block), placed in places.items():
+            base = layout.offset(chunk_block)
+            for slot0, block0, count in _runs(placed):
+                for tensor, page, offset in group_refs[group]:
+                    start = base + offset
+                    pool_side = host[slot0 : slot0 + count, start : start + page]
+                    kv_side = arrays[tensor][block0 : block0 + count, :page]
+                    pairs.append((pool_side, kv_side) if to_pool else (kv_side, pool_side))
+                    moved += page * count
+        regions = [layout.checked_bytes(host[slots[key]]) for key in mine]
+        parts.append((pairs, regions))
+    return keys, parts, moved
+
+
+def _runs(placed: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(first slot, first block, count) of each run of places whose slot and block both grow
+    by one from one place to the next."""
+    runs: list[tuple[int, int, int]] = []
+    for slot, block in placed:
+        if runs:
+            slot0, block0, count = runs[-1]
+            if slot == slot0 + count and block == block0 + count:
+                runs[-1] = (slot0, block0, count + 1)
+                continue
+        runs.append((slot, block, 1))
+    return runs
 
 
 def copy_plan(
