@@ -203,16 +203,12 @@ def _decode_slices(raw: bytes) -> tuple[int, int]:
     return slices, slice_bytes
 
 
-def verify_payload(header: BlockHeader, key: bytes, payload, checksum: int | None = None) -> None:
-    """Raise CorruptBlock unless payload belongs to key and matches the header's checksum.
-    ``checksum``: the payload's xxh3 when the caller took it on the way (a header of one
-    slice only); computed from ``payload`` when None."""
+def verify_payload(header: BlockHeader, key: bytes, payload) -> None:
+    """Raise CorruptBlock unless payload belongs to key and matches the header's checksum."""
     if header.key != key:
         raise CorruptBlock("stored key differs")
     view = memoryview(payload).cast("B")
     if len(view) != header.payload_len:
         raise CorruptBlock(f"payload length {len(view)} != {header.payload_len}")
-    if checksum is None or header.slices > 1:
-        checksum = block_checksum(view, header.slices, header.slice_bytes)
-    if checksum != header.checksum:
+    if block_checksum(view, header.slices, header.slice_bytes) != header.checksum:
         raise CorruptBlock("payload checksum mismatch")

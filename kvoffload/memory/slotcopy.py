@@ -361,12 +361,6 @@ def _copy_pairs(pairs: Sequence[Pair]) -> list[None]:
     return []
 
 
-def copy_and_hash(block: Block, hashed: Hashed) -> int:
-    """Copy one block's segments on the calling thread, a chunk at a time, and return its
-    digest (see the module docstring); for a thread of its own (an object worker's GET)."""
-    return _copy_hash_blocks([block], hashed is Hashed.SOURCE)[0]
-
-
 def _copy_hash_blocks(blocks: Sequence[Block], source: bool) -> list[int]:
     """Copy each block's segments a chunk at a time, hashing each chunk just copied (its source
     or its destination) into the block's digest."""

@@ -42,7 +42,6 @@ from kvoffload.memory.blockformat import (
     make_header,
     verify_payload,
 )
-from kvoffload.memory.slotcopy import Hashed, copy_and_hash
 from kvoffload.tenants import NO_TENANT
 from workers.object.breaker import CircuitBreaker
 from workers.object.classify import UNREACHABLE, ErrorKind, Failure, classify
@@ -245,9 +244,8 @@ class S3BlockStore:
 
         Raises KeyError if absent. A block that fails validation is read a second time; if that
         read fails too the object is deleted and CorruptBlock raised. dst holds verified data on
-        success and unspecified bytes otherwise: the payload is copied into dst and hashed there
-        in one pass (``copy_and_hash``), then checked, so a failed check may leave part of a bad
-        copy in dst, which the caller (a promotion into a reserved slot) never serves.
+        success and unspecified bytes otherwise (corrupt data is never copied into it). The
+        check and the copy both run outside the GIL, so the io threads' GETs overlap.
         """
         self._ensure_open()
         path = self.object_key(key, tenant)
@@ -274,12 +272,9 @@ class S3BlockStore:
                     f"object is {body.nbytes} bytes, expected {HEADER_SIZE + self.block_bytes}"
                 )
             header = decode_header(body[:HEADER_SIZE], self._fingerprint)
-            if header.key != key or header.payload_len != self.block_bytes:
-                verify_payload(header, key, body[HEADER_SIZE:])  # raises, naming the field
-            src = np.frombuffer(body, dtype=np.uint8, offset=HEADER_SIZE)
-            dst = np.frombuffer(view, dtype=np.uint8)
-            digest = copy_and_hash([(dst, src)], Hashed.DESTINATION)
-            verify_payload(header, key, view, digest)
+            payload = body[HEADER_SIZE:]
+            verify_payload(header, key, payload)
+            np.copyto(np.frombuffer(view, dtype=np.uint8), np.frombuffer(payload, dtype=np.uint8))
             return header
 
     def _discard_corrupt(self, path: str, reason: CorruptBlock) -> None:
