@@ -457,7 +457,8 @@ def _service(
     args: argparse.Namespace,
 ) -> Iterator[Context]:
     disk_bytes = (args.rounds_on_disk + 2) * n * (block + 8192)
-    with peer.peer_service(block, n + 64, op.disk, disk_bytes, io=op.io) as client:
+    io = args.io or op.io
+    with peer.peer_service(block, n + 64, op.disk, disk_bytes, io=io) as client:
         peer.register_engine(client, kv, n, op.disk)
         for req in ("p", "host"):
             client.new_request(req)
@@ -595,6 +596,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=8, help="Python functions listed per process")
     parser.add_argument(
         "--fresh", action="store_true", help="each run in a new service, as bench peer measures"
+    )
+    parser.add_argument(
+        "--io", choices=("auto", "direct", "buffered"), help="disk.io (default: the op's)"
     )
     parser.add_argument("--rounds-on-disk", type=int, default=2, help="disk tier capacity, runs")
     parser.add_argument("--dir", help="directory for temporary files (default: the temp dir)")
