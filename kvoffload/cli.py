@@ -15,8 +15,8 @@ from kvoffload.config import Config, ConfigError, load_config
 from kvoffload.extras import MissingExtra
 from kvoffload.logs import configure_logging
 from kvoffload.runtime.discovery import NoServiceFound, find_endpoint
-from kvoffload.status import ManagerStatus, TenantStatus
-from kvoffload.tenants import tenant_id
+from kvoffload.wire.status import ManagerStatus, TenantStatus
+from kvoffload.wire.tenant_ids import tenant_id
 
 if TYPE_CHECKING:
     from kvoffload.client import KVOffloadClient
@@ -203,7 +203,7 @@ def format_tenants(tenants: dict[str, TenantStatus]) -> list[str]:
 
 
 def cmd_demo(args) -> int:
-    from kvoffload.demo import run_demo
+    from kvoffload.engine.demo import run_demo
 
     cfg = _load(args)
     return run_demo(cfg, args)

@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 
 import zmq
 
-from kvoffload import protocol as p
-from kvoffload.protocol import ErrorCode, LookupResult, MissReason, must_wait
-from kvoffload.status import ManagerStatus
-from kvoffload.tenants import tenant_id
+from kvoffload.wire import protocol as p
+from kvoffload.wire.protocol import ErrorCode, LookupResult, MissReason, must_wait
+from kvoffload.wire.status import ManagerStatus
+from kvoffload.wire.tenant_ids import tenant_id
 
 
 class KVOffloadError(Exception):

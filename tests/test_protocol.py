@@ -6,8 +6,8 @@ import sys
 import msgspec
 import pytest
 
-from kvoffload import protocol as p
-from kvoffload.status import BreakerStats, ObjectWorkerStats, WorkerLoopStats, WorkerStats
+from kvoffload.wire import protocol as p
+from kvoffload.wire.status import BreakerStats, ObjectWorkerStats, WorkerLoopStats, WorkerStats
 
 CLIENT_REQUESTS = [
     p.Connect(rid=1, version=p.PROTOCOL_VERSION, client_name="e"),

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import Job, JobKind, KVHandle
-from kvoffload.status import MediumStats
+from kvoffload.wire.protocol import Job, JobKind, KVHandle
+from kvoffload.wire.status import MediumStats
 from workers.faults import FaultInjector
 
 if TYPE_CHECKING:

@@ -54,8 +54,8 @@ from kvoffload.memory.cuda_host import cuda_device_count
 from kvoffload.memory.kvcache import SharedKVCache, rebuild_cuda_ipc_tensor
 from kvoffload.memory.pool import HostPool
 from kvoffload.memory.slotcopy import Hashed, SlotCopier
-from kvoffload.protocol import HandleKind, Job, JobKind, KVHandle
-from kvoffload.status import CpuWorkerStats
+from kvoffload.wire.protocol import HandleKind, Job, JobKind, KVHandle
+from kvoffload.wire.status import CpuWorkerStats
 from workers.backend import AttachRefused, BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector
 from workers.framework import worker_main

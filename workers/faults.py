@@ -22,7 +22,7 @@ import threading
 import time
 
 from kvoffload.logs import get_logger
-from kvoffload.protocol import FaultSpec
+from kvoffload.wire.protocol import FaultSpec
 
 log = get_logger()
 

@@ -43,7 +43,16 @@ import zmq
 from kvoffload.config import Config
 from kvoffload.logs import configure_logging, get_logger
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import (
+from kvoffload.runtime.runspec import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    FatalStartError,
+    RunSpec,
+    exit_fatal,
+    load_runspec,
+)
+from kvoffload.wire.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     AttachKV,
@@ -61,16 +70,7 @@ from kvoffload.protocol import (
     decode_manager_message,
     encode,
 )
-from kvoffload.runtime.runspec import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_REFUSED,
-    FatalStartError,
-    RunSpec,
-    exit_fatal,
-    load_runspec,
-)
-from kvoffload.status import MediumStats, WorkerLoopStats, WorkerStats
+from kvoffload.wire.status import MediumStats, WorkerLoopStats, WorkerStats
 from workers.backend import (
     AttachRefused,
     Backend,

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import msgspec
 
 from kvoffload.logs import get_logger
-from kvoffload.protocol import Job, JobDone, JobProgress
-from kvoffload.status import WorkerLoopStats
+from kvoffload.wire.protocol import Job, JobDone, JobProgress
+from kvoffload.wire.status import WorkerLoopStats
 from workers.backend import DEVICE_KINDS, SLOT_KINDS, URGENT_KINDS, Backend, BackendOutcome
 from workers.faults import FaultInjector, InjectedFault
 

@@ -37,7 +37,8 @@ import zmq
 from kvoffload.logs import configure_logging
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import (
+from kvoffload.runtime.runspec import RunSpec
+from kvoffload.wire.protocol import (
     PROTOCOL_VERSION,
     AttachKV,
     Control,
@@ -50,7 +51,6 @@ from kvoffload.protocol import (
     decode_worker_message,
     encode,
 )
-from kvoffload.runtime.runspec import RunSpec
 from workers.cpu import CpuBackend
 from workers.faults import FaultInjector
 

@@ -47,7 +47,7 @@ import structlog
 from kvoffload.config import Config, DiskConfig, PoolConfig
 from kvoffload.memory.blockformat import BlockHeader, deployment_fingerprint, payload_checksum
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import Job, JobKind
+from kvoffload.wire.protocol import Job, JobKind
 from workers.disk import DiskStore
 from workers.disk.rawio import O_DIRECT, PAGE_SIZE, page_buffer, probe_direct_io
 from workers.disk.worker import DiskBackend

@@ -28,16 +28,16 @@ import msgspec
 import numpy as np
 import zmq
 
-from kvoffload import protocol as p
 from kvoffload.client import KVOffloadClient
 from kvoffload.logs import configure_logging
 from kvoffload.memory.kvcache import SharedKVCache, unique_kv_name
 from kvoffload.memory.pool import HostPool
 from kvoffload.memory.slotcopy import Hashed, shared_copier
-from kvoffload.protocol import LookupResult
 from kvoffload.testing.helpers import keys_for
 from kvoffload.testing.service import ServiceHarness
 from kvoffload.tiering import ReqContext, TieringLedger
+from kvoffload.wire import protocol as p
+from kvoffload.wire.protocol import LookupResult
 
 SECTIONS = ("control", "latency", "data")
 

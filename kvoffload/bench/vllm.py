@@ -55,7 +55,6 @@ from typing import Any
 import msgspec
 
 from kvoffload.client import KVOffloadClient
-from kvoffload.status import TieringStatus
 from kvoffload.testing.helpers import REPO_ROOT
 from kvoffload.testing.service import ServiceHarness
 from kvoffload.testing.vllm_engine import (
@@ -68,6 +67,7 @@ from kvoffload.testing.vllm_engine import (
     kvoffload_transfer,
     make_model,
 )
+from kvoffload.wire.status import TieringStatus
 
 SUFFIX_TOKENS = 8
 MODEL = {

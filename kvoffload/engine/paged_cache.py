@@ -18,7 +18,7 @@ import torch
 
 from kvoffload.engine.model import ModelConfig
 from kvoffload.memory.kvcache import SharedKVCache
-from kvoffload.protocol import KVHandle
+from kvoffload.wire.protocol import KVHandle
 
 
 class CacheFull(RuntimeError):

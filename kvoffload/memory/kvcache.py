@@ -26,7 +26,7 @@ import numpy as np
 
 from kvoffload.logs import get_logger
 from kvoffload.memory.shmseg import OwnedSegment, attach_segment, close_mapping, create_segment
-from kvoffload.protocol import CudaIpcFields, HandleKind, KVHandle, TensorSpec
+from kvoffload.wire.protocol import CudaIpcFields, HandleKind, KVHandle, TensorSpec
 
 if TYPE_CHECKING:
     import torch

@@ -17,16 +17,16 @@ from typing import TypeVar, cast
 import msgspec
 import structlog
 
-from kvoffload import protocol as p
 from kvoffload.memory.blockformat import MAX_SLICES
-from kvoffload.protocol import ErrorCode
 from kvoffload.server.handles import KVHandles
 from kvoffload.server.jobs import WorkerChannel
 from kvoffload.server.sessions import ClientSession, PendingPoll
 from kvoffload.server.state import CPU_WORKER, ManagerState, RequestError, WaitingLookup
-from kvoffload.tenants import TENANT_ID_CHARS, is_tenant_id
 from kvoffload.tiering import LookupResult, ReqContext
 from kvoffload.tiering.types import PrefixResult, TieringError
+from kvoffload.wire import protocol as p
+from kvoffload.wire.protocol import ErrorCode
+from kvoffload.wire.tenant_ids import TENANT_ID_CHARS, is_tenant_id
 
 log = structlog.get_logger()
 
@@ -452,13 +452,13 @@ class ClientApi:
 
 
 def check_tenant(tenant: str, required: bool = False) -> None:
-    """A tenant id as ``kvoffload.tenants.tenant_id`` makes it ("" for none, unless
+    """A tenant id as ``kvoffload.wire.tenant_ids.tenant_id`` makes it ("" for none, unless
     ``required``); else ``bad_tenant``."""
     if not is_tenant_id(tenant) or (required and not tenant):
         raise RequestError(
             ErrorCode.BAD_TENANT,
             f"tenant must be {TENANT_ID_CHARS} lower-case hex digits "
-            f"(kvoffload.tenants.tenant_id of its name){'' if required else ' or empty'}",
+            f"(kvoffload.wire.tenant_ids.tenant_id of its name){'' if required else ' or empty'}",
         )
 
 

@@ -7,12 +7,12 @@ from collections.abc import Iterable
 
 import structlog
 
-from kvoffload import protocol as p
 from kvoffload.memory.kvcache import handle_problem, segment_problem
 from kvoffload.memory.shmseg import stat_segment
-from kvoffload.protocol import ErrorCode
 from kvoffload.runtime.rundir import is_run_segment
 from kvoffload.server.state import CPU_WORKER, ManagerState, RequestError
+from kvoffload.wire import protocol as p
+from kvoffload.wire.protocol import ErrorCode
 
 log = structlog.get_logger()
 

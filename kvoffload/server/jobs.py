@@ -8,13 +8,13 @@ import time
 
 import structlog
 
-from kvoffload import protocol as p
 from kvoffload.server.handles import KVHandles
 from kvoffload.server.sessions import ClientSession
 from kvoffload.server.state import CPU_WORKER, DeviceJob, ManagerState
 from kvoffload.server.workers import WorkerState
 from kvoffload.tiering import TransferResult
 from kvoffload.tiering.types import TieringError
+from kvoffload.wire import protocol as p
 
 log = structlog.get_logger()
 

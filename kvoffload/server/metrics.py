@@ -33,11 +33,11 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvoffload import protocol as p
 from kvoffload.runtime.runspec import FatalStartError
 from kvoffload.server.tenant_metrics import tenant_families
 from kvoffload.tiering.types import CascadeDrop
-from kvoffload.vocab import TIER_JOB_KINDS
+from kvoffload.wire import protocol as p
+from kvoffload.wire.vocab import TIER_JOB_KINDS
 
 PREFIX = "kvoffload_"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from kvoffload.protocol import DeviceJobFinished
+from kvoffload.wire.protocol import DeviceJobFinished
 
 
 @dataclass(slots=True)

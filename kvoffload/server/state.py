@@ -15,7 +15,6 @@ import msgspec
 import structlog
 import zmq
 
-from kvoffload import protocol as p
 from kvoffload.config import Config
 from kvoffload.runtime.runspec import RunSpec
 from kvoffload.server.metrics import MetricsEndpoint
@@ -24,8 +23,9 @@ from kvoffload.server.sockets import bind_client_socket, bind_job_socket
 from kvoffload.server.tenants import DropReplies, disk_capacity_keys, tenant_policy, with_bytes
 from kvoffload.server.warmstart import WarmRestart
 from kvoffload.server.workers import WorkerRegistry
-from kvoffload.status import ManagerStatus
 from kvoffload.tiering import Locality, Medium, TieringLedger, TierSpec, TransferResult, WriteBack
+from kvoffload.wire import protocol as p
+from kvoffload.wire.status import ManagerStatus
 
 log = structlog.get_logger()
 

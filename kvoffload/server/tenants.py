@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvoffload import protocol as p
-from kvoffload import tenantconfig
 from kvoffload.config import Config
+from kvoffload.config import tenants as tenant_settings
 from kvoffload.memory.blockformat import HEADER_SIZE
-from kvoffload.tenants import tenant_id, tenant_label
 from kvoffload.tiering.tenant_drops import TenantDrop
 from kvoffload.tiering.tenants import PRIMARY, TenantLimits, TenantPolicy
+from kvoffload.wire import protocol as p
+from kvoffload.wire.tenant_ids import tenant_id, tenant_label
 
 DISK_RECORD_HEADER_BYTES = 4096
 """The header page of each disk record (``workers.disk.layout``)."""
@@ -54,11 +54,11 @@ def tenant_policy(cfg: Config) -> TenantPolicy:
 
     tenants = cfg.tenants
     named = {
-        tenant_id(name): limits(tenantconfig.resolve(tenants, name))
+        tenant_id(name): limits(tenant_settings.resolve(tenants, name))
         for name in tenants
-        if name != tenantconfig.DEFAULT
+        if name != tenant_settings.DEFAULT
     }
-    return TenantPolicy(named, limits(tenantconfig.resolve(tenants, tenantconfig.DEFAULT)))
+    return TenantPolicy(named, limits(tenant_settings.resolve(tenants, tenant_settings.DEFAULT)))
 
 
 def with_bytes(tenants: Mapping[str, Any], cfg: Config) -> dict[str, Any]:

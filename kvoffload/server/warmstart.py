@@ -21,7 +21,6 @@ import time
 
 import structlog
 
-from kvoffload import protocol as p
 from kvoffload.config import Config
 from kvoffload.memory.blockformat import (
     BlockChecksum,
@@ -32,6 +31,7 @@ from kvoffload.memory.blockformat import (
 from kvoffload.memory.slottable import SlotTable
 from kvoffload.runtime.runspec import RunSpec
 from kvoffload.tiering import TieringLedger
+from kvoffload.wire import protocol as p
 
 log = structlog.get_logger()
 

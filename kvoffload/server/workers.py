@@ -9,7 +9,7 @@ from typing import Any
 
 import structlog
 
-from kvoffload.status import WorkerStats
+from kvoffload.wire.status import WorkerStats
 
 log = structlog.get_logger()
 

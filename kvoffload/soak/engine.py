@@ -42,8 +42,8 @@ from kvoffload.logs import configure_logging
 from kvoffload.memory.blockformat import payload_checksum
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import ErrorCode
 from kvoffload.soak.blocks import POISON, conversation_keys, expected_block, mismatch
+from kvoffload.wire.protocol import ErrorCode
 
 log = structlog.get_logger()
 

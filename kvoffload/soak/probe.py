@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
-from kvoffload import protocol as p
 from kvoffload.memory.kvcache import SharedKVCache, unique_kv_name
 from kvoffload.soak.blocks import POISON, expected_block
 from kvoffload.testing.service import ServiceHarness
+from kvoffload.wire import protocol as p
 
 _names = itertools.count()
 

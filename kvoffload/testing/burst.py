@@ -23,7 +23,7 @@ from kvoffload.client import KVOffloadClient, KVOffloadError
 from kvoffload.memory.pool import HostPool
 from kvoffload.soak.blocks import expected_block
 from kvoffload.testing.service import ServiceHarness
-from kvoffload.vocab import ErrorCode
+from kvoffload.wire.vocab import ErrorCode
 
 _requests = itertools.count()
 

@@ -52,7 +52,7 @@ from kvoffload.config import Config, load_config
 from kvoffload.memory.pool import HostPool
 from kvoffload.runtime.rundir import live_runs
 from kvoffload.runtime.supervisor import Supervisor
-from kvoffload.status import ManagerStatus, WorkerStatus
+from kvoffload.wire.status import ManagerStatus, WorkerStatus
 
 log = structlog.get_logger()
 

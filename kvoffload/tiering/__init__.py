@@ -22,7 +22,7 @@ from kvoffload.tiering.types import (
     WriteBack,
     parse_tier_filter,
 )
-from kvoffload.vocab import JobKind, LookupResult, MissReason
+from kvoffload.wire.vocab import JobKind, LookupResult, MissReason
 
 __all__ = [
     "JobKind",

@@ -34,7 +34,7 @@ from kvoffload.tiering.primary import PrimaryIndex
 from kvoffload.tiering.secondary import SecondaryTier
 from kvoffload.tiering.stats import TieringStats
 from kvoffload.tiering.types import CascadeDrop, Key, RequestState, TransferJob, WriteBack
-from kvoffload.vocab import JobKind, LookupResult
+from kvoffload.wire.vocab import JobKind, LookupResult
 
 if TYPE_CHECKING:
     from kvoffload.tiering.tenant_room import TenantRoom

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from kvoffload.logs import get_logger
 from kvoffload.tiering.stats import TieringStats
 from kvoffload.tiering.types import Key, RequestState
-from kvoffload.vocab import LookupResult, MissReason
+from kvoffload.wire.vocab import LookupResult, MissReason
 
 log = get_logger()
 

@@ -25,7 +25,7 @@ from kvoffload.tiering.types import (
     UnknownJob,
     WrongTier,
 )
-from kvoffload.vocab import JobKind, MissReason
+from kvoffload.wire.vocab import JobKind, MissReason
 
 log = get_logger()
 

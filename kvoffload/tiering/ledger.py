@@ -58,7 +58,7 @@ from kvoffload.tiering.types import (
     UnknownRequest,
 )
 from kvoffload.tiering.writeback import Eviction
-from kvoffload.vocab import JobKind
+from kvoffload.wire.vocab import JobKind
 
 log = get_logger()
 

@@ -16,7 +16,7 @@ from kvoffload.tiering.primary import PrimaryIndex
 from kvoffload.tiering.secondary import SecondaryTier
 from kvoffload.tiering.stats import TieringStats
 from kvoffload.tiering.types import Key, PrefixResult, RequestState
-from kvoffload.vocab import LookupResult, MissReason
+from kvoffload.wire.vocab import LookupResult, MissReason
 
 if TYPE_CHECKING:
     from kvoffload.tiering.tenants import Tenants

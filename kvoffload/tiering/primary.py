@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvoffload.tiering.policies import make_policy
 from kvoffload.tiering.types import Allocation, Key, NotReady, ProtocolViolation
-from kvoffload.vocab import LookupResult
+from kvoffload.wire.vocab import LookupResult
 
 WRITING = -1
 

@@ -16,7 +16,7 @@ from kvoffload.tiering.primary import PrimaryIndex
 from kvoffload.tiering.secondary import SecondaryTier
 from kvoffload.tiering.stats import TieringStats
 from kvoffload.tiering.types import Key, RequestState, TransferJob
-from kvoffload.vocab import JobKind
+from kvoffload.wire.vocab import JobKind
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from kvoffload.tiering.types import Key, Locality, Medium, OffloadPolicy, WriteBack
 from kvoffload.tiering.verdicts import VerdictCache
-from kvoffload.vocab import LookupResult, MissReason
+from kvoffload.wire.vocab import LookupResult, MissReason
 
 
 @dataclass(frozen=True, slots=True)

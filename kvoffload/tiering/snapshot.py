@@ -9,7 +9,7 @@ if TYPE_CHECKING:
 
 
 def ledger_snapshot(ledger: TieringLedger) -> dict[str, Any]:
-    """What ``ManagerStatus.tiering`` reports (``kvoffload.status.TieringStatus``)."""
+    """What ``ManagerStatus.tiering`` reports (``kvoffload.wire.status.TieringStatus``)."""
     return {
         **ledger.primary.gauges(),
         "unverified_slots": len(ledger.adoption),

@@ -7,9 +7,9 @@ from typing import Any
 
 import msgspec
 
-from kvoffload import vocab
 from kvoffload.tiering.types import CascadeDrop
-from kvoffload.vocab import JobKind, LookupResult
+from kvoffload.wire import vocab
+from kvoffload.wire.vocab import JobKind, LookupResult
 
 
 class TierCounters(vocab.TierCounters):

@@ -15,7 +15,7 @@ from kvoffload.tiering.tenant_drops import TenantDrop, TenantDrops
 from kvoffload.tiering.tenant_room import TenantRoom
 from kvoffload.tiering.tenants import NO_TENANT, TenantCapReached, TenantPolicy, Tenants
 from kvoffload.tiering.types import Allocation, Key, PrefixResult, ReqContext, TransferJob
-from kvoffload.vocab import JobKind
+from kvoffload.wire.vocab import JobKind
 
 if TYPE_CHECKING:
     from kvoffload.tiering.ledger import TieringLedger

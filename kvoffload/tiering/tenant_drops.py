@@ -26,7 +26,7 @@ from kvoffload.tiering.secondary import SecondaryTier
 from kvoffload.tiering.tenant_room import DeleteJob, TenantRoom
 from kvoffload.tiering.tenants import DOOMED, PRIMARY, Tenants
 from kvoffload.tiering.types import Key, TransferJob, TransferResult
-from kvoffload.vocab import JobKind
+from kvoffload.wire.vocab import JobKind
 
 log = get_logger()
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from kvoffload.tiering.secondary import SecondaryTier
 from kvoffload.tiering.tenants import DOOMED, NO_TENANT, Tenants
 from kvoffload.tiering.types import Key, TransferJob, TransferResult
-from kvoffload.vocab import JobKind
+from kvoffload.wire.vocab import JobKind
 
 if TYPE_CHECKING:
     from kvoffload.tiering.cascades import Cascades

@@ -34,7 +34,7 @@ from kvoffload.tiering.primary import PrimaryIndex
 from kvoffload.tiering.secondary import SecondaryTier
 from kvoffload.tiering.types import Allocation, Key, TieringError
 from kvoffload.tiering.writeback import Eviction
-from kvoffload.vocab import ErrorCode, JobKind, LookupResult
+from kvoffload.wire.vocab import ErrorCode, JobKind, LookupResult
 
 log = get_logger()
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from kvoffload.logs import get_logger
-from kvoffload.vocab import ErrorCode, JobKind, LookupResult, MissReason, must_wait
+from kvoffload.wire.vocab import ErrorCode, JobKind, LookupResult, MissReason, must_wait
 
 log = get_logger()
 

@@ -15,7 +15,7 @@ import structlog
 
 from kvoffload.cli import build_parser
 from kvoffload.config import load_config
-from kvoffload.demo import run_demo
+from kvoffload.engine.demo import run_demo
 from kvoffload.testing.helpers import skip_without_extra
 
 skip_without_extra("engine")

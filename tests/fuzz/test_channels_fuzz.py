@@ -16,11 +16,11 @@ import msgspec
 import pytest
 import zmq
 
-from kvoffload import protocol as p
 from kvoffload.client import KVOffloadError
 from kvoffload.soak.probe import ProbeEngine
 from kvoffload.testing.helpers import keys_for
 from kvoffload.testing.service import services
+from kvoffload.wire import protocol as p
 
 SEED = 20261129
 MESSAGES_PER_ROUND = 300

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvoffload import protocol as p
+from kvoffload.wire import protocol as p
 
 DECODERS = {
     "client_request": (p.decode_client_request, p.ClientRequest),

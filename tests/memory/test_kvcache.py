@@ -22,7 +22,7 @@ from kvoffload.memory.kvcache import (  # noqa: E402
     segment_problem,
     unique_kv_name,
 )
-from kvoffload.protocol import (  # noqa: E402
+from kvoffload.wire.protocol import (  # noqa: E402
     AttachKV,
     CudaIpcFields,
     HandleKind,

@@ -19,7 +19,6 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
-from kvoffload import protocol as p
 from kvoffload.client import KVOffloadClient, KVOffloadError
 from kvoffload.config import ConfigError, ServiceConfig, load_config
 from kvoffload.server.handshakes import LOG_BURST, fingerprint
@@ -28,6 +27,7 @@ from kvoffload.soak.probe import ProbeEngine
 from kvoffload.testing.helpers import free_port, keys_for
 from kvoffload.testing.metrics import scrape_metrics
 from kvoffload.testing.service import services
+from kvoffload.wire import protocol as p
 
 NO_DISK = {"enabled": False}
 HOSTILE_KEYS = [

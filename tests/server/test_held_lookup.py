@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import zmq
 
-from kvoffload import protocol as p
 from kvoffload.client import KVOffloadError
 from kvoffload.memory.slotcopy import shared_copier
 from kvoffload.testing.helpers import keys_for, wait_until
 from kvoffload.testing.service import service_pool
 from kvoffload.tiering import LookupResult
+from kvoffload.wire import protocol as p
 
 HIT, HIT_PENDING = LookupResult.HIT, LookupResult.HIT_PENDING
 BLOCK = 65536

@@ -13,7 +13,6 @@ import psutil
 import pytest
 import zmq
 
-from kvoffload import protocol as p
 from kvoffload.client import KVOffloadError
 from kvoffload.memory.cuda_host import cuda_device_count
 from kvoffload.memory.kvcache import SharedKVCache
@@ -21,6 +20,7 @@ from kvoffload.runtime.rundir import cleanup_stale
 from kvoffload.testing.helpers import free_port, keys_for, random_kv_cache
 from kvoffload.testing.metrics import sample_value, scrape_metrics
 from kvoffload.tiering import LookupResult
+from kvoffload.wire import protocol as p
 
 BLOCK = 65536
 

@@ -11,16 +11,16 @@ import time
 
 import pytest
 
-from kvoffload import protocol as p
 from kvoffload.cli import main
 from kvoffload.client import KVOffloadClient, KVOffloadError, LookupOutcome
-from kvoffload.protocol import ErrorCode
-from kvoffload.tenants import tenant_id
 from kvoffload.testing.helpers import free_port, keys_for, wait_until
 from kvoffload.testing.metrics import sample_value, scrape_metrics
 from kvoffload.testing.s3server import object_section
 from kvoffload.testing.service import to_toml
 from kvoffload.tiering import LookupResult
+from kvoffload.wire import protocol as p
+from kvoffload.wire.protocol import ErrorCode
+from kvoffload.wire.tenant_ids import tenant_id
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 SLOTS = 64

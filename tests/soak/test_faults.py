@@ -15,9 +15,9 @@ from kvoffload.memory.blockformat import payload_checksum
 from kvoffload.memory.pool import HostPool
 from kvoffload.soak.blocks import expected_block
 from kvoffload.soak.probe import ProbeEngine
-from kvoffload.status import DiskWorkerStats
 from kvoffload.testing.helpers import keys_for, wait_until
 from kvoffload.testing.service import services
+from kvoffload.wire.status import DiskWorkerStats
 
 NO_DISK = {"enabled": False}
 

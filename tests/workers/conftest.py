@@ -20,7 +20,9 @@ import pytest
 import zmq
 
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import (
+from kvoffload.runtime.runspec import RunSpec
+from kvoffload.testing.helpers import REPO_ROOT
+from kvoffload.wire.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     HelloAck,
@@ -29,8 +31,6 @@ from kvoffload.protocol import (
     decode_worker_message,
     encode,
 )
-from kvoffload.runtime.runspec import RunSpec
-from kvoffload.testing.helpers import REPO_ROOT
 
 
 class FakeManager:

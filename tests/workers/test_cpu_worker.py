@@ -21,7 +21,8 @@ import torch  # noqa: E402
 
 from kvoffload.memory.cuda_host import cuda_device_count  # noqa: E402
 from kvoffload.memory.kvcache import SharedKVCache  # noqa: E402
-from kvoffload.protocol import (  # noqa: E402
+from kvoffload.testing.helpers import REPO_ROOT  # noqa: E402
+from kvoffload.wire.protocol import (  # noqa: E402
     AttachKV,
     CudaIpcFields,
     DetachKV,
@@ -33,8 +34,7 @@ from kvoffload.protocol import (  # noqa: E402
     KVHandle,
     TensorSpec,
 )
-from kvoffload.status import CpuWorkerStats  # noqa: E402
-from kvoffload.testing.helpers import REPO_ROOT  # noqa: E402
+from kvoffload.wire.status import CpuWorkerStats  # noqa: E402
 from tests.workers.conftest import write_spec  # noqa: E402
 from workers.backend import AttachRefused  # noqa: E402
 from workers.cpu import UNKNOWN_HANDLE, CpuBackend  # noqa: E402

@@ -18,7 +18,8 @@ import pytest
 
 from kvoffload.config import Config
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import (
+from kvoffload.runtime.runspec import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, RunSpec, load_runspec
+from kvoffload.wire.protocol import (
     PROTOCOL_VERSION,
     Control,
     FaultSpec,
@@ -31,8 +32,7 @@ from kvoffload.protocol import (
     WorkerHello,
     encode,
 )
-from kvoffload.runtime.runspec import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, RunSpec, load_runspec
-from kvoffload.status import DiskWorkerStats
+from kvoffload.wire.status import DiskWorkerStats
 from tests.workers.conftest import FakeManager, write_spec
 from workers.backend import Backend, BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault
@@ -542,7 +542,7 @@ def test_fault_injector_is_thread_safe_for_release_failures():
 
 def test_crash_after_ops_kills_the_process_with_sigkill():
     code = (
-        "from kvoffload.protocol import FaultSpec\n"
+        "from kvoffload.wire.protocol import FaultSpec\n"
         "from workers.faults import FaultInjector\n"
         "f = FaultInjector(FaultSpec(crash_after_ops=2))\n"
         "f.count_op(); f.count_op(); print('two ops done', flush=True)\n"

@@ -13,7 +13,7 @@ from kvoffload.config import Config, DiskConfig, PoolConfig
 from kvoffload.memory.blockformat import deployment_fingerprint, payload_checksum
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.memory.slottable import SlotTable
-from kvoffload.protocol import Job, JobKind
+from kvoffload.wire.protocol import Job, JobKind
 from workers.cpu import CpuBackend
 from workers.disk.worker import DiskBackend
 from workers.faults import FaultInjector

@@ -51,9 +51,9 @@ from kvoffload.config import Config
 from kvoffload.logs import get_logger
 from kvoffload.memory.blockformat import BlockChecksum, CorruptBlock, deployment_fingerprint
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import Job, JobKind, KVHandle
 from kvoffload.runtime.runspec import FatalStartError
-from kvoffload.status import DiskWorkerStats
+from kvoffload.wire.protocol import Job, JobKind, KVHandle
+from kvoffload.wire.status import DiskWorkerStats
 from workers.backend import BackendOutcome
 from workers.disk.errors import LayoutError, StoreFull, TransientIOError
 from workers.disk.fanout import fan_out

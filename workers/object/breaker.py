@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import structlog
 
-from kvoffload.status import BreakerState, BreakerStats
+from kvoffload.wire.status import BreakerState, BreakerStats
 from workers.object.errors import TransientObjectError
 
 log = structlog.get_logger()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from kvoffload.memory.blockformat import MAX_KEY_BYTES
-from kvoffload.tenants import NO_TENANT, is_tenant_id
+from kvoffload.wire.tenant_ids import NO_TENANT, is_tenant_id
 
 TENANTS_DIR = "tenants"
 

@@ -42,7 +42,7 @@ from kvoffload.memory.blockformat import (
     make_header,
     verify_payload,
 )
-from kvoffload.tenants import NO_TENANT
+from kvoffload.wire.tenant_ids import NO_TENANT
 from workers.object.breaker import CircuitBreaker
 from workers.object.classify import UNREACHABLE, ErrorKind, Failure, classify
 from workers.object.errors import (

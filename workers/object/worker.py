@@ -39,9 +39,9 @@ from kvoffload.config import Config
 from kvoffload.logs import get_logger
 from kvoffload.memory.blockformat import CorruptBlock, deployment_fingerprint
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import Job, JobKind
-from kvoffload.status import ObjectWorkerStats
-from kvoffload.tenants import NO_TENANT
+from kvoffload.wire.protocol import Job, JobKind
+from kvoffload.wire.status import ObjectWorkerStats
+from kvoffload.wire.tenant_ids import NO_TENANT
 from workers.backend import BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault
 from workers.object.breaker import CLOSED, BreakerOpen, CircuitBreaker

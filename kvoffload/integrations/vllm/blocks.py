@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import LoadStoreSpec
 
-from kvoffload.protocol import Connected
+from kvoffload.wire.protocol import Connected
 
 NO_SLOT = -1
 

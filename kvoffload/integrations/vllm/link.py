@@ -22,7 +22,7 @@ import zmq
 
 from kvoffload.client import KVOffloadClient, KVOffloadError
 from kvoffload.integrations.vllm import integration_logger
-from kvoffload.protocol import Connected, ErrorCode
+from kvoffload.wire.protocol import Connected, ErrorCode
 
 log = integration_logger(__name__)
 

@@ -61,7 +61,7 @@ from kvoffload.integrations.vllm.keys import namespaced, offload_key_of
 from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
 from kvoffload.integrations.vllm.metrics import ConfigInfo, Counter, StatsAccumulator
 from kvoffload.integrations.vllm.requests import EngineRequest, TenantNames, lookup_queued
-from kvoffload.protocol import Slots
+from kvoffload.wire.protocol import Slots
 
 log = integration_logger(__name__)
 

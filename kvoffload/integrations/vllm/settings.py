@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from kvoffload.protocol import FaultSpec
+from kvoffload.wire.protocol import FaultSpec
 
 
 @dataclass(frozen=True)

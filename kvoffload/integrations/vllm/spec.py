@@ -31,8 +31,8 @@ from kvoffload.integrations.vllm.manager import KVOffloadManager
 from kvoffload.integrations.vllm.metrics import CONFIG_INFO_KEYS, metric_definitions
 from kvoffload.integrations.vllm.settings import ConnectorSettings
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
-from kvoffload.protocol import Connected
 from kvoffload.runtime.discovery import ENDPOINT_ENV, find_endpoint
+from kvoffload.wire.protocol import Connected
 
 log = integration_logger(__name__)
 

@@ -56,7 +56,7 @@ from kvoffload.memory.slotcopy import (
     SlotCopier,
     process_cpus,
 )
-from kvoffload.protocol import FaultSpec
+from kvoffload.wire.protocol import FaultSpec
 
 log = integration_logger(__name__)
 

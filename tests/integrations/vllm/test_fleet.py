@@ -25,7 +25,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvoffload.status import ObjectWorkerStats  # noqa: E402
 from kvoffload.testing.helpers import free_port, wait_until  # noqa: E402
 from kvoffload.testing.metrics import sample_value, scrape_metrics  # noqa: E402
 from kvoffload.testing.s3server import S3Server, object_section  # noqa: E402
@@ -35,6 +34,7 @@ from kvoffload.testing.service import (  # noqa: E402
     ServiceHarness,
 )
 from kvoffload.testing.vllm_engine import VllmEngineProcess  # noqa: E402
+from kvoffload.wire.status import ObjectWorkerStats  # noqa: E402
 from tests.integrations.vllm.conftest import (  # noqa: E402
     Engines,
     ModelCase,

@@ -18,13 +18,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvoffload.tenants import tenant_id  # noqa: E402
 from kvoffload.testing.service import ServiceHarness, serve_harness, to_toml  # noqa: E402
 from kvoffload.testing.vllm_engine import (  # noqa: E402
     BLOCK_TOKENS,
     VllmEngineProcess,
     kvoffload_transfer,
 )
+from kvoffload.wire.tenant_ids import tenant_id  # noqa: E402
 from tests.integrations.vllm.conftest import ModelCase, same_output  # noqa: E402
 
 pytestmark = pytest.mark.parametrize("case", ["llama"], indirect=True, scope="module")

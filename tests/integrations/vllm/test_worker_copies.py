@@ -132,7 +132,7 @@ def test_copies_for_a_dead_manager_are_refused(pool):
 
 
 def test_injected_load_faults_fail_loads():
-    from kvoffload.protocol import FaultSpec
+    from kvoffload.wire.protocol import FaultSpec
 
     w = KVOffloadWorker(
         kv_caches(seed=0),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from kvoffload.protocol import Job
+from kvoffload.wire.protocol import Job
 from workers.backend import BackendOutcome
 from workers.disk.worker import DiskBackend
 

@@ -22,10 +22,10 @@ from kvoffload.memory.blockformat import (
 )
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import FaultSpec, JobKind
-from kvoffload.status import DiskWorkerStats, WorkerStatus
 from kvoffload.testing.helpers import random_kv_cache, wait_until
 from kvoffload.tiering import LookupResult
+from kvoffload.wire.protocol import FaultSpec, JobKind
+from kvoffload.wire.status import DiskWorkerStats, WorkerStatus
 from tests.workers.disk.jobs import run
 from workers.backend import Backend
 from workers.disk.rawio import probe_direct_io

@@ -17,7 +17,7 @@ import pytest
 
 from kvoffload.config import Config, DiskConfig, PoolConfig
 from kvoffload.memory.pool import HostPool
-from kvoffload.protocol import JobKind
+from kvoffload.wire.protocol import JobKind
 from tests.workers.disk.jobs import run
 from workers.disk.fanout import fan_out
 from workers.disk.worker import DiskBackend

@@ -27,13 +27,13 @@ from kvoffload.memory.blockformat import HEADER_SIZE, deployment_fingerprint  # 
 from kvoffload.memory.kvcache import SharedKVCache  # noqa: E402
 from kvoffload.memory.pool import HostPool  # noqa: E402
 from kvoffload.memory.slottable import SlotTable  # noqa: E402
-from kvoffload.protocol import FaultSpec, Job, JobKind  # noqa: E402
 from kvoffload.runtime.runspec import EXIT_REFUSED, RunSpec  # noqa: E402
-from kvoffload.status import ObjectWorkerStats, WorkerStats  # noqa: E402
 from kvoffload.testing.helpers import REPO_ROOT, random_kv_cache, wait_until  # noqa: E402
 from kvoffload.testing.s3server import S3Server, object_section  # noqa: E402
 from kvoffload.testing.service import shm_names_containing, to_toml  # noqa: E402
 from kvoffload.tiering import LookupResult  # noqa: E402
+from kvoffload.wire.protocol import FaultSpec, Job, JobKind  # noqa: E402
+from kvoffload.wire.status import ObjectWorkerStats, WorkerStats  # noqa: E402
 from workers.backend import Backend  # noqa: E402
 from workers.faults import FaultInjector  # noqa: E402
 from workers.object.breaker import CircuitBreaker  # noqa: E402

@@ -34,7 +34,7 @@ import numpy as np
 from kvoffload.client import KVOffloadClient
 from kvoffload.config import Config
 from kvoffload.logs import configure_logging
-from kvoffload.status import TierCounters
+from kvoffload.wire.status import TierCounters
 
 if TYPE_CHECKING:
     from kvoffload.engine import Engine

@@ -2,7 +2,7 @@
 
 Every key has a default, so no file is needed. An override variable is named
 ``KVOFFLOAD_<SECTION>__<KEY>`` (double underscore between section and key, case-insensitive;
-``[tenants]`` entries: ``KVOFFLOAD_TENANTS__<NAME>__<KEY>``, see ``tenantconfig``);
+``[tenants]`` entries: ``KVOFFLOAD_TENANTS__<NAME>__<KEY>``, see ``kvoffload.config.tenants``);
 its value is read as a TOML value (``8``, ``true``, ``[0, 1]``, ``"text"``), falling back to the
 raw text. For string keys the raw text is used unless it is a quoted TOML string. ``[[engines]]``
 can only be set in the file. Empty ``object.access_key_id`` / ``object.secret_access_key`` are
@@ -19,20 +19,15 @@ import tomllib
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
-from msgspec import Meta
 
-from kvoffload import tenantconfig
-from kvoffload.memory.blockformat import MAX_KEY_BYTES
-from kvoffload.memory.slotcopy import MAX_COPY_THREADS
-from kvoffload.protocol import FaultSpec
-from kvoffload.tenantconfig import TenantConfig
+from kvoffload.config import tenants as tenant_settings
+from kvoffload.config.sections import SECTIONS, Config
 
 ENV_PREFIX = "KVOFFLOAD_"
 DEFAULTS_SOURCE = "defaults"
-GiB = 1 << 30
 
 
 class ConfigError(ValueError):
@@ -49,149 +44,6 @@ class ConfigError(ValueError):
         self.key = key
         self.source = source
 
-
-class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Base of the config sections; each repeats ``frozen=True`` for type checkers."""
-
-
-# Single-field constraints, checked when a config is decoded (the error names key and source).
-Positive = Annotated[int, Meta(gt=0)]
-PositiveSeconds = Annotated[float, Meta(gt=0)]
-Fraction = Annotated[float, Meta(ge=0, le=1)]
-Cores = tuple[Annotated[int, Meta(ge=0)], ...]
-
-
-class ServiceConfig(_Section, frozen=True):
-    """Manager and channels. Empty ``runtime_dir`` means ``$XDG_RUNTIME_DIR/kvoffload`` when set,
-    else ``/tmp/kvoffload-<uid>``; empty ``client_endpoint`` means an ipc socket in the runtime
-    dir; a ``tcp://`` endpoint needs both CURVE settings. ``metrics_port`` 0 turns metrics off."""
-
-    runtime_dir: str = ""
-    client_endpoint: str = ""
-    curve_server_secret_file: str = ""
-    curve_authorized_dir: str = ""
-    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
-    log_level: str = "info"
-    heartbeat_interval_s: PositiveSeconds = 0.5
-    heartbeat_timeout_s: PositiveSeconds = 5.0
-    request_lease_s: PositiveSeconds = 300.0
-    hit_pending_deadline_s: PositiveSeconds = 30.0
-    max_message_bytes: Positive = 16 * 1024 * 1024
-
-
-class PoolConfig(_Section, frozen=True):
-    """Host pool geometry and primary-tier policy. ``unread_promotion_cap`` is a fraction of
-    the slots. ``slot_headers``: workers stamp a checksummed header per ready slot, so a
-    restarted manager rebuilds its primary index instead of starting cold."""
-
-    num_slots: Positive = 1024
-    block_bytes: Annotated[int, Meta(gt=0, multiple_of=4096)] = 256 * 1024
-    eviction_policy: Literal["lru", "arc"] = "lru"
-    unread_promotion_cap: Fraction = 0.25
-    layout_id: Annotated[str, Meta(min_length=1)] = "default"
-    key_bytes_min: Positive = 16
-    key_bytes_max: Annotated[int, Meta(le=MAX_KEY_BYTES)] = 64
-    slot_headers: bool = True
-
-
-class CpuConfig(_Section, frozen=True):
-    """The cpu worker (device <-> pool copies). Empty ``cpu_affinity`` means no pinning.
-    ``threads``: copies in flight at once (0: one per core the worker may run on, at most
-    ``MAX_COPY_THREADS``; more threads than cores only take turns)."""
-
-    threads: Annotated[int, Meta(ge=0)] = 0
-    cpu_affinity: Cores = ()
-
-    def copy_threads(self) -> int:
-        """``threads``, with 0 resolved for the cores of ``cpu_affinity`` (else this process's)."""
-        if self.threads:
-            return self.threads
-        cores = len(self.cpu_affinity) or len(os.sched_getaffinity(0))
-        return max(1, min(MAX_COPY_THREADS, cores))
-
-
-class DiskConfig(_Section, frozen=True):
-    """The disk tier. A relative ``root`` is relative to the working directory. ``io``:
-    ``direct`` requires O_DIRECT, ``buffered`` never uses it, ``auto`` uses it when a probe at
-    start-up succeeds."""
-
-    enabled: bool = True
-    root: str = "kvoffload-data/disk"
-    capacity_bytes: int = 8 * GiB
-    durability: Literal["none", "fsync"] = "none"
-    io: Literal["auto", "direct", "buffered"] = "auto"
-    read_threads: Positive = 4
-    write_threads: Positive = 2
-    cpu_affinity: Cores = ()
-
-
-class ObjectConfig(_Section, frozen=True):
-    """The S3-compatible object tier; off until ``enabled`` and an ``endpoint`` are set.
-    ``writeback``: ``best_effort`` evicts blocks whose PUT has not landed when the pool needs
-    room (given up, counted); ``hold`` keeps them, refusing stores instead (as the disk tier)."""
-
-    enabled: bool = False
-    endpoint: str = ""
-    bucket: str = "kvoffload"
-    prefix: str = "kv"
-    region: str = "us-east-1"
-    access_key_id: str = ""
-    secret_access_key: str = ""
-    io_threads: Positive = 8
-    request_timeout_s: PositiveSeconds = 10.0
-    max_retries: Annotated[int, Meta(ge=0)] = 3
-    verdict_timeout_s: PositiveSeconds = 5.0
-    breaker_failure_threshold: Positive = 5
-    breaker_cooldown_s: PositiveSeconds = 1.0
-    breaker_max_cooldown_s: float = 30.0
-    writeback: Literal["best_effort", "hold"] = "best_effort"
-    cpu_affinity: Cores = ()
-
-
-class SupervisorConfig(_Section, frozen=True):
-    """Process supervision: restart backoff, drain and grace period on shutdown."""
-
-    restart_backoff_initial_s: PositiveSeconds = 0.5
-    restart_backoff_max_s: PositiveSeconds = 10.0
-    drain_timeout_s: PositiveSeconds = 10.0
-    stop_grace_s: PositiveSeconds = 5.0
-    cpu_affinity: Cores = ()
-
-
-class EngineConfig(_Section, frozen=True):
-    """One inference worker the supervisor starts: argv and extra environment."""
-
-    command: tuple[str, ...]
-    env: dict[str, str] = {}
-
-
-class Config(_Section, frozen=True):
-    """The whole configuration. Build it with ``load_config``."""
-
-    service: ServiceConfig = msgspec.field(default_factory=ServiceConfig)
-    pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
-    cpu: CpuConfig = msgspec.field(default_factory=CpuConfig)
-    disk: DiskConfig = msgspec.field(default_factory=DiskConfig)
-    object: ObjectConfig = msgspec.field(default_factory=ObjectConfig)
-    supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
-    engines: tuple[EngineConfig, ...] = ()
-    tenants: dict[str, TenantConfig] = {}
-    """Shares and caps per tenant (``tenantconfig``): ``default`` and named entries."""
-    faults: FaultSpec = msgspec.field(default_factory=FaultSpec)
-    """Fault injection every tier worker starts with (all off); the wire's ``FaultSpec``."""
-
-    def to_toml_dict(self, redact_secrets: bool = True) -> dict[str, Any]:
-        """Plain nested dict (lists for arrays) in file layout, e.g. for ``status``. With
-        ``redact_secrets`` a non-empty ``object.secret_access_key`` reads ``"***"``."""
-        data: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(self))
-        if redact_secrets and data["object"]["secret_access_key"]:
-            data["object"]["secret_access_key"] = "***"
-        return data
-
-
-SECTIONS: dict[str, type[_Section]] = {
-    f.name: f.type for f in msgspec.structs.fields(Config) if f.name not in ("engines", "tenants")
-}
 
 _PATH_IN_ERROR = re.compile(r" - at `\$([^`]*)`$")
 
@@ -215,7 +67,7 @@ def _check_file_keys(data: dict[str, Any], source: str, sources: dict[str, str])
         if section == "engines":
             continue
         if section == "tenants":
-            tenantconfig.check_file_table(table, source, sources, _raise)
+            tenant_settings.check_file_table(table, source, sources, _raise)
             continue
         cls = SECTIONS.get(section)
         if cls is None:
@@ -265,7 +117,7 @@ def _apply_env(data: dict[str, Any], sources: dict[str, str], env: Mapping[str, 
             raise ConfigError("[[engines]] can only be set in the config file", dotted, var)
         if section == "tenants":
             raw = _parse_env_value(env[var], Any)
-            tenantconfig.apply_env(data, key, raw, var, sources, _raise)
+            tenant_settings.apply_env(data, key, raw, var, sources, _raise)
             continue
         cls = SECTIONS.get(section)
         if cls is None:
@@ -410,7 +262,7 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
             fail(f"engines[{i}].command", "must name a program")
 
     disk_bytes = cfg.disk.capacity_bytes if cfg.disk.enabled else None
-    tenantconfig.validate(cfg.tenants, pool.num_slots, disk_bytes, fail)
+    tenant_settings.validate(cfg.tenants, pool.num_slots, disk_bytes, fail)
 
 
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
@@ -423,7 +275,7 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         data = _read_file(Path(path))
         _check_file_keys(data, str(path), sources)
     _apply_env(data, sources, environ)
-    tenantconfig.check_entries(
+    tenant_settings.check_entries(
         data.get("tenants"),
         lambda key, message: _raise(key, message, _source_of(key, sources)),
     )

@@ -13,7 +13,7 @@ from typing import Literal
 import msgspec
 
 # re-exported: the tiering library counts them, the status reports them
-from kvoffload.vocab import TierCounters as TierCounters
+from kvoffload.wire.vocab import TierCounters as TierCounters
 
 
 class _Status(msgspec.Struct, forbid_unknown_fields=True):

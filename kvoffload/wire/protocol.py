@@ -8,7 +8,7 @@ carrying keys and slot numbers (never block bytes), results, heartbeats, control
 Decoding is strict (``decode_client_request``, ``decode_client_reply``,
 ``decode_worker_message`` and ``decode_manager_message`` accept only their channel's union) and
 bounded by ``MAX_MESSAGE_BYTES``. Nothing is ever unpickled. What a status reply and a heartbeat
-carry is defined in ``kvoffload.status``.
+carry is defined in ``kvoffload.wire.status``.
 
 Each frame is one msgpack map, the ``rid`` among its fields. A request that cannot be decoded is
 still answered with its ``rid`` when ``request_id_of`` finds one in the frame's top-level map
@@ -23,14 +23,14 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from kvoffload.status import ManagerStatus, WorkerStats
+from kvoffload.wire.status import ManagerStatus, WorkerStats
 
 # re-exported: part of the protocol
-from kvoffload.vocab import ErrorCode as ErrorCode
-from kvoffload.vocab import JobKind as JobKind
-from kvoffload.vocab import LookupResult as LookupResult
-from kvoffload.vocab import MissReason as MissReason
-from kvoffload.vocab import must_wait as must_wait
+from kvoffload.wire.vocab import ErrorCode as ErrorCode
+from kvoffload.wire.vocab import JobKind as JobKind
+from kvoffload.wire.vocab import LookupResult as LookupResult
+from kvoffload.wire.vocab import MissReason as MissReason
+from kvoffload.wire.vocab import must_wait as must_wait
 
 PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -127,7 +127,7 @@ class RegisterKV(_Msg, tag="register_kv"):
 
 
 class NewRequest(_Msg, tag="new_request"):
-    """``tenant``: the id of the request's tenant (``kvoffload.tenants.tenant_id`` of its
+    """``tenant``: the id of the request's tenant (``kvoffload.wire.tenant_ids.tenant_id`` of its
     name; "" for none): the blocks it stores are that tenant's, and it sees no other's."""
 
     rid: int
