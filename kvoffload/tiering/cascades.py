@@ -380,7 +380,7 @@ class Cascades:
     def _drop(self, tier_idx: int, keys: list[Key], reason: CascadeDrop) -> None:
         if not keys:
             return
-        self.stats.tier(tier_idx + 1).cascade_dropped(reason, len(keys))
+        self.stats.cascade_dropped(tier_idx + 1, reason, len(keys))
         log.warning(
             "cascade_dropped",
             tier=self.tiers[tier_idx].name,

@@ -75,7 +75,7 @@ class TierJobs:
         job.job_id = self.next_id()
         job.submitted_at = self._clock()
         self._jobs[job.job_id] = job
-        self.stats.tier(job.tier + 1).job_submitted(job.kind)
+        self.stats.job_submitted(job.tier + 1, job.kind)
 
     def of_tier(self, tier_idx: int) -> list[TransferJob]:
         return [job for job in self._jobs.values() if job.tier == tier_idx]
@@ -149,8 +149,9 @@ class TierJobs:
             ok, failed = [], list(job.keys)
         del self._jobs[job.job_id]
         tier = self.tiers[job.tier]
-        stats = self.stats.tier(job.tier + 1)
-        stats.job_finished(job.kind, bool(ok) and not failed, len(ok), result.transfer_time_s)
+        self.stats.job_finished(
+            job.tier + 1, job.kind, bool(ok) and not failed, len(ok), result.transfer_time_s
+        )
         absent = set(result.absent_keys).intersection(failed) if failed else set()
         if job.kind is JobKind.PROBE:
             unanswered = [k for k in failed if k not in absent]

@@ -8,61 +8,8 @@ from typing import Any
 import msgspec
 
 from kvoffload.tiering.types import CascadeDrop
-from kvoffload.wire import vocab
+from kvoffload.wire.status import TierCounters
 from kvoffload.wire.vocab import JobKind, LookupResult
-
-
-class TierCounters(vocab.TierCounters):
-    """The status counters of one tier, with the ways the tiering library counts."""
-
-    def count(self, result: LookupResult) -> None:
-        if result is LookupResult.HIT:
-            self.lookups_hit += 1
-        elif result is LookupResult.HIT_PENDING:
-            self.lookups_hit_pending += 1
-        elif result is LookupResult.RETRY:
-            self.lookups_retry += 1
-        else:
-            self.lookups_miss += 1
-
-    def cascade_dropped(self, reason: CascadeDrop, keys: int) -> None:
-        if reason is CascadeDrop.EVICTED:
-            self.cascade_dropped_evicted += keys
-        elif reason is CascadeDrop.TIER_FULL:
-            self.cascade_dropped_tier_full += keys
-        elif reason is CascadeDrop.TENANT_CAP:
-            self.cascade_dropped_tenant_cap += keys
-        else:
-            self.cascade_dropped_retry_bound += keys
-
-    def job_submitted(self, kind: JobKind) -> None:
-        self.active_jobs += 1
-        if kind is JobKind.PROMOTION:
-            self.promotion_jobs += 1
-        elif kind is JobKind.CASCADE:
-            self.cascade_jobs += 1
-        elif kind is JobKind.DELETE:
-            self.delete_jobs += 1
-        else:
-            self.probe_jobs += 1
-
-    def job_finished(
-        self, kind: JobKind, success: bool, ok_keys: int, seconds: float | None
-    ) -> None:
-        """A job's result. A promotion's keys are counted in ``promoted_keys_ok`` by
-        ``Promotions`` as they land, which may be before the result."""
-        self.active_jobs -= 1
-        self.transfer_time_s += seconds or 0.0
-        if kind is JobKind.PROMOTION:
-            self.promotion_jobs_failed += not success
-        elif kind is JobKind.CASCADE:
-            self.cascaded_keys_ok += ok_keys
-            self.cascade_jobs_failed += not success
-        elif kind is JobKind.DELETE:
-            self.deleted_keys += ok_keys
-            self.delete_jobs_failed += not success
-        else:
-            self.probe_jobs_failed += not success
 
 
 class TieringStats:
@@ -82,15 +29,64 @@ class TieringStats:
     def tier(self, index: int) -> TierCounters:
         return self._tiers[index]
 
+    def tier_lookup(self, index: int, result: LookupResult) -> None:
+        tier = self._tiers[index]
+        if result is LookupResult.HIT:
+            tier.lookups_hit += 1
+        elif result is LookupResult.HIT_PENDING:
+            tier.lookups_hit_pending += 1
+        elif result is LookupResult.RETRY:
+            tier.lookups_retry += 1
+        else:
+            tier.lookups_miss += 1
+
+    def cascade_dropped(self, index: int, reason: CascadeDrop, keys: int) -> None:
+        tier = self._tiers[index]
+        if reason is CascadeDrop.EVICTED:
+            tier.cascade_dropped_evicted += keys
+        elif reason is CascadeDrop.TIER_FULL:
+            tier.cascade_dropped_tier_full += keys
+        elif reason is CascadeDrop.TENANT_CAP:
+            tier.cascade_dropped_tenant_cap += keys
+        else:
+            tier.cascade_dropped_retry_bound += keys
+
+    def job_submitted(self, index: int, kind: JobKind) -> None:
+        tier = self._tiers[index]
+        tier.active_jobs += 1
+        if kind is JobKind.PROMOTION:
+            tier.promotion_jobs += 1
+        elif kind is JobKind.CASCADE:
+            tier.cascade_jobs += 1
+        elif kind is JobKind.DELETE:
+            tier.delete_jobs += 1
+        else:
+            tier.probe_jobs += 1
+
+    def job_finished(
+        self, index: int, kind: JobKind, success: bool, ok_keys: int, seconds: float | None
+    ) -> None:
+        """A job's result. A promotion's keys are counted in ``promoted_keys_ok`` by
+        ``Promotions`` as they land, which may be before the result."""
+        tier = self._tiers[index]
+        tier.active_jobs -= 1
+        tier.transfer_time_s += seconds or 0.0
+        if kind is JobKind.PROMOTION:
+            tier.promotion_jobs_failed += not success
+        elif kind is JobKind.CASCADE:
+            tier.cascaded_keys_ok += ok_keys
+            tier.cascade_jobs_failed += not success
+        elif kind is JobKind.DELETE:
+            tier.deleted_keys += ok_keys
+            tier.delete_jobs_failed += not success
+        else:
+            tier.probe_jobs_failed += not success
+
     def record_lookups(self, hits: int, others: Iterable[LookupResult]) -> None:
         """Results of one batched lookup as the engine sees them (primary view)."""
-        primary = self._tiers[0]
-        primary.lookups_hit += hits
+        self._tiers[0].lookups_hit += hits
         for result in others:
-            primary.count(result)
-
-    def tier_lookup(self, index: int, result: LookupResult) -> None:
-        self._tiers[index].count(result)
+            self.tier_lookup(0, result)
 
     @property
     def promotion_amplification(self) -> float | None:

@@ -13,7 +13,36 @@ from typing import Literal
 import msgspec
 
 # re-exported: the tiering library counts them, the status reports them
-from kvoffload.wire.vocab import TierCounters as TierCounters
+
+
+class TierCounters(msgspec.Struct, forbid_unknown_fields=True):
+    """Counters of one tier since the manager started (the primary tier included): counted by
+    the tiering library, reported in the manager's status."""
+
+    lookups_hit: int = 0
+    lookups_hit_pending: int = 0
+    lookups_retry: int = 0
+    lookups_miss: int = 0
+    promotion_jobs: int = 0
+    promotion_jobs_failed: int = 0
+    promoted_keys_ok: int = 0
+    cascade_jobs: int = 0
+    cascade_jobs_failed: int = 0
+    cascaded_keys_ok: int = 0
+    cascade_keys_deferred: int = 0
+    cascade_keys_resubmitted: int = 0
+    cascade_dropped_evicted: int = 0
+    cascade_dropped_tier_full: int = 0
+    cascade_dropped_retry_bound: int = 0
+    cascade_dropped_tenant_cap: int = 0
+    probe_jobs: int = 0
+    probe_jobs_failed: int = 0
+    delete_jobs: int = 0
+    delete_jobs_failed: int = 0
+    deleted_keys: int = 0
+    active_jobs: int = 0
+    evictions: int = 0
+    transfer_time_s: float = 0.0
 
 
 class _Status(msgspec.Struct, forbid_unknown_fields=True):

@@ -1,16 +1,13 @@
 """Closed vocabularies shared by the wire protocol and the tiering library.
 
-A leaf module (the standard library and msgspec only): the tiering library imports it without
-importing the protocol, and the protocol re-exports it, so clients never import the tiering
-library.
+The standard library only: the tiering library imports it without importing the protocol,
+and the protocol re-exports it, so clients never import the tiering library.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-
-import msgspec
 
 
 class LookupResult(enum.IntEnum):
@@ -102,33 +99,3 @@ class ErrorCode(enum.StrEnum):
     # raised by the client without a reply
     UNAVAILABLE = "unavailable"
     MESSAGE_TOO_LARGE = "message_too_large"
-
-
-class TierCounters(msgspec.Struct, forbid_unknown_fields=True):
-    """Counters of one tier since the manager started (the primary tier included): counted by
-    the tiering library, reported in the manager's status."""
-
-    lookups_hit: int = 0
-    lookups_hit_pending: int = 0
-    lookups_retry: int = 0
-    lookups_miss: int = 0
-    promotion_jobs: int = 0
-    promotion_jobs_failed: int = 0
-    promoted_keys_ok: int = 0
-    cascade_jobs: int = 0
-    cascade_jobs_failed: int = 0
-    cascaded_keys_ok: int = 0
-    cascade_keys_deferred: int = 0
-    cascade_keys_resubmitted: int = 0
-    cascade_dropped_evicted: int = 0
-    cascade_dropped_tier_full: int = 0
-    cascade_dropped_retry_bound: int = 0
-    cascade_dropped_tenant_cap: int = 0
-    probe_jobs: int = 0
-    probe_jobs_failed: int = 0
-    delete_jobs: int = 0
-    delete_jobs_failed: int = 0
-    deleted_keys: int = 0
-    active_jobs: int = 0
-    evictions: int = 0
-    transfer_time_s: float = 0.0
