@@ -152,3 +152,78 @@ def test_a_planted_forbidden_import_is_caught(tmp_path: Path):
     assert any("tiering/ledger.py" in v and "kvoffload.server" in v for v in found)
     assert any("client.py:1 imports kvoffload.testing" in v for v in found)
     assert len(found) == 2
+
+
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """Every module of the tree and the modules of the tree it imports, lazy and type-only
+    imports included (``from a import b`` is module ``a.b`` when that is a module, else
+    ``a``). A package is its ``__init__``."""
+    paths = {
+        module_name(root, path): path
+        for package in ("kvoffload", "workers")
+        for path in sorted((root / package).rglob("*.py"))
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        targets = set()
+        for _, imported in imports_of(path):
+            while imported and imported not in paths:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_no_module_is_in_an_import_circle():
+    assert import_circles(module_graph(REPO_ROOT)) == []
+
+
+def test_a_planted_circle_is_caught_even_when_type_only(tmp_path: Path):
+    for package in ("kvoffload", "workers"):
+        shutil.copytree(REPO_ROOT / package, tmp_path / package)
+    primary = tmp_path / "kvoffload" / "tiering" / "primary.py"
+    primary.write_text(
+        primary.read_text()
+        + "\n\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+        + "    from kvoffload.tiering.ledger import TieringLedger\n"
+    )
+
+    circles = import_circles(module_graph(tmp_path))
+
+    assert any({"kvoffload.tiering.primary", "kvoffload.tiering.ledger"} <= set(c) for c in circles)

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from kvoffload.engine.model import MODELS, TinyDecoder
+from kvoffload.engine.model import TinyDecoder
 from kvoffload.engine.scheduler import Engine
+from kvoffload.engine.shapes import MODELS
 from kvoffload.logs import configure_logging
 
 

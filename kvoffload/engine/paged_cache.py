@@ -16,7 +16,7 @@ import hashlib
 
 import torch
 
-from kvoffload.engine.model import ModelConfig
+from kvoffload.engine.shapes import ModelConfig
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.wire.protocol import KVHandle
 

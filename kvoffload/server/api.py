@@ -418,10 +418,10 @@ class ClientApi:
 
     def _on_tenant_drop(self, identity: bytes, session: ClientSession, msg: p.TenantDrop) -> None:
         """Answered with ``TenantDropped`` once every tier removed the tenant's blocks
-        (``tiering.tenant_drops``)."""
+        (``tiering.tenants.drops``)."""
         check_tenant(msg.tenant, required=True)
         self._check_writable()
-        drop = self.tiering.tenancy.drop(msg.tenant)
+        drop = self.tiering.drop_tenant(msg.tenant)
         self.state.drop_replies.wait(drop, identity, msg.rid)
         self.state.dispatch_tier_jobs()
         return None

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from types import FrameType
 from typing import cast
 
-import msgspec
 import structlog
 import zmq
 
@@ -110,7 +109,7 @@ class ManagerServer:
         self.workers.kill_silent_workers(now)
         self.api.housekeeping(now)
         if self.metrics is not None:
-            self.metrics.publish(msgspec.to_builtins(self.state.status(now)))
+            self.metrics.publish(self.state.status(now))
 
     def _shutdown(self, idle: bool) -> None:
         state = self.state

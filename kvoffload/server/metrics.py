@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import msgspec
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -34,10 +35,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvoffload.runtime.runspec import FatalStartError
-from kvoffload.server.tenant_metrics import tenant_families
 from kvoffload.tiering.types import CascadeDrop
 from kvoffload.wire import protocol as p
-from kvoffload.wire.vocab import TIER_JOB_KINDS
+from kvoffload.wire.status import (
+    ManagerStatus,
+    TenantStatus,
+    TierCounters,
+    TieringStatus,
+    TierState,
+    WarmRestartStatus,
+    WorkerStats,
+    WorkerStatus,
+)
+from kvoffload.wire.vocab import JobKind
 
 PREFIX = "kvoffload_"
 
@@ -48,8 +58,6 @@ MAX_TRACKED_JOBS = 16384
 """Dispatched jobs whose result is awaited; past it the oldest are forgotten (their worker died
 and the manager failed them)."""
 
-LOOKUP_RESULTS = ("hit", "hit_pending", "retry", "miss")
-CASCADE_DROP_REASONS = tuple(reason.value for reason in CascadeDrop)
 POOL_GAUGES = {
     "slots": "Slots of the host pool.",
     "used_slots": "Host pool slots holding a block or being written.",
@@ -67,6 +75,59 @@ GLOBAL_COUNTERS = {
     "promoted_keys": "Keys promoted into the host pool.",
     "promoted_keys_consumed": "Promoted keys that an engine then loaded.",
 }
+
+
+def _pool_levels(t: TieringStatus) -> dict[str, int]:
+    return {
+        "slots": t.slots,
+        "used_slots": t.used_slots,
+        "pinned_slots": t.pinned_slots,
+        "writing_slots": t.writing_slots,
+        "unverified_slots": t.unverified_slots,
+        "unread_promotion_pins": t.unread_promotion_pins,
+        "held_slots": t.held_slots,
+    }
+
+
+def _global_counts(t: TieringStatus) -> dict[str, int]:
+    return {
+        "hit_pending_expired": t.hit_pending_expired,
+        "promotion_allocation_failures": t.promotion_allocation_failures,
+        "store_allocation_failures": t.store_allocation_failures,
+        "stores_refused_dirty": t.stores_refused_dirty,
+        "promoted_keys": t.promoted_keys,
+        "promoted_keys_consumed": t.promoted_keys_consumed,
+    }
+
+
+def _lookups(c: TierCounters) -> dict[str, int]:
+    return {
+        "hit": c.lookups_hit,
+        "hit_pending": c.lookups_hit_pending,
+        "retry": c.lookups_retry,
+        "miss": c.lookups_miss,
+    }
+
+
+def _jobs(c: TierCounters) -> dict[JobKind, tuple[int, int]]:
+    """Submitted and failed, by tier job kind."""
+    return {
+        JobKind.PROMOTION: (c.promotion_jobs, c.promotion_jobs_failed),
+        JobKind.CASCADE: (c.cascade_jobs, c.cascade_jobs_failed),
+        JobKind.PROBE: (c.probe_jobs, c.probe_jobs_failed),
+        JobKind.DELETE: (c.delete_jobs, c.delete_jobs_failed),
+    }
+
+
+def _cascade_drops(c: TierCounters) -> dict[CascadeDrop, int]:
+    return {
+        CascadeDrop.EVICTED: c.cascade_dropped_evicted,
+        CascadeDrop.TIER_FULL: c.cascade_dropped_tier_full,
+        CascadeDrop.RETRY_BOUND: c.cascade_dropped_retry_bound,
+        CascadeDrop.TENANT_CAP: c.cascade_dropped_tenant_cap,
+    }
+
+
 WORKER_GAUGE_STATS = frozenset(
     {
         "used_bytes",
@@ -91,15 +152,15 @@ class ManagerCollector(Collector):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._status: Mapping[str, Any] | None = None
+        self._status: ManagerStatus | None = None
         self._workers: dict[str, _WorkerCounters] = {}
 
-    def publish(self, status: Mapping[str, Any]) -> None:
+    def publish(self, status: ManagerStatus) -> None:
         with self._lock:
             self._status = status
-            for name, info in status.get("workers", {}).items():
+            for name, info in status.workers.items():
                 counters = self._workers.setdefault(name, _WorkerCounters())
-                counters.update(info["pid"], _worker_counter_stats(info.get("stats") or {}))
+                counters.update(info.pid, _worker_counter_stats(info.stats))
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -108,11 +169,11 @@ class ManagerCollector(Collector):
         if status is None:
             return
         yield from _manager_families(status)
-        yield from _tier_families(status["tiering"])
-        yield from tenant_families(status["tiering"].get("tenants") or {})
-        yield from _worker_families(status["workers"], worker_totals)
-        yield from _warm_restart_families(status.get("warm_restart"))
-        yield from _handshake_families(status.get("client_handshakes_refused") or {})
+        yield from _tier_families(status.tiering)
+        yield from _tenant_families(status.tiering.tenants)
+        yield from _worker_families(status.workers, worker_totals)
+        yield from _warm_restart_families(status.warm_restart)
+        yield from _handshake_families(status.client_handshakes_refused)
 
 
 class _WorkerCounters:
@@ -135,25 +196,28 @@ class _WorkerCounters:
         return {name: self._base.get(name, 0) + self._last.get(name, 0) for name in names}
 
 
-def _flat_stats(stats: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-    """A heartbeat's ``WorkerStats`` (as builtins) as one flat list: the framework's and the
+def _flat_stats(stats: WorkerStats) -> Iterator[tuple[str, Any]]:
+    """A heartbeat's ``WorkerStats`` as one flat list of its fields: the framework's and the
     backend's counters side by side, nested structs flattened (``breaker.state`` ->
-    ``breaker_state``), the backend tag left out."""
-    medium = dict(stats.get("medium") or {})
-    medium.pop("backend", None)
-    for name, value in {**stats.get("loop", {}), **medium}.items():
-        if isinstance(value, Mapping):
-            for inner, inner_value in value.items():
-                yield f"{name}_{inner}", inner_value
-        else:
-            yield name, value
+    ``breaker_state``). The stats of each medium are its own struct's fields, so this walks
+    them by name."""
+    parts: list[msgspec.Struct] = [stats.loop]
+    if stats.medium is not None:
+        parts.append(stats.medium)
+    for part in parts:
+        for name, value in msgspec.structs.asdict(part).items():
+            if isinstance(value, msgspec.Struct):
+                for inner, inner_value in msgspec.structs.asdict(value).items():
+                    yield f"{name}_{inner}", inner_value
+            else:
+                yield name, value
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _worker_counter_stats(stats: Mapping[str, Any]) -> dict[str, float]:
+def _worker_counter_stats(stats: WorkerStats) -> dict[str, float]:
     return {
         name: value
         for name, value in _flat_stats(stats)
@@ -175,46 +239,45 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(PREFIX + name, doc, value=value)
 
 
-def _manager_families(status: Mapping[str, Any]) -> Iterator[Metric]:
-    tiering = status["tiering"]
-    yield _gauge("uptime_seconds", "Seconds since the manager started.", status["uptime_s"])
-    yield _gauge("draining", "1 while the manager drains for shutdown.", int(status["draining"]))
-    yield _gauge("pool_block_bytes", "Bytes of one host pool slot.", status["pool"]["block_bytes"])
+def _manager_families(status: ManagerStatus) -> Iterator[Metric]:
+    tiering = status.tiering
+    yield _gauge("uptime_seconds", "Seconds since the manager started.", status.uptime_s)
+    yield _gauge("draining", "1 while the manager drains for shutdown.", int(status.draining))
+    yield _gauge("pool_block_bytes", "Bytes of one host pool slot.", status.pool.block_bytes)
+    levels = _pool_levels(tiering)
     for name, doc in POOL_GAUGES.items():
-        yield _gauge(f"pool_{name}", doc, tiering[name])
-    yield _gauge("requests", "Open requests of all clients.", tiering["requests"])
-    yield _gauge("clients", "Connected client sessions.", status["clients"])
+        yield _gauge(f"pool_{name}", doc, levels[name])
+    yield _gauge("requests", "Open requests of all clients.", tiering.requests)
+    yield _gauge("clients", "Connected client sessions.", status.clients)
     yield _gauge(
-        "device_jobs_in_flight",
-        "Device stores and loads in flight.",
-        status["device_jobs_in_flight"],
+        "device_jobs_in_flight", "Device stores and loads in flight.", status.device_jobs_in_flight
     )
     yield _gauge(
-        "tier_jobs_in_flight",
-        "Promotions, cascades and probes in flight.",
-        tiering["jobs_in_flight"],
+        "tier_jobs_in_flight", "Promotions, cascades and probes in flight.", tiering.jobs_in_flight
     )
     yield _gauge(
-        "cascade_backlog", "Keys waiting for a cascade, all tiers.", tiering["cascade_backlog"]
+        "cascade_backlog", "Keys waiting for a cascade, all tiers.", tiering.cascade_backlog
     )
+    counts = _global_counts(tiering)
     for name, doc in GLOBAL_COUNTERS.items():
-        yield _counter(name, doc, tiering[name])
+        yield _counter(name, doc, counts[name])
     yield _counter(
         "store_backpressure_seconds",
         "Seconds from a refused store to the next store that got slots.",
-        tiering["store_backpressure_s"],
+        tiering.store_backpressure_s,
     )
-    amplification = tiering.get("promotion_amplification")
-    if amplification is not None:
+    if tiering.promotion_amplification is not None:
         yield _gauge(
-            "promotion_amplification", "Keys promoted per promoted key loaded.", amplification
+            "promotion_amplification",
+            "Keys promoted per promoted key loaded.",
+            tiering.promotion_amplification,
         )
     yield _counter(
-        "worker_restarts", "Worker restarts the manager has seen.", status["worker_restarts_seen"]
+        "worker_restarts", "Worker restarts the manager has seen.", status.worker_restarts_seen
     )
 
 
-def _tier_families(tiering: Mapping[str, Any]) -> Iterator[Metric]:
+def _tier_families(tiering: TieringStatus) -> Iterator[Metric]:
     def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
         return CounterMetricFamily(PREFIX + name, doc, labels=["tier", *labels])
 
@@ -233,21 +296,21 @@ def _tier_families(tiering: Mapping[str, Any]) -> Iterator[Metric]:
     evictions = counter("tier_evictions", "Blocks evicted from the tier.")
     transfer = counter("tier_transfer_seconds", "Worker time spent on the tier's jobs.")
     active = GaugeMetricFamily(PREFIX + "tier_active_jobs", "Tier jobs in flight.", labels=["tier"])
-    for tier, c in tiering["per_tier"].items():
-        for result in LOOKUP_RESULTS:
-            lookups.add_metric([tier, result], c[f"lookups_{result}"])
-        for kind in TIER_JOB_KINDS:
-            jobs.add_metric([tier, kind.value], c[f"{kind.value}_jobs"])
-            jobs_failed.add_metric([tier, kind.value], c[f"{kind.value}_jobs_failed"])
-        for reason in CASCADE_DROP_REASONS:
-            dropped.add_metric([tier, reason], c[f"cascade_dropped_{reason}"])
-        promoted.add_metric([tier], c["promoted_keys_ok"])
-        cascaded.add_metric([tier], c["cascaded_keys_ok"])
-        deferred.add_metric([tier], c["cascade_keys_deferred"])
-        resubmitted.add_metric([tier], c["cascade_keys_resubmitted"])
-        evictions.add_metric([tier], c["evictions"])
-        transfer.add_metric([tier], c["transfer_time_s"])
-        active.add_metric([tier], c["active_jobs"])
+    for tier, c in tiering.per_tier.items():
+        for result, count in _lookups(c).items():
+            lookups.add_metric([tier, result], count)
+        for kind, (submitted, failed) in _jobs(c).items():
+            jobs.add_metric([tier, kind.value], submitted)
+            jobs_failed.add_metric([tier, kind.value], failed)
+        for reason, count in _cascade_drops(c).items():
+            dropped.add_metric([tier, reason.value], count)
+        promoted.add_metric([tier], c.promoted_keys_ok)
+        cascaded.add_metric([tier], c.cascaded_keys_ok)
+        deferred.add_metric([tier], c.cascade_keys_deferred)
+        resubmitted.add_metric([tier], c.cascade_keys_resubmitted)
+        evictions.add_metric([tier], c.evictions)
+        transfer.add_metric([tier], c.transfer_time_s)
+        active.add_metric([tier], c.active_jobs)
     yield from (lookups, jobs, jobs_failed, promoted, cascaded, deferred, resubmitted, dropped)
     yield from (evictions, transfer, active)
 
@@ -260,18 +323,19 @@ def _tier_families(tiering: Mapping[str, Any]) -> Iterator[Metric]:
     verdicts = gauge("tier_verdicts", "Cached probe verdicts (probed tiers).")
     dirty = gauge("tier_dirty_keys", "Blocks in the host pool not yet on the tier.")
     inflight = gauge("tier_cascade_inflight_keys", "Keys of the tier's cascades in flight.")
-    for tier, info in tiering["tiers"].items():
-        online.add_metric([tier], int(info["online"]))
-        backlog.add_metric([tier], info["cascade_backlog"])
-        indexed.add_metric([tier], info["indexed_keys"])
-        verdicts.add_metric([tier], info["verdicts"])
-        dirty.add_metric([tier], info["dirty_keys"])
-        inflight.add_metric([tier], info["cascade_inflight_keys"])
+    state: TierState
+    for tier, state in tiering.tiers.items():
+        online.add_metric([tier], int(state.online))
+        backlog.add_metric([tier], state.cascade_backlog)
+        indexed.add_metric([tier], state.indexed_keys)
+        verdicts.add_metric([tier], state.verdicts)
+        dirty.add_metric([tier], state.dirty_keys)
+        inflight.add_metric([tier], state.cascade_inflight_keys)
     yield from (online, backlog, indexed, verdicts, dirty, inflight)
 
 
 def _worker_families(
-    workers: Mapping[str, Any], totals: Mapping[str, Mapping[str, float]]
+    workers: Mapping[str, WorkerStatus], totals: Mapping[str, Mapping[str, float]]
 ) -> Iterator[Metric]:
     def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
         return GaugeMetricFamily(PREFIX + name, doc, labels=["worker", *labels])
@@ -286,10 +350,10 @@ def _worker_families(
     stat_gauges: dict[str, GaugeMetricFamily] = {}
     for name, info in workers.items():
         up.add_metric([name], 1)
-        degraded.add_metric([name], int(info["degraded"]))
-        inflight.add_metric([name], info["inflight"])
-        heartbeat.add_metric([name], info["last_heartbeat_s"])
-        for stat, value in _flat_stats(info.get("stats") or {}):
+        degraded.add_metric([name], int(info.degraded))
+        inflight.add_metric([name], info.inflight)
+        heartbeat.add_metric([name], info.last_heartbeat_s)
+        for stat, value in _flat_stats(info.stats):
             if stat == "breaker_state":
                 breaker.add_metric([name, str(value)], 1)
             elif stat in WORKER_GAUGE_STATS and (_is_number(value) or isinstance(value, bool)):
@@ -314,17 +378,61 @@ def _worker_families(
     yield from stat_counters.values()
 
 
-def _warm_restart_families(warm: Mapping[str, Any] | None) -> Iterator[Metric]:
-    if not warm:
+def _warm_restart_families(warm: WarmRestartStatus | None) -> Iterator[Metric]:
+    if warm is None:
         return
     family = GaugeMetricFamily(
         PREFIX + "warm_restart_slots",
         "Slot headers the manager found at start and what became of them.",
         labels=["outcome"],
     )
-    for outcome, value in warm.items():
+    for outcome, value in msgspec.structs.asdict(warm).items():
         family.add_metric([outcome], value)
     yield family
+
+
+def _tenant_families(tenants: Mapping[str, TenantStatus]) -> Iterator[Metric]:
+    """Per tenant, labelled by its id (a digest of its name, never the name; ``none`` for
+    requests without a tenant): lookups by result; blocks, bytes, share, evictions and
+    refusals per tier."""
+    lookups = CounterMetricFamily(
+        PREFIX + "tenant_lookup_keys",
+        "Keys looked up by the tenant, by result.",
+        labels=["tenant", "result"],
+    )
+    requests = GaugeMetricFamily(
+        PREFIX + "tenant_requests", "Open requests of the tenant.", labels=["tenant"]
+    )
+
+    def gauge(name: str, doc: str) -> GaugeMetricFamily:
+        return GaugeMetricFamily(PREFIX + name, doc, labels=["tenant", "tier"])
+
+    def counter(name: str, doc: str) -> CounterMetricFamily:
+        return CounterMetricFamily(PREFIX + name, doc, labels=["tenant", "tier"])
+
+    blocks = gauge("tenant_blocks", "Blocks the tenant holds on the tier.")
+    held_bytes = gauge("tenant_bytes", "Bytes the tenant's blocks take on the tier.")
+    share = gauge("tenant_share_blocks", "Blocks of the tier no other tenant's traffic takes.")
+    evictions = counter("tenant_evictions", "The tenant's blocks evicted from the tier.")
+    by_others = counter(
+        "tenant_evicted_by_others", "The tenant's blocks evicted for another tenant's traffic."
+    )
+    refused = counter(
+        "tenant_refused_blocks", "The tenant's blocks refused at its cap on the tier."
+    )
+    for tid, tenant in tenants.items():
+        lookups.add_metric([tid, "hit"], tenant.lookups_hit)
+        lookups.add_metric([tid, "hit_pending"], tenant.lookups_hit_pending)
+        lookups.add_metric([tid, "miss"], tenant.lookups_miss)
+        requests.add_metric([tid], tenant.requests)
+        for tier, c in tenant.tiers.items():
+            blocks.add_metric([tid, tier], c.blocks)
+            held_bytes.add_metric([tid, tier], c.bytes)
+            share.add_metric([tid, tier], c.share_blocks)
+            evictions.add_metric([tid, tier], c.evictions)
+            by_others.add_metric([tid, tier], c.evicted_by_others)
+            refused.add_metric([tid, tier], c.refused)
+    yield from (lookups, requests, blocks, held_bytes, share, evictions, by_others, refused)
 
 
 def _handshake_families(refused: Mapping[str, int]) -> Iterator[Metric]:
@@ -394,7 +502,7 @@ class MetricsEndpoint:
     def port(self) -> int:
         return self._server.server_address[1]
 
-    def publish(self, status: Mapping[str, Any]) -> None:
+    def publish(self, status: ManagerStatus) -> None:
         """The manager's current status (``ManagerState.status``)."""
         self._collector.publish(status)
 

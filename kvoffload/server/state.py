@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import structlog
@@ -25,7 +24,7 @@ from kvoffload.server.warmstart import WarmRestart
 from kvoffload.server.workers import WorkerRegistry
 from kvoffload.tiering import Locality, Medium, TieringLedger, TierSpec, TransferResult, WriteBack
 from kvoffload.wire import protocol as p
-from kvoffload.wire.status import ManagerStatus
+from kvoffload.wire.status import ManagerStatus, PoolStatus
 
 log = structlog.get_logger()
 
@@ -204,7 +203,7 @@ class ManagerState:
 
     def settle_drops(self) -> None:
         """Answer the ``TenantDrop`` calls whose drop has finished."""
-        self.drop_replies.settle(self.tiering.tenancy.take_finished_drops(), self.reply)
+        self.drop_replies.settle(self.tiering.take_finished_drops(), self.reply)
 
     def run_tier_step(self) -> None:
         """One step of the tiering library (promotions, cascade retries, probes) and the sends
@@ -248,25 +247,18 @@ class ManagerState:
         self.reply(session.identity, p.Events(poll.rid, events))
 
     def status(self, now: float) -> ManagerStatus:
-        """The manager's status; converting the parts' snapshots checks them field by field."""
-        return msgspec.convert(self._status_fields(now), ManagerStatus)
-
-    def _tiering_snapshot(self) -> dict[str, Any]:
-        snapshot = self.tiering.snapshot()
-        snapshot["tenants"] = with_bytes(snapshot["tenants"], self.cfg)
-        return snapshot
-
-    def _status_fields(self, now: float) -> dict[str, Any]:
-        return {
-            "pid": os.getpid(),
-            "uptime_s": round(now - self.started_at, 3),
-            "draining": self.draining,
-            "pool": {"name": self.spec.pool_name, "block_bytes": self.cfg.pool.block_bytes},
-            "tiering": self._tiering_snapshot(),
-            "device_jobs_in_flight": len(self.device_jobs),
-            "workers": self.registry.snapshot(now),
-            "worker_restarts_seen": self.registry.restarts_seen,
-            "clients": len(self.sessions),
-            "warm_restart": self.warm.snapshot() if self.warm is not None else None,
-            "client_handshakes_refused": self.auth.counts() if self.auth is not None else {},
-        }
+        """The manager's status, built from the parts' typed snapshots."""
+        tiering = self.tiering.snapshot()
+        return ManagerStatus(
+            pid=os.getpid(),
+            uptime_s=round(now - self.started_at, 3),
+            draining=self.draining,
+            pool=PoolStatus(name=self.spec.pool_name, block_bytes=self.cfg.pool.block_bytes),
+            tiering=msgspec.structs.replace(tiering, tenants=with_bytes(tiering.tenants, self.cfg)),
+            device_jobs_in_flight=len(self.device_jobs),
+            workers=self.registry.snapshot(now),
+            worker_restarts_seen=self.registry.restarts_seen,
+            clients=len(self.sessions),
+            warm_restart=self.warm.snapshot() if self.warm is not None else None,
+            client_handshakes_refused=self.auth.counts() if self.auth is not None else {},
+        )

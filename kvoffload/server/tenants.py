@@ -9,14 +9,15 @@ page and the block), object bytes in blocks.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+
+import msgspec
 
 from kvoffload.config import Config
 from kvoffload.config import tenants as tenant_settings
 from kvoffload.memory.blockformat import HEADER_SIZE
-from kvoffload.tiering.tenant_drops import TenantDrop
-from kvoffload.tiering.tenants import PRIMARY, TenantLimits, TenantPolicy
+from kvoffload.tiering.tenants import PRIMARY, DropProgress, TenantLimits, TenantPolicy
 from kvoffload.wire import protocol as p
+from kvoffload.wire.status import TenantStatus
 from kvoffload.wire.tenant_ids import tenant_id, tenant_label
 
 DISK_RECORD_HEADER_BYTES = 4096
@@ -61,18 +62,18 @@ def tenant_policy(cfg: Config) -> TenantPolicy:
     return TenantPolicy(named, limits(tenant_settings.resolve(tenants, tenant_settings.DEFAULT)))
 
 
-def with_bytes(tenants: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
-    """The ledger's per-tenant snapshot, by ``tenant_label``, with each tier's ``bytes`` (its
-    blocks' size there)."""
+def with_bytes(tenants: Mapping[str, TenantStatus], cfg: Config) -> dict[str, TenantStatus]:
+    """The ledger's per-tenant status (by id), by ``tenant_label``, with each tier's ``bytes``
+    (its blocks' size there)."""
     per_block = block_bytes_per_tier(cfg)
     return {
-        tenant_label(tid): {
-            **entry,
-            "tiers": {
-                tier: {**counts, "bytes": counts["blocks"] * per_block.get(tier, 0)}
-                for tier, counts in entry["tiers"].items()
+        tenant_label(tid): msgspec.structs.replace(
+            entry,
+            tiers={
+                tier: msgspec.structs.replace(counts, bytes=counts.blocks * per_block.get(tier, 0))
+                for tier, counts in entry.tiers.items()
             },
-        }
+        )
         for tid, entry in tenants.items()
     }
 
@@ -83,11 +84,11 @@ class DropReplies:
     def __init__(self) -> None:
         self._waiting: dict[int, tuple[bytes, int]] = {}
 
-    def wait(self, drop: TenantDrop, identity: bytes, rid: int) -> None:
+    def wait(self, drop: DropProgress, identity: bytes, rid: int) -> None:
         self._waiting[drop.drop_id] = (identity, rid)
 
     def settle(
-        self, finished: list[TenantDrop], reply: Callable[[bytes, p.ClientReply], None]
+        self, finished: list[DropProgress], reply: Callable[[bytes, p.ClientReply], None]
     ) -> None:
         """Answer the calls whose drop is among ``finished``."""
         for drop in finished:
@@ -97,5 +98,5 @@ class DropReplies:
                 reply(identity, dropped_reply(rid, drop))
 
 
-def dropped_reply(rid: int, drop: TenantDrop) -> p.TenantDropped:
+def dropped_reply(rid: int, drop: DropProgress) -> p.TenantDropped:
     return p.TenantDropped(rid, dict(drop.removed), dict(drop.failed))

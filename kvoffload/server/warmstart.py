@@ -32,6 +32,7 @@ from kvoffload.memory.slottable import SlotTable
 from kvoffload.runtime.runspec import RunSpec
 from kvoffload.tiering import TieringLedger
 from kvoffload.wire import protocol as p
+from kvoffload.wire.status import WarmRestartStatus
 
 log = structlog.get_logger()
 
@@ -203,8 +204,8 @@ class WarmRestart:
         and go out again with the next ``verify_jobs``."""
         self._verifying.clear()
 
-    def snapshot(self) -> dict[str, int]:
-        return {**self.counters, "unverified": len(self._tiering.adopting())}
+    def snapshot(self) -> WarmRestartStatus:
+        return WarmRestartStatus(**self.counters, unverified=len(self._tiering.adopting()))
 
     def close(self) -> None:
         self._table.close()

@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
 
-from kvoffload.wire.status import WorkerStats
+from kvoffload.wire.status import WorkerStats, WorkerStatus
 
 log = structlog.get_logger()
 
@@ -74,19 +73,19 @@ class WorkerRegistry:
             _kill_quietly(worker.pid)
         return dead
 
-    def snapshot(self, now: float) -> dict[str, dict[str, Any]]:
+    def snapshot(self, now: float) -> dict[str, WorkerStatus]:
         return {
-            w.name: {
-                "pid": w.pid,
-                "medium": w.medium,
-                "alive": True,
-                "last_heartbeat_s": round(now - w.last_seen, 3),
-                "degraded": w.degraded,
-                "index_complete": w.index_complete,
-                "inflight": w.inflight,
-                "incarnation": w.incarnations,
-                "stats": w.stats,
-            }
+            w.name: WorkerStatus(
+                pid=w.pid,
+                medium=w.medium,
+                alive=True,
+                last_heartbeat_s=round(now - w.last_seen, 3),
+                degraded=w.degraded,
+                index_complete=w.index_complete,
+                inflight=w.inflight,
+                incarnation=w.incarnations,
+                stats=w.stats,
+            )
             for w in self.workers.values()
         }
 

@@ -27,17 +27,21 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvoffload.logs import get_logger
 from kvoffload.tiering.primary import PrimaryIndex
 from kvoffload.tiering.secondary import SecondaryTier
 from kvoffload.tiering.stats import TieringStats
-from kvoffload.tiering.types import CascadeDrop, Key, RequestState, TransferJob, WriteBack
+from kvoffload.tiering.types import (
+    Admission,
+    CascadeDrop,
+    Key,
+    RequestState,
+    TransferJob,
+    WriteBack,
+)
 from kvoffload.wire.vocab import JobKind, LookupResult
-
-if TYPE_CHECKING:
-    from kvoffload.tiering.tenant_room import TenantRoom
 
 log = get_logger()
 
@@ -66,6 +70,39 @@ class TierCascades:
     dirty: dict[Key, None] = field(default_factory=dict)
 
 
+class CascadeRoom(Protocol):
+    """Room on the tiers that someone else decides (tenants' shares and caps,
+    ``tenants.room``): the cascades of a tier it ``tracks`` go through ``admit``, and it hears
+    of the keys sent and done."""
+
+    def tracks(self, tier_idx: int) -> bool: ...
+
+    def admit(self, tier_idx: int, keys: list[Key]) -> Admission: ...
+
+    def sent(self, tier_idx: int, keys: list[Key]) -> None: ...
+
+    def done(self, tier_idx: int, keys: list[Key]) -> None: ...
+
+
+class _EveryRoom:
+    """A ``CascadeRoom`` that tracks no tier."""
+
+    def tracks(self, tier_idx: int) -> bool:
+        return False
+
+    def admit(self, tier_idx: int, keys: list[Key]) -> Admission:
+        return Admission(now=list(keys))
+
+    def sent(self, tier_idx: int, keys: list[Key]) -> None:
+        return None
+
+    def done(self, tier_idx: int, keys: list[Key]) -> None:
+        return None
+
+
+EVERY_ROOM: CascadeRoom = _EveryRoom()
+
+
 class Cascades:
     def __init__(
         self,
@@ -78,9 +115,13 @@ class Cascades:
         max_attempts: int,
         backoff_s: float,
         backoff_max_s: float,
+        per_tier: Sequence[TierCascades] | None = None,
+        room: CascadeRoom = EVERY_ROOM,
     ) -> None:
         """A failed key is retried after ``backoff_s``, doubling up to ``backoff_max_s``, and
-        given up after ``max_attempts`` failures. ``submit`` takes each new cascade job."""
+        given up after ``max_attempts`` failures. ``submit`` takes each new cascade job.
+        ``per_tier``: each tier's cascade state (new when None; given when ``room`` reads it
+        too); ``room``: who admits the cascades of the tiers it tracks."""
         self.tiers = tiers
         self.primary = primary
         self.stats = stats
@@ -89,10 +130,9 @@ class Cascades:
         self.backoff_max_s = backoff_max_s
         self._clock = clock
         self._submit = submit
-        self.per_tier = [TierCascades() for _ in tiers]
+        self.per_tier = list(per_tier) if per_tier is not None else [TierCascades() for _ in tiers]
         self._parked_requests: set[str] = set()
-        self.tenant_room: TenantRoom | None = None
-        """Room on the tiers for tenants (``tenant_room``), once tenants are active."""
+        self._room = room
 
     # ---- submission -----------------------------------------------------------------------
 
@@ -118,12 +158,12 @@ class Cascades:
             self._send(tier_idx, send, req_id)
 
     def _admit(self, tier_idx: int, keys: list[Key]) -> list[Key]:
-        """The keys that may go now (``TenantRoom.admit``, where it follows the tier); the
+        """The keys that may go now (the room's ``admit``, where it tracks the tier); the
         ones waiting for room go to the backlog, the ones without any are given up."""
-        tenant_room = self.tenant_room
-        if tenant_room is None or not keys or not tenant_room.tracks(tier_idx):
+        room = self._room
+        if not keys or not room.tracks(tier_idx):
             return keys
-        admission = tenant_room.admit(tier_idx, keys)
+        admission = room.admit(tier_idx, keys)
         state = self.per_tier[tier_idx]
         if admission.wait:
             now = self._clock()
@@ -163,9 +203,8 @@ class Cascades:
     def _send(self, tier_idx: int, keys: list[Key], req_id: str | None) -> None:
         """Cascade jobs of at most ``max_cascade_job_keys`` keys each; each pins its slots."""
         step = self.tiers[tier_idx].spec.max_cascade_job_keys or len(keys)
-        tenant_room = self.tenant_room
-        if tenant_room is not None and tenant_room.tracks(tier_idx):
-            tenant_room.sent(tier_idx, keys)
+        if self._room.tracks(tier_idx):
+            self._room.sent(tier_idx, keys)
         for first in range(0, len(keys), step):
             chunk = keys[first : first + step]
             slots = self.primary.pin(chunk)
@@ -232,8 +271,7 @@ class Cascades:
         tier_idx = job.tier
         tier, state = self.tiers[tier_idx], self.per_tier[tier_idx]
         state.inflight_keys -= len(job.keys)
-        if self.tenant_room is not None:
-            self.tenant_room.done(tier_idx, job.keys)
+        self._room.done(tier_idx, job.keys)
         self.primary.unpin(job.keys)
         tier.stored(ok)
         for key in ok:

@@ -10,6 +10,7 @@ probes to their tier's verdicts, cascades to ``Cascades``, promotions to ``Promo
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Protocol
 
 from kvoffload.logs import get_logger
 from kvoffload.tiering.cascades import Cascades
@@ -30,6 +31,29 @@ from kvoffload.wire.vocab import JobKind, MissReason
 log = get_logger()
 
 
+class JobListener(Protocol):
+    """Who owns ``DELETE`` jobs and hears of every job's result (tenants, ``tenants.tenancy``)."""
+
+    def deleted(
+        self, job: TransferJob, ok: list[Key], failed: list[Key], result: TransferResult
+    ) -> None: ...
+
+    def finished(self, job: TransferJob) -> None: ...
+
+
+class _NoJobListener:
+    def deleted(
+        self, job: TransferJob, ok: list[Key], failed: list[Key], result: TransferResult
+    ) -> None:
+        return None
+
+    def finished(self, job: TransferJob) -> None:
+        return None
+
+
+NO_JOB_LISTENER: JobListener = _NoJobListener()
+
+
 class TierJobs:
     def __init__(
         self,
@@ -43,8 +67,10 @@ class TierJobs:
         promotions: Promotions,
         deadlines: PendingDeadlines,
         active: Callable[[str | None], RequestState | None],
+        listener: JobListener = NO_JOB_LISTENER,
     ) -> None:
-        """``active``: a request's state while it has not finished, else None."""
+        """``active``: a request's state while it has not finished, else None; ``listener``:
+        where a ``DELETE`` job's result goes, and who hears of every result once applied."""
         self.tiers = tiers
         self.stats = stats
         self.probe_timeout_s = probe_timeout_s
@@ -55,12 +81,7 @@ class TierJobs:
         self._clock = clock
         self._next_id = first_job_id
         self._jobs: dict[int, TransferJob] = {}
-        self.on_delete: (
-            Callable[[TransferJob, list[Key], list[Key], TransferResult], None] | None
-        ) = None
-        """Where a ``DELETE`` job's result goes (``TenantRoom.delete_done``)."""
-        self.on_result: Callable[[TransferJob], None] | None = None
-        """Hears of every job's result once it is applied (``TenantDrops.job_finished``)."""
+        self._listener = listener
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -164,13 +185,11 @@ class TierJobs:
             full = set(result.full_keys).intersection(failed) if failed else set()
             self.cascades.done(job, ok, failed, full)
         elif job.kind is JobKind.DELETE:
-            if self.on_delete is not None:
-                self.on_delete(job, ok, failed, result)
+            self._listener.deleted(job, ok, failed, result)
         else:
             state = self._active(job.req_id)
             self.deadlines.landed(self.promotions.complete(job, tier, ok, failed, absent, state))
-        if self.on_result is not None:
-            self.on_result(job)
+        self._listener.finished(job)
 
     def in_flight(self) -> list[TransferJob]:
         return list(self._jobs.values())

@@ -27,21 +27,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Any
 
 from kvoffload.logs import get_logger
 from kvoffload.tiering.adoption import Adoption
-from kvoffload.tiering.cascades import Cascades
+from kvoffload.tiering.cascades import Cascades, TierCascades
 from kvoffload.tiering.deadlines import PendingDeadlines
 from kvoffload.tiering.jobs import TierJobs, split_outcome
 from kvoffload.tiering.lookup import PrefixLookup
 from kvoffload.tiering.primary import PrimaryIndex
 from kvoffload.tiering.promotions import Promotions
 from kvoffload.tiering.secondary import SecondaryTier, TierSpec
-from kvoffload.tiering.snapshot import ledger_snapshot
 from kvoffload.tiering.stats import TieringStats
-from kvoffload.tiering.tenancy import Tenancy
-from kvoffload.tiering.tenants import TenantPolicy
+from kvoffload.tiering.tenants import DropProgress, Tenancy, TenantPolicy
+from kvoffload.tiering.tenants.drops import TenantDrops
+from kvoffload.tiering.tenants.owners import TenantOwners
+from kvoffload.tiering.tenants.pool import PoolShares
+from kvoffload.tiering.tenants.room import TenantRoom
 from kvoffload.tiering.types import (
     Evicted,
     JobsInFlight,
@@ -58,6 +59,7 @@ from kvoffload.tiering.types import (
     UnknownRequest,
 )
 from kvoffload.tiering.writeback import Eviction
+from kvoffload.wire.status import TieringStatus, TierState
 from kvoffload.wire.vocab import JobKind
 
 log = get_logger()
@@ -89,15 +91,21 @@ class TieringLedger:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate tier names: {names}")
-        self.primary = PrimaryIndex(num_slots, policy, track_slot_invalidations)
+        # The parts are wired here, each handed what it calls when it is built: the tenants'
+        # owners listen to the pool and the tiers, their room admits cascades, the tenancy
+        # hears of the jobs' results.
+        owners = TenantOwners(tenant_policy or TenantPolicy(), num_slots, tiers, clock)
+        self.primary = PrimaryIndex(num_slots, policy, track_slot_invalidations, owners)
         self.adoption = Adoption(self.primary)
-        self.tiers = [SecondaryTier(spec) for spec in tiers]
+        self.tiers = [SecondaryTier(spec, owners) for spec in tiers]
         self._tier_by_name = {t.name: i for i, t in enumerate(self.tiers)}
         self._clock = clock
         self._requests: dict[str, RequestState] = {}
         self._outbox: list[TransferJob] = []
         self._events: list[Evicted] = []
         self.stats = TieringStats(["primary", *names])
+        cascade_state = [TierCascades() for _ in self.tiers]
+        room = TenantRoom(owners, self.tiers, cascade_state, self._submit)
         self.cascades = Cascades(
             self.tiers,
             self.primary,
@@ -107,6 +115,8 @@ class TieringLedger:
             max_attempts=cascade_max_attempts,
             backoff_s=cascade_backoff_s,
             backoff_max_s=cascade_backoff_max_s,
+            per_tier=cascade_state,
+            room=room,
         )
         self.eviction = Eviction(self.primary, self.cascades, self.stats, clock)
         unread_cap = (
@@ -117,7 +127,17 @@ class TieringLedger:
         )
         self.deadlines = PendingDeadlines(hit_pending_deadline_s, self._requests, self.stats, clock)
         self._lookup = PrefixLookup(
-            self.primary, self.tiers, self.stats, self.deadlines, self._start_promotion
+            self.primary, self.tiers, self.stats, self.deadlines, self._start_promotion, owners
+        )
+        self.tenancy = Tenancy(
+            owners,
+            PoolShares(owners, self.primary, self.eviction),
+            room,
+            TenantDrops(owners, self.primary, self.tiers, self.cascades, room),
+            self.primary,
+            self.tiers,
+            self.eviction.allocate,
+            self._record_evictions,
         )
         self.jobs = TierJobs(
             self.tiers,
@@ -129,9 +149,7 @@ class TieringLedger:
             promotions=self.promotions,
             deadlines=self.deadlines,
             active=self._active,
-        )
-        self.tenancy = Tenancy(
-            tenant_policy, self, self._lookup, self._submit, self._record_evictions
+            listener=self.tenancy,
         )
 
     # ---- identity -------------------------------------------------------------------------
@@ -362,9 +380,6 @@ class TieringLedger:
         """The tier's worker died: every job in flight on it fails (``TierJobs.fail_tier``)."""
         return self.jobs.fail_tier(self.tier_index(tier_name))
 
-    def jobs_of_tier(self, tier_name: str) -> list[int]:
-        return [job.job_id for job in self.jobs.of_tier(self.tier_index(tier_name))]
-
     def reset_tier_index(self, tier_name: str) -> None:
         """A tier's worker (re)started and will announce its whole index again."""
         self.tiers[self.tier_index(tier_name)].clear_index()
@@ -452,6 +467,50 @@ class TieringLedger:
         self.primary.reset()
         self.tenancy.reset()
 
-    def snapshot(self) -> dict[str, Any]:
-        """Gauges and counters for status and metrics (``snapshot.ledger_snapshot``)."""
-        return ledger_snapshot(self)
+    def snapshot(self) -> TieringStatus:
+        """Gauges and counters for status and metrics; per tenant (by id) once tenants are
+        active, without the bytes their blocks take (the caller knows the tiers' sizes)."""
+        primary, stats = self.primary, self.stats
+        return TieringStatus(
+            slots=primary.num_slots,
+            used_slots=len(primary),
+            pinned_slots=primary.pinned_count(),
+            writing_slots=primary.writing_count(),
+            held_slots=primary.held_count,
+            unverified_slots=len(self.adoption),
+            unread_promotion_pins=self.promotions.unread_total,
+            jobs_in_flight=len(self.jobs),
+            cascade_backlog=self.cascade_backlog(),
+            requests=self.open_requests(),
+            tiers={
+                tier.name: TierState(
+                    indexed_keys=len(tier.index),
+                    verdicts=len(tier.verdicts),
+                    tracked_requests=tier.tracked_requests(),
+                    online=tier.online,
+                    cascade_backlog=len(cascades.backlog),
+                    dirty_keys=len(cascades.dirty),
+                    cascade_inflight_keys=cascades.inflight_keys,
+                )
+                for tier, cascades in zip(self.tiers, self.cascades.per_tier, strict=True)
+            },
+            hit_pending_expired=stats.hit_pending_expired,
+            promotion_allocation_failures=stats.promotion_allocation_failures,
+            store_allocation_failures=stats.store_allocation_failures,
+            stores_refused_dirty=stats.stores_refused_dirty,
+            store_backpressure_s=round(stats.store_backpressure_s, 6),
+            promoted_keys=stats.promoted_keys,
+            promoted_keys_consumed=stats.promoted_keys_consumed,
+            promotion_amplification=stats.promotion_amplification,
+            per_tier=stats.per_tier(),
+            tenants=self.tenancy.snapshot(),
+        )
+
+    # ---- tenants --------------------------------------------------------------------------
+
+    def drop_tenant(self, tid: str) -> DropProgress:
+        """Drop every block of ``tid`` from the pool and every tier (``tenants.drops``)."""
+        return self.tenancy.drop(tid, self.jobs.in_flight())
+
+    def take_finished_drops(self) -> list[DropProgress]:
+        return self.tenancy.take_finished_drops()

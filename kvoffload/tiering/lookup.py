@@ -9,7 +9,7 @@ and nothing is promoted past that point. Each non-hit carries its ``MissReason``
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvoffload.tiering.deadlines import PendingDeadlines
 from kvoffload.tiering.primary import PrimaryIndex
@@ -17,9 +17,6 @@ from kvoffload.tiering.secondary import SecondaryTier
 from kvoffload.tiering.stats import TieringStats
 from kvoffload.tiering.types import Key, PrefixResult, RequestState
 from kvoffload.wire.vocab import LookupResult, MissReason
-
-if TYPE_CHECKING:
-    from kvoffload.tiering.tenants import Tenants
 
 HIT, HIT_PENDING, RETRY, MISS = (
     LookupResult.HIT,
@@ -32,6 +29,41 @@ StartPromotion = Callable[[int, RequestState, Key, Collection[Key]], bool]
 """(tier index, request, key, keys not to evict) -> whether a promotion of the key started."""
 
 
+class Visibility(Protocol):
+    """Which blocks a request of a tenant may read, while ``active`` (``tenants.owners``)."""
+
+    active: bool
+
+    def owned_prefix(self, tid: str, keys: Sequence[Key], n: int) -> int: ...
+
+    def visible_in_pool(self, tid: str, key: Key) -> bool: ...
+
+    def visible_on_tier(self, tier_idx: int, tid: str, key: Key) -> bool: ...
+
+    def note_probe(self, key: Key, tid: str) -> None: ...
+
+
+class _Everyone:
+    """Every request reads every block."""
+
+    active = False
+
+    def owned_prefix(self, tid: str, keys: Sequence[Key], n: int) -> int:
+        return n
+
+    def visible_in_pool(self, tid: str, key: Key) -> bool:
+        return True
+
+    def visible_on_tier(self, tier_idx: int, tid: str, key: Key) -> bool:
+        return True
+
+    def note_probe(self, key: Key, tid: str) -> None:
+        return None
+
+
+EVERYONE: Visibility = _Everyone()
+
+
 class PrefixLookup:
     def __init__(
         self,
@@ -40,19 +72,22 @@ class PrefixLookup:
         stats: TieringStats,
         deadlines: PendingDeadlines,
         start_promotion: StartPromotion,
+        visibility: Visibility = EVERYONE,
     ) -> None:
+        """``visibility``: which blocks a request may read (tenants, ``tenants.owners``), while
+        it is ``active``."""
         self.primary = primary
         self.tiers = tiers
         self.stats = stats
         self.deadlines = deadlines
         self._start_promotion = start_promotion
-        self.tenants: Tenants | None = None
-        """Set once tenants are active: a request sees only its tenant's blocks."""
+        self._visibility = visibility
 
     def evaluate(self, state: RequestState, keys: Sequence[Key]) -> PrefixResult:
         """The request's results for ``keys``, in order, up to and including the first MISS."""
         leading_hits = self.primary.ready_run(keys)
-        tenants = self.tenants
+        visibility = self._visibility
+        tenants = visibility if visibility.active else None
         if tenants is not None and leading_hits:
             leading_hits = tenants.owned_prefix(state.ctx.tenant, keys, leading_hits)
         results = [HIT] * leading_hits
@@ -67,7 +102,7 @@ class PrefixLookup:
             if (
                 tenants is not None
                 and result is not MISS
-                and not tenants.visible(tenants.primary_owners, state.ctx.tenant, key)
+                and not tenants.visible_in_pool(state.ctx.tenant, key)
             ):
                 results.append(MISS)  # another tenant's block
                 reasons.append(MissReason.ABSENT)
@@ -110,11 +145,9 @@ class PrefixLookup:
                 filtered = True
                 continue
             result, tier_reason = tier.lookup(key, req_id)
-            tenants = self.tenants
-            if tenants is not None:
-                if result is HIT and not tenants.visible(
-                    tenants.tier_owners[i], state.ctx.tenant, key
-                ):
+            tenants = self._visibility
+            if tenants.active:
+                if result is HIT and not tenants.visible_on_tier(i, state.ctx.tenant, key):
                     result, tier_reason = MISS, MissReason.ABSENT  # another tenant's block
                 elif result is RETRY and state.ctx.tenant and not tier.spec.indexed:
                     tenants.note_probe(key, state.ctx.tenant)

@@ -8,14 +8,15 @@ that must get it has not landed yet).
 Slots are handed out never-used first (increasing), then freed ones (last freed first).
 With ``track_invalidations`` every slot freed or handed to a new key is recorded until
 ``take_invalidated_slots``, so the caller can forget what the slot held (its slot header).
-``on_drop``, when set, hears of every key that leaves the index except by ``reset`` (tenant
-accounting, ``tenants.Tenants``).
+The ``PoolListener`` hears of every key that enters the index and every key that leaves it,
+except by ``reset`` (tenant accounting, ``tenants.owners``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from typing import Protocol
 
 from kvoffload.tiering.policies import make_policy
 from kvoffload.tiering.types import Allocation, Key, NotReady, ProtocolViolation
@@ -24,11 +25,32 @@ from kvoffload.wire.vocab import LookupResult
 WRITING = -1
 
 
+class PoolListener(Protocol):
+    def pool_added(self, keys: Sequence[Key]) -> None: ...
+
+    def pool_dropped(self, key: Key) -> None: ...
+
+
+class _NoPoolListener:
+    def pool_added(self, keys: Sequence[Key]) -> None:
+        return None
+
+    def pool_dropped(self, key: Key) -> None:
+        return None
+
+
+NO_POOL_LISTENER: PoolListener = _NoPoolListener()
+
+
 class PrimaryIndex:
     """Pure bookkeeping: who owns which slot. Never touches bytes."""
 
     def __init__(
-        self, num_slots: int, policy: str = "lru", track_invalidations: bool = False
+        self,
+        num_slots: int,
+        policy: str = "lru",
+        track_invalidations: bool = False,
+        listener: PoolListener = NO_POOL_LISTENER,
     ) -> None:
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
@@ -44,7 +66,7 @@ class PrimaryIndex:
         self.policy = make_policy(policy, num_slots, self._eviction_refs)
         self.recently_evicted: OrderedDict[Key, None] = OrderedDict()
         self.evictions = 0
-        self.on_drop: Callable[[Key], None] | None = None
+        self._listener = listener
 
     def ref_count(self, key: Key) -> int:
         """ref_cnt of a present key; KeyError if absent."""
@@ -146,6 +168,7 @@ class PrimaryIndex:
             self._refs[key] = WRITING
             self.policy.insert(key)
             slots.append(slot)
+        self._listener.pool_added(new_keys)
         return Allocation(new_keys, slots, evicted)
 
     def evict(self, n: int, protected: Collection[Key]) -> list[Key] | None:
@@ -248,6 +271,7 @@ class PrimaryIndex:
             self._slot[key] = slot
             self._refs[key] = WRITING
             self.policy.insert(key)
+        self._listener.pool_added(keys)
         taken = set(slots)
         self._next_unused = self.num_slots
         self._free = [slot for slot in range(self.num_slots - 1, -1, -1) if slot not in taken]
@@ -271,16 +295,6 @@ class PrimaryIndex:
         self.policy.clear()
         self.recently_evicted.clear()
 
-    def gauges(self) -> dict[str, int]:
-        """Its levels for status and metrics."""
-        return {
-            "slots": self.num_slots,
-            "used_slots": len(self),
-            "pinned_slots": self.pinned_count(),
-            "writing_slots": self.writing_count(),
-            "held_slots": len(self._holds),
-        }
-
     def pinned_count(self) -> int:
         return sum(1 for r in self._refs.values() if r > 0)
 
@@ -302,8 +316,7 @@ class PrimaryIndex:
         return slot
 
     def _drop(self, key: Key) -> None:
-        if self.on_drop is not None:
-            self.on_drop(key)
+        self._listener.pool_dropped(key)
         if self._refs.pop(key) == 0:
             self._idle_changed(key, -1)
         self._holds.pop(key, None)

@@ -48,7 +48,10 @@ class TierSpec:
 
 
 class IndexListener(Protocol):
-    """Hears of the keys a tier gains and loses (tenant accounting, ``tenants.Tenants``)."""
+    """Hears of the keys a tier gains and loses while ``active`` (tenant accounting,
+    ``tenants.owners``)."""
+
+    active: bool
 
     def added(self, tier: SecondaryTier, keys: list[Key]) -> None: ...
 
@@ -57,8 +60,24 @@ class IndexListener(Protocol):
     def cleared(self, tier: SecondaryTier) -> None: ...
 
 
+class _NoIndexListener:
+    active = False
+
+    def added(self, tier: SecondaryTier, keys: list[Key]) -> None:
+        return None
+
+    def removed(self, tier: SecondaryTier, keys: list[Key]) -> None:
+        return None
+
+    def cleared(self, tier: SecondaryTier) -> None:
+        return None
+
+
+NO_INDEX_LISTENER: IndexListener = _NoIndexListener()
+
+
 class SecondaryTier:
-    def __init__(self, spec: TierSpec) -> None:
+    def __init__(self, spec: TierSpec, listener: IndexListener = NO_INDEX_LISTENER) -> None:
         self.spec = spec
         self.index: set[Key] = set()
         self.verdicts = VerdictCache()
@@ -66,7 +85,7 @@ class SecondaryTier:
         self._touched: OrderedDict[Key, None] = OrderedDict()
         self.online = True
         """The tier's worker is connected and its index announced (cascades wait while not)."""
-        self.listener: IndexListener | None = None
+        self._listener = listener
 
     @property
     def name(self) -> str:
@@ -142,23 +161,23 @@ class SecondaryTier:
     def clear_index(self) -> None:
         """The tier's worker (re)started and will announce its whole index again."""
         self.index.clear()
-        if self.listener is not None:
-            self.listener.cleared(self)
+        if self._listener.active:
+            self._listener.cleared(self)
 
     def _add(self, keys: list[Key]) -> None:
-        if self.listener is not None:
+        if self._listener.active:
             fresh = [k for k in dict.fromkeys(keys) if k not in self.index]
             if fresh:
-                self.listener.added(self, fresh)
+                self._listener.added(self, fresh)
         if self.spec.indexed:
             self.index.update(keys)
 
     def _remove(self, keys: list[Key]) -> None:
-        if self.listener is not None:
+        if self._listener.active:
             if self.spec.indexed:
                 keys = [k for k in dict.fromkeys(keys) if k in self.index]
             if keys:
-                self.listener.removed(self, keys)
+                self._listener.removed(self, keys)
         self.index.difference_update(keys)
 
     def on_new_request(self, req_id: str) -> OffloadPolicy:
@@ -171,15 +190,6 @@ class SecondaryTier:
     def tracked_requests(self) -> int:
         """Requests this tier keeps state for (failed loads, verdict references)."""
         return len(self._failed.keys() | self.verdicts.requests())
-
-    def gauges(self) -> dict[str, int | bool]:
-        """Its levels for status and metrics."""
-        return {
-            "indexed_keys": len(self.index),
-            "verdicts": len(self.verdicts),
-            "tracked_requests": self.tracked_requests(),
-            "online": self.online,
-        }
 
     def touch(self, keys: Iterable[Key]) -> None:
         for key in keys:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import msgspec
 
@@ -95,18 +94,9 @@ class TieringStats:
             return None
         return self.promoted_keys / self.promoted_keys_consumed
 
-    def as_dict(self) -> dict[str, Any]:
+    def per_tier(self) -> dict[str, TierCounters]:
+        """A copy of each tier's counters, by tier name."""
         return {
-            "hit_pending_expired": self.hit_pending_expired,
-            "promotion_allocation_failures": self.promotion_allocation_failures,
-            "store_allocation_failures": self.store_allocation_failures,
-            "stores_refused_dirty": self.stores_refused_dirty,
-            "store_backpressure_s": round(self.store_backpressure_s, 6),
-            "promoted_keys": self.promoted_keys,
-            "promoted_keys_consumed": self.promoted_keys_consumed,
-            "promotion_amplification": self.promotion_amplification,
-            "per_tier": {
-                name: msgspec.structs.asdict(c)
-                for name, c in zip(self.names, self._tiers, strict=True)
-            },
+            name: msgspec.structs.replace(c)
+            for name, c in zip(self.names, self._tiers, strict=True)
         }

@@ -168,6 +168,18 @@ class TransferResult:
     """A ``DELETE`` job with ``purge_tenant``: the blocks the tier removed in all."""
 
 
+@dataclass(slots=True)
+class Admission:
+    """What may happen to keys about to be cascaded (``CascadeRoom.admit``): go ``now``,
+    ``wait`` for removals under way, or be given up (``full``: no room; ``capped``: their
+    tenant is at its cap)."""
+
+    now: list[Key] = field(default_factory=list)
+    wait: list[Key] = field(default_factory=list)
+    full: list[Key] = field(default_factory=list)
+    capped: list[Key] = field(default_factory=list)
+
+
 class Allocation(NamedTuple):
     """Slots reserved by ``PrimaryIndex.allocate``: the keys that were not present yet, their
     slots (co-indexed), and the keys evicted to make room."""

@@ -44,7 +44,7 @@ def test_verified_keys_become_hits_failed_ones_are_freed_and_reported():
     assert reply.results == [HIT_PENDING] * 3 and reply.ready_prefix == 0
     with pytest.raises(NotReady):
         h.m.prepare_load(req, [k(1)])
-    assert h.m.snapshot()["unverified_slots"] == 3
+    assert h.m.snapshot().unverified_slots == 3
     ready, dropped = h.m.complete_adoption([k(1), k(2), k(3)], [k(1), k(3)])
     assert (ready, dropped) == ([k(1), k(3)], [k(2)])
     assert h.m.take_invalidated_slots() == [0], "the failed key's slot must be reported freed"
@@ -54,7 +54,7 @@ def test_verified_keys_become_hits_failed_ones_are_freed_and_reported():
     h.m.complete_load([k(1), k(3)])
     h.answer(h.jobs())  # verified blocks no tier holds are cascaded
     snap = h.m.snapshot()
-    assert (snap["unverified_slots"], snap["pinned_slots"], snap["writing_slots"]) == (0, 0, 0)
+    assert (snap.unverified_slots, snap.pinned_slots, snap.writing_slots) == (0, 0, 0)
 
 
 def test_a_late_verification_after_reset_changes_nothing():

@@ -153,9 +153,9 @@ def test_cascade_over_the_pin_bound_waits_unpinned_and_uses_no_job_id():
     m.end_step()
     (later,) = m.take_submissions()
     assert later.kind is JobKind.CASCADE and later.keys == [k(3)]
-    assert m.snapshot()["cascade_backlog"] == 1
+    assert m.snapshot().cascade_backlog == 1
     m.apply_result("disk", TransferResult(later.job_id, True))
-    assert m.snapshot()["cascade_backlog"] == 0 and m.tiers[0].index == {k(1), k(2), k(3)}
+    assert m.snapshot().cascade_backlog == 0 and m.tiers[0].index == {k(1), k(2), k(3)}
 
 
 # -- durable cascades ---------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_cascade_failed_by_a_worker_crash_is_retried_once_the_worker_is_back(h):
     )
     h.answer([retry])
     assert h.m.tiers[0].index == {k(1), k(2)}
-    assert h.m.snapshot()["cascade_backlog"] == 0 and not h.m.has_pending_work()
+    assert h.m.snapshot().cascade_backlog == 0 and not h.m.has_pending_work()
 
 
 def test_cascades_for_an_offline_tier_wait_unpinned_and_go_out_when_it_is_back(h):
@@ -203,7 +203,7 @@ def test_cascades_for_an_offline_tier_wait_unpinned_and_go_out_when_it_is_back(h
     assert h.m.tiers[mem2.tier].name == "mem2"
     h.answer([mem2])
     assert h.m.primary.pinned_count() == 0, "waiting cascades pin nothing"
-    assert h.m.snapshot()["tiers"]["disk"]["cascade_backlog"] == 2
+    assert h.m.snapshot().tiers["disk"].cascade_backlog == 2
     assert h.m.stats.tier(1).cascade_keys_deferred == 2
     h.m.set_tier_online("disk", True)
     h.m.end_step()
@@ -257,7 +257,7 @@ def test_failed_cascades_back_off_and_are_dropped_at_the_retry_bound(captured_lo
     h.m.apply_result("disk", TransferResult(job.job_id, False))
     assert dropped(captured_logs, "retry_bound") == [k(1).hex()]
     assert h.m.stats.tier(1).cascade_dropped_retry_bound == 1
-    assert h.m.snapshot()["cascade_backlog"] == 0
+    assert h.m.snapshot().cascade_backlog == 0
     h.clock.now += 60
     h.m.end_step()
     assert h.jobs() == []
@@ -289,7 +289,7 @@ def test_a_key_evicted_before_its_cascade_is_dropped_as_evicted(captured_logs):
     h.store(r, [k(2), k(3)])  # evicts k1, still waiting for the disk tier
     assert dropped(captured_logs, "evicted") == [k(1).hex()]
     assert h.m.stats.tier(1).cascade_dropped_evicted == 1
-    assert h.m.snapshot()["tiers"]["disk"]["cascade_backlog"] == 2
+    assert h.m.snapshot().tiers["disk"].cascade_backlog == 2
 
 
 def test_eviction_prefers_blocks_that_no_longer_wait_for_a_cascade(captured_logs):
@@ -606,7 +606,7 @@ def test_failed_probe_misses_only_for_the_requests_waiting_on_it():
     assert h.m.lookup(fresh, [k(1)]).results == [HIT_PENDING]
     h.m.on_request_finished(a)
     h.m.on_request_finished(b)
-    assert h.m.snapshot()["tiers"]["object"]["tracked_requests"] == 1
+    assert h.m.snapshot().tiers["object"].tracked_requests == 1
 
 
 def test_successful_cascade_makes_probed_verdict_present():
@@ -924,7 +924,7 @@ def test_result_after_finish_creates_no_request_state_and_a_reused_id_starts_fre
     assert not h.m.has_request(r)
     assert [j.kind for j in h.jobs()] == [JobKind.PROMOTION]
     h.m.fail_worker_jobs(tier)  # the worker dies with the promotion in flight
-    tracked = h.m.snapshot()["tiers"][tier]["tracked_requests"]
+    tracked = h.m.snapshot().tiers[tier].tracked_requests
     assert tracked == (1 if probed else 0), "no state may be created for a finished request"
     h.new("r")
     assert h.m.lookup("r", [k(1)]).results == [RETRY if probed else HIT_PENDING], (

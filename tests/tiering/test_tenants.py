@@ -19,6 +19,7 @@ from kvoffload.tiering import (
     WriteBack,
 )
 from kvoffload.tiering.tenants import PRIMARY, TenantCapReached, TenantLimits, TenantPolicy
+from kvoffload.wire.status import TenantStatus
 from tests.tiering.conftest import FakeClock, k
 
 A, B, C = "a" * 16, "b" * 16, "c" * 16
@@ -117,8 +118,8 @@ class TenantHarness:
             self.m.on_request_finished(req)
             self.drain()
 
-    def tenant(self, tid: str) -> dict:
-        return self.m.snapshot()["tenants"][tid]
+    def tenant(self, tid: str) -> TenantStatus:
+        return self.m.snapshot().tenants[tid]
 
 
 def keys(prefix: int, n: int) -> list[bytes]:
@@ -144,7 +145,7 @@ def test_blocks_without_a_tenant_go_to_the_first_tenant_that_finds_them():
     h.store("", loose)
     assert h.hits(A, loose) == 2
     assert h.hits(B, loose) == 0, "now A's"
-    assert h.tenant(A)["tiers"][PRIMARY]["blocks"] == 2
+    assert h.tenant(A).tiers[PRIMARY].blocks == 2
 
 
 def test_a_tenant_inside_its_share_loses_nothing_to_a_flood():
@@ -155,9 +156,9 @@ def test_a_tenant_inside_its_share_loses_nothing_to_a_flood():
         evicted = h.store(B, keys(2 + i, 3))
         assert not set(evicted) & set(a_keys)
     assert h.hits(A, a_keys) == 4
-    a, b = h.tenant(A)["tiers"][PRIMARY], h.tenant(B)["tiers"][PRIMARY]
-    assert a["blocks"] == 4 and a["evicted_by_others"] == 0 and a["evictions"] == 0
-    assert b["blocks"] == 4 and b["evictions"] == 26
+    a, b = h.tenant(A).tiers[PRIMARY], h.tenant(B).tiers[PRIMARY]
+    assert a.blocks == 4 and a.evicted_by_others == 0 and a.evictions == 0
+    assert b.blocks == 4 and b.evictions == 26
 
 
 def test_eviction_takes_from_tenants_over_their_share_first_and_never_below_it():
@@ -171,8 +172,8 @@ def test_eviction_takes_from_tenants_over_their_share_first_and_never_below_it()
     h.store(B, keys(2, 3))  # the pool is full
     evicted = h.store(C, keys(3, 4))
     assert set(evicted) == set(keys(1, 3)) | {keys(2, 1)[0]}, "A's excess, then B's, oldest first"
-    assert h.tenant(A)["tiers"][PRIMARY]["blocks"] == 2
-    assert h.tenant(B)["tiers"][PRIMARY]["blocks"] == 2
+    assert h.tenant(A).tiers[PRIMARY].blocks == 2
+    assert h.tenant(B).tiers[PRIMARY].blocks == 2
     assert h.store(C, keys(4, 1)) == [keys(3, 1)[0]], "then C's own blocks"
 
 
@@ -181,14 +182,14 @@ def test_a_tenant_at_its_pool_cap_makes_room_from_its_own_blocks_or_is_refused()
     h.store(B, keys(2, 2))
     assert h.store(A, keys(1, 3)) == []
     assert h.store(A, keys(3, 2)) == keys(1, 2), "A's own oldest, though the pool has room"
-    assert h.tenant(A)["tiers"][PRIMARY]["blocks"] == 3
+    assert h.tenant(A).tiers[PRIMARY].blocks == 3
     req = h.request(A)
     h.m.prepare_load(req, keys(3, 2) + [keys(1, 3)[2]])  # pinned: none can go
     with pytest.raises(TenantCapReached) as refused:
         h.m.prepare_store(req, keys(4, 1))
     assert refused.value.code == "tenant_cap"
-    assert h.tenant(A)["tiers"][PRIMARY]["refused"] == 1
-    assert h.tenant(B)["tiers"][PRIMARY]["blocks"] == 2, "B untouched"
+    assert h.tenant(A).tiers[PRIMARY].refused == 1
+    assert h.tenant(B).tiers[PRIMARY].blocks == 2, "B untouched"
 
 
 def test_on_disk_the_manager_makes_room_by_share_and_the_worker_never_evicts():
@@ -205,9 +206,9 @@ def test_on_disk_the_manager_makes_room_by_share_and_the_worker_never_evicts():
         h.drain()
         assert len(h.held["disk"]) <= 6, "the tier never holds more than its capacity"
         assert set(a_keys) <= h.held["disk"], "A's blocks stay on disk"
-    disk = h.tenant(A)["tiers"]["disk"]
-    assert disk["blocks"] == 3 and disk["evicted_by_others"] == 0
-    assert h.tenant(B)["tiers"]["disk"]["blocks"] == 3
+    disk = h.tenant(A).tiers["disk"]
+    assert disk.blocks == 3 and disk.evicted_by_others == 0
+    assert h.tenant(B).tiers["disk"].blocks == 3
     assert h.m.stats.tier(1).cascade_dropped_tier_full == 0
     assert all(d.kind is JobKind.DELETE and not set(d.keys) & set(a_keys) for d in h.deletes)
     h.m.reset_cache()
@@ -225,7 +226,7 @@ def test_a_tenant_at_its_disk_cap_replaces_its_own_oldest_block():
     h.store(A, keys(2, 1))
     h.drain()
     assert h.held["disk"] == set(keys(1, 2)[1:] + keys(2, 1))
-    assert h.tenant(A)["tiers"]["disk"]["blocks"] == 2
+    assert h.tenant(A).tiers["disk"].blocks == 2
 
 
 def test_a_tenant_at_its_object_cap_has_its_cascades_refused_and_counted(captured_logs):
@@ -233,7 +234,7 @@ def test_a_tenant_at_its_object_cap_has_its_cascades_refused_and_counted(capture
     h.store(A, keys(1, 3))
     h.drain()
     assert len(h.objects) == 2
-    assert h.tenant(A)["tiers"]["object"]["refused"] == 1
+    assert h.tenant(A).tiers["object"].refused == 1
     assert h.m.stats.tier(1).cascade_dropped_tenant_cap == 1
     assert any(e["event"] == "tenant_cap_refused" for e in captured_logs)
     assert all(t == A for t, _ in h.objects), "object names carry the tenant"
@@ -246,11 +247,11 @@ def test_a_drop_removes_every_block_of_the_tenant_from_every_tier_and_nothing_el
     h.store(B, b_keys)
     h.drain()
     h.objects.add((A, k(777)))  # another node's block of A's in the bucket
-    drop = h.m.tenancy.drop(A)
+    drop = h.m.drop_tenant(A)
     assert not drop.finished, "the tiers remove the bytes"
     assert h.hits(A, a_keys) == 0, "a miss everywhere from the call on"
     h.drain()
-    (done,) = h.m.tenancy.take_finished_drops()
+    (done,) = h.m.take_finished_drops()
     assert done.removed == {"primary": 3, "disk": 3, "object": 4} and done.failed == {}
     assert not h.held["disk"] & set(a_keys) and not [o for o in h.objects if o[0] == A]
     assert h.hits(A, a_keys) == 0
@@ -267,12 +268,12 @@ def test_a_drop_waits_for_cascades_in_flight_and_dooms_busy_blocks():
     (cascade,) = h.m.take_submissions()
     pinned = h.request(A)
     h.m.prepare_load(pinned, keys(1, 1))
-    drop = h.m.tenancy.drop(A)
+    drop = h.m.drop_tenant(A)
     assert drop.waiting_jobs == {cascade.job_id}
     assert h.hits(A, keys(1, 2)) == 0
     h.answer(cascade)  # lands on disk after the drop: removed with the rest
     h.drain()
-    (done,) = h.m.tenancy.take_finished_drops()
+    (done,) = h.m.take_finished_drops()
     assert done.removed["disk"] == 2 and not h.held["disk"]
     h.m.complete_load(keys(1, 1))
     assert h.store(B, keys(2, 8)) == keys(1, 1), "the doomed block goes first"

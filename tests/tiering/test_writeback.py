@@ -43,7 +43,7 @@ def test_dirty_blocks_of_a_hold_tier_are_never_evicted_and_the_store_is_refused(
     assert h.m.stats.store_allocation_failures == 1 and h.m.stats.stores_refused_dirty == 1
     h.answer([cascade])
     snap = h.m.snapshot()
-    assert snap["held_slots"] == 0 and snap["tiers"]["disk"]["dirty_keys"] == 0
+    assert snap.held_slots == 0 and snap.tiers["disk"].dirty_keys == 0
     out = h.m.prepare_store(r, [k(5)])
     assert out is not None and out.evicted == [k(1)], "blocks on disk go first"
     assert dropped(captured_logs, "disk", "evicted") == []
@@ -56,8 +56,8 @@ def test_an_offline_hold_tier_keeps_its_blocks_until_it_is_back(captured_logs):
     h.store(r, [k(1), k(2), k(3)])
     assert h.jobs() == []
     snap = h.m.snapshot()
-    assert snap["held_slots"] == 3 and snap["tiers"]["disk"]["dirty_keys"] == 3
-    assert snap["pinned_slots"] == 0, "held, not pinned: loads still read them"
+    assert snap.held_slots == 3 and snap.tiers["disk"].dirty_keys == 3
+    assert snap.pinned_slots == 0, "held, not pinned: loads still read them"
     assert h.m.prepare_store(r, [k(4)]) is None
     h.clock.now += 2.5
     assert h.m.prepare_store(r, [k(4)]) is None
@@ -121,7 +121,7 @@ def test_a_reset_gives_up_what_an_offline_hold_tier_never_got(captured_logs):
     h.m.reset_cache()
     assert dropped(captured_logs, "disk", "evicted") == [k(1).hex()]
     assert h.m.primary.held_count == 0 and len(h.m.primary) == 0
-    assert h.m.snapshot()["tiers"]["disk"]["dirty_keys"] == 0
+    assert h.m.snapshot().tiers["disk"].dirty_keys == 0
 
 
 def test_best_effort_blocks_go_last_and_counted_held_ones_never(captured_logs):
@@ -167,5 +167,5 @@ def test_cascades_go_out_in_jobs_of_bounded_size_within_the_bound_and_in_order()
     h.m.end_step()
     (later,) = h.jobs()
     assert later.keys == [k(4), k(5)] and later.kind is JobKind.CASCADE
-    snap = h.m.snapshot()["tiers"]["disk"]
-    assert snap["cascade_inflight_keys"] == 4 and snap["dirty_keys"] == 5
+    snap = h.m.snapshot().tiers["disk"]
+    assert snap.cascade_inflight_keys == 4 and snap.dirty_keys == 5

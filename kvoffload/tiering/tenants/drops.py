@@ -16,15 +16,16 @@ the tenant's name (other nodes' included). The drop finishes when those jobs hav
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvoffload.logs import get_logger
 from kvoffload.tiering.cascades import Cascades
 from kvoffload.tiering.primary import PrimaryIndex
 from kvoffload.tiering.secondary import SecondaryTier
-from kvoffload.tiering.tenant_room import DeleteJob, TenantRoom
-from kvoffload.tiering.tenants import DOOMED, PRIMARY, Tenants
+from kvoffload.tiering.tenants.owners import TenantOwners
+from kvoffload.tiering.tenants.policy import DOOMED, PRIMARY
+from kvoffload.tiering.tenants.room import DeleteJob, TenantRoom
 from kvoffload.tiering.types import Key, TransferJob, TransferResult
 from kvoffload.wire.vocab import JobKind
 
@@ -32,7 +33,7 @@ log = get_logger()
 
 
 @dataclass(slots=True)
-class TenantDrop:
+class DropProgress:
     """One drop: the blocks removed per tier (the pool's counted at the call), the blocks a
     tier could not remove, and what it still waits for."""
 
@@ -55,29 +56,25 @@ class TenantDrop:
 class TenantDrops:
     def __init__(
         self,
-        tenants: Tenants,
+        tenants: TenantOwners,
         primary: PrimaryIndex,
         tiers: Sequence[SecondaryTier],
         cascades: Cascades,
         room: TenantRoom,
-        in_flight: Callable[[], list[TransferJob]],
     ) -> None:
-        """``in_flight``: the tier jobs in flight now."""
         self.tenants = tenants
         self.primary = primary
         self.tiers = tiers
         self.cascades = cascades
         self.room = room
-        self._in_flight = in_flight
         self._ids = itertools.count(1)
-        self.pending: dict[int, TenantDrop] = {}
-        self._finished: list[TenantDrop] = []
-        room.on_drop_deleted = self._deleted
+        self.pending: dict[int, DropProgress] = {}
+        self._finished: list[DropProgress] = []
 
-    def drop(self, tid: str) -> TenantDrop:
-        """Start dropping ``tid`` (module docstring); returns the drop, finished or not."""
-        self.tenants.activate()
-        drop = TenantDrop(next(self._ids), tid)
+    def drop(self, tid: str, in_flight: list[TransferJob]) -> DropProgress:
+        """Start dropping ``tid`` (module docstring; tenants are active) with the tier jobs
+        ``in_flight`` now; returns the drop, finished or not."""
+        drop = DropProgress(next(self._ids), tid)
         keys = self.tenants.primary_owners.keys_of(tid)
         gone = set(keys)
         self.cascades.discard(gone)
@@ -89,7 +86,7 @@ class TenantDrops:
                 tier.forget(drop.tier_keys[tier_idx])
         drop.waiting_jobs = {
             job.job_id
-            for job in self._in_flight()
+            for job in in_flight
             if job.kind in (JobKind.CASCADE, JobKind.PROMOTION) and not gone.isdisjoint(job.keys)
         }
         log.info(
@@ -120,7 +117,7 @@ class TenantDrops:
                 if not drop.waiting_jobs:
                     self._start_deletes(drop)
 
-    def _start_deletes(self, drop: TenantDrop) -> None:
+    def _start_deletes(self, drop: DropProgress) -> None:
         """The tiers remove the tenant's blocks: one ``DELETE`` job per tier (the object
         tier's purging its name), once blocks that landed while the drop waited left the pool
         and the tiers' indexes too."""
@@ -139,9 +136,10 @@ class TenantDrops:
                 drop.delete_jobs.add(job_id)
         self._finish_if_done(drop)
 
-    def _deleted(
+    def deleted(
         self, job: DeleteJob, ok: list[Key], failed: list[Key], result: TransferResult
     ) -> None:
+        """A ``DELETE`` job of a drop reported (``TenantRoom.delete_done``'s entry)."""
         drop = self.pending.get(job.drop) if job.drop is not None else None
         if drop is None:
             return
@@ -154,12 +152,12 @@ class TenantDrops:
         drop.delete_jobs.difference_update([j for j in drop.delete_jobs if j not in self.room.jobs])
         self._finish_if_done(drop)
 
-    def _finish_if_done(self, drop: TenantDrop) -> None:
+    def _finish_if_done(self, drop: DropProgress) -> None:
         if drop.finished and drop.drop_id in self.pending:
             del self.pending[drop.drop_id]
             self._finished.append(drop)
             log.info("tenant_dropped", tenant=drop.tenant, removed=drop.removed, failed=drop.failed)
 
-    def take_finished(self) -> list[TenantDrop]:
+    def take_finished(self) -> list[DropProgress]:
         out, self._finished = self._finished, []
         return out

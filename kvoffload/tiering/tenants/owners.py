@@ -1,80 +1,40 @@
-"""Tenants: whose blocks are where, the shares no other tenant's traffic takes away, the caps.
+"""Whose blocks are where: the owner of each tenant's block on each tier, each tenant's limits
+and counts, and what a request of a tenant may see.
 
-A request names its tenant (``ReqContext.tenant``, an id, "" for none). Every block a request
-stores or promotes is its tenant's; a tenant sees only its own blocks (a block of another
-tenant is a miss; a block without a tenant, e.g. one a restarted manager found on disk, goes to
-the first tenant that looks it up). Per tier (``PRIMARY``, then each secondary tier by name) a
-tenant may have a **share** (blocks no other tenant's traffic evicts) and a **cap** (blocks it
-holds at most), from a ``TenantPolicy``: named tenants, and a default for every other one (its
-share granted while the tier has room for it beside the others').
-
-The primary tier (``allocate``): a store or promotion over its tenant's cap first evicts that
-tenant's own idle blocks (least recent first); when they cannot make the room (pinned, being
-written, held for their cascade) it is refused (``TenantCapReached``, counted, logged). Room in
-a full pool is then taken from tenants over their share first, down to their share and never
-below it (``ShareGuard``), and only then from the storing tenant's own blocks. The write-back
-rules stay whole: a held block is never evicted, a block dirty for a best-effort tier goes last.
-The secondary tiers follow the same rules in ``tenant_room``; a tenant drop is
-``tenant_drops``.
-
-Everything here is off until a policy is configured or a request names a tenant (``activate``):
-the ledger then routes its allocations, lookups and tier changes through it.
+A request names its tenant (``ReqContext.tenant``, an id, ``NO_TENANT`` for none). Every block a
+request stores or promotes is its tenant's; a tenant sees only its own blocks (a block of
+another tenant is a miss; a block without a tenant, e.g. one a restarted manager found on disk,
+goes to the first tenant that looks it up). ``TenantOwners`` hears of every block the pool and
+the secondary tiers gain and lose (it is the pool's ``PoolListener`` and each tier's
+``IndexListener``) once tenants are active, and does nothing before.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvoffload.logs import get_logger
-from kvoffload.tiering.primary import PrimaryIndex
-from kvoffload.tiering.secondary import SecondaryTier
-from kvoffload.tiering.types import Allocation, Key, TieringError
-from kvoffload.tiering.writeback import Eviction
-from kvoffload.wire.vocab import ErrorCode, JobKind, LookupResult
+from kvoffload.tiering.secondary import SecondaryTier, TierSpec
+from kvoffload.tiering.tenants.policy import (
+    DOOMED,
+    NO_LIMITS,
+    PRIMARY,
+    TenantLimits,
+    TenantPolicy,
+)
+from kvoffload.tiering.types import Key
+from kvoffload.wire.status import TenantStatus, TenantTierStatus
+from kvoffload.wire.tenant_ids import NO_TENANT
+from kvoffload.wire.vocab import JobKind, LookupResult
 
 log = get_logger()
 
-PRIMARY = "primary"
-NO_TENANT = ""
-DOOMED = "!"
-"""Prefix of the owner of a dropped tenant's block that was busy at the drop: no request sees
-it, any eviction may take it."""
 REFUSAL_LOG_INTERVAL_S = 1.0
 PROBED_KEYS_KEPT = 1 << 16
-
-
-@dataclass(frozen=True, slots=True)
-class TenantLimits:
-    """One tenant's room on one tier, in blocks: ``share`` guaranteed, ``cap`` at most (None:
-    no cap)."""
-
-    share: int = 0
-    cap: int | None = None
-
-
-NO_LIMITS = TenantLimits()
-
-
-@dataclass(frozen=True)
-class TenantPolicy:
-    """Shares and caps: ``named`` by tenant id, then tier; ``default`` by tier, for the others."""
-
-    named: Mapping[str, Mapping[str, TenantLimits]] = field(default_factory=dict)
-    default: Mapping[str, TenantLimits] = field(default_factory=dict)
-
-    @property
-    def configured(self) -> bool:
-        return bool(self.named) or any(lim != NO_LIMITS for lim in self.default.values())
-
-
-class TenantCapReached(TieringError):
-    """A store of a tenant at its cap whose own blocks cannot make the room."""
-
-    code = ErrorCode.TENANT_CAP
 
 
 @dataclass(slots=True)
@@ -105,42 +65,40 @@ class TenantCounts:
 
 class TierOwners:
     """Who owns the blocks of one tier: the owner of each tenant's block (a key not listed has
-    none), blocks per tenant and, with ``ordered``, each owner's keys from least to most recent.
-    ``size``: the tier's blocks in all, when the tier itself counts them (the primary tier);
-    otherwise the blocks without an owner are counted here."""
+    none), blocks per tenant, the blocks without a tenant, and, with ``ordered``, each owner's
+    keys from least to most recent (the keys without a tenant under ``NO_TENANT``)."""
 
-    def __init__(self, name: str, size: Callable[[], int] | None, ordered: bool) -> None:
+    def __init__(self, name: str, ordered: bool) -> None:
         self.name = name
-        self._size = size
         self.owner: dict[Key, str] = {}
         self.used: Counter[str] = Counter()
         self.untenanted = 0
-        self._tenanted = 0
         self.order: dict[str, OrderedDict[Key, int]] | None = {} if ordered else None
         self._tick = 0
         self.stale: dict[Key, str] = {}
         """Owners of the keys of a tier whose worker restarted, until it announces them."""
 
     def usage(self, tid: str) -> int:
-        if tid != NO_TENANT:
-            return self.used.get(tid, 0)
-        if self._size is not None:
-            return max(0, self._size() - self._tenanted)
-        return self.untenanted
+        return self.used.get(tid, 0) if tid != NO_TENANT else self.untenanted
 
     def owner_of(self, key: Key) -> str:
         return self.owner.get(key, NO_TENANT)
 
+    def _untenanted_here(self, key: Key) -> bool:
+        return self.order is not None and key in self.order.get(NO_TENANT, ())
+
     def add(self, key: Key, tid: str) -> None:
-        if key in self.owner:
-            if self.owner[key] == tid:
+        current = self.owner.get(key)
+        if current is None and self._untenanted_here(key):
+            current = NO_TENANT
+        if current is not None:
+            if current == tid:
                 return
             self.remove(key)
         if tid != NO_TENANT:
             self.owner[key] = tid
             self.used[tid] += 1
-            self._tenanted += 1
-        elif self._size is None:
+        else:
             self.untenanted += 1
         if self.order is not None:
             self._tick += 1
@@ -155,10 +113,9 @@ class TierOwners:
                 self.used[tid] = left
             else:
                 del self.used[tid]
-            self._tenanted -= 1
         else:
             tid = NO_TENANT
-            if self._size is None and self.untenanted:
+            if self.untenanted and (self.order is None or self._untenanted_here(key)):
                 self.untenanted -= 1
         if self.order is not None:
             keys = self.order.get(tid)
@@ -170,10 +127,7 @@ class TierOwners:
 
     def claim(self, key: Key, tid: str) -> None:
         """A block without an owner becomes ``tid``'s (where this knows it holds the block)."""
-        if self._size is not None:
-            self.add(key, tid)
-        elif self.order is not None and key in self.order.get(NO_TENANT, ()):
-            self.remove(key)
+        if self._untenanted_here(key):
             self.add(key, tid)
 
     def touch(self, keys: Iterable[Key]) -> None:
@@ -194,7 +148,7 @@ class TierOwners:
     def reset(self) -> None:
         self.owner.clear()
         self.used.clear()
-        self.untenanted = self._tenanted = 0
+        self.untenanted = 0
         if self.order is not None:
             self.order.clear()
 
@@ -242,7 +196,7 @@ class ShareGuard(Collection[Key]):
         return len(self._base)
 
 
-class _NotOwnedBy(Collection[Key]):
+class NotOwnedBy(Collection[Key]):
     """Protects every key but the tenant's own (a tenant at its cap evicting its own)."""
 
     def __init__(self, base: Collection[Key], owners: TierOwners, tid: str) -> None:
@@ -258,31 +212,26 @@ class _NotOwnedBy(Collection[Key]):
         return len(self._base)
 
 
-class Tenants:
+class TenantOwners:
+    """The owners of every tier, each tenant's limits and counts. Built before the pool and
+    the tiers it listens to: ``num_slots`` and ``specs`` say what they are."""
+
     def __init__(
         self,
         policy: TenantPolicy,
-        primary: PrimaryIndex,
-        tiers: Sequence[SecondaryTier],
-        eviction: Eviction,
+        num_slots: int,
+        specs: Sequence[TierSpec],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = policy
-        self.primary = primary
-        self.tiers = tiers
-        self.eviction = eviction
         self._clock = clock
         self.active = False
-        self.primary_owners = TierOwners(PRIMARY, primary.__len__, ordered=False)
-        self.tier_owners = [
-            TierOwners(t.name, None, ordered=t.spec.capacity_keys > 0) for t in tiers
-        ]
+        self.primary_owners = TierOwners(PRIMARY, ordered=True)
+        self.tier_owners = [TierOwners(s.name, ordered=s.capacity_keys > 0) for s in specs]
+        self._tier_index = {s.name: i for i, s in enumerate(specs)}
         self.counts: dict[str, TenantCounts] = {}
         self._limits: dict[str, dict[str, TenantLimits]] = {}
-        self._capacity = {
-            PRIMARY: primary.num_slots,
-            **{t.name: t.spec.capacity_keys for t in tiers},
-        }
+        self._capacity = {PRIMARY: num_slots, **{s.name: s.capacity_keys for s in specs}}
         self._reserved = {name: 0 for name in self._capacity}
         for named in policy.named.values():
             for tier, limits in named.items():
@@ -293,20 +242,18 @@ class Tenants:
         self.doomed = 0
         """Blocks of dropped tenants still in the pool, busy at their drop."""
         self._probed_for: dict[Key, str] = {}
-        self.cap_evicted: list[Key] = []
-        """Blocks a refused allocation evicted for its tenant's cap (``Tenancy`` reports them)."""
 
     # ---- activation -----------------------------------------------------------------------
 
-    def activate(self) -> None:
+    def activate(self, pool_keys: Iterable[Key], tiers: Sequence[SecondaryTier]) -> None:
         """Start following every tier (a policy is configured, or a request named a tenant);
-        what the tiers hold now has no tenant."""
+        what the pool (``pool_keys``) and the tiers hold now has no tenant."""
         if self.active:
             return
         self.active = True
-        self.primary.on_drop = self._primary_dropped
-        for tier, owners in zip(self.tiers, self.tier_owners, strict=True):
-            tier.listener = self
+        for key in pool_keys:
+            self.primary_owners.add(key, NO_TENANT)
+        for tier, owners in zip(tiers, self.tier_owners, strict=True):
             for key in tier.index:
                 owners.add(key, NO_TENANT)
         log.info("tenants_active", named=len(self.policy.named))
@@ -356,60 +303,6 @@ class Tenants:
         name = owners.name
         return lambda tid: owners.usage(tid) - self.limits(tid, name).share
 
-    # ---- the primary tier -----------------------------------------------------------------
-
-    def allocate(
-        self, tid: str, keys: Sequence[Key], protected: Collection[Key]
-    ) -> Allocation | None:
-        """``Eviction.allocate`` for a store or promotion of ``tid``, under its cap and the
-        shares (module docstring). TenantCapReached when its cap leaves no room."""
-        primary = self.primary
-        new = len({k for k in keys if k not in primary})
-        if not new:
-            return self.eviction.allocate(keys, protected)
-        owners = self.primary_owners
-        self._evicting_for = tid
-        try:
-            cap = self.limits(tid, PRIMARY).cap
-            over = owners.usage(tid) + new - cap if cap is not None else 0
-            own: list[Key] | None = []
-            if over > 0:
-                own = self.eviction.evict(over, _NotOwnedBy(protected, owners, tid))
-            if own is None:
-                self.refused(tid, PRIMARY, new, cap)
-                raise TenantCapReached(
-                    f"tenant {tid or 'none'} is at its cap of {cap} pool slots and none of its "
-                    "own blocks can make room now"
-                )
-            excess = self.excess(owners)
-            out = self.eviction.allocate(
-                keys, protected, lambda p: ShareGuard(p, owners, excess, tid, own=False)
-            )
-            if out is None:
-                out = self.eviction.allocate(
-                    keys, protected, lambda p: ShareGuard(p, owners, excess, tid, own=True)
-                )
-        finally:
-            self._evicting_for = None
-        if out is None:
-            self.cap_evicted = own or []  # the evictions its cap made stand
-            return None
-        if tid != NO_TENANT:
-            for key in out.new_keys:
-                owners.add(key, tid)
-        return out._replace(evicted=own + out.evicted) if own else out
-
-    def _primary_dropped(self, key: Key) -> None:
-        tid = self.primary_owners.remove(key)
-        if tid.startswith(DOOMED):
-            self.doomed -= 1
-            return
-        requester = self._evicting_for
-        if requester is not None:
-            counts = self.counts_of(tid).tier(PRIMARY)
-            counts.evictions += 1
-            counts.evicted_by_others += tid != requester
-
     def refused(self, tid: str, tier: str, blocks: int, cap: int | None) -> None:
         """Blocks of ``tid`` refused at its cap on ``tier``: counted, and logged at most once a
         second per tenant and tier (with the blocks refused since the last line)."""
@@ -422,17 +315,41 @@ class Tenants:
             since, last = 0, now
         self._logged_at[(tid, tier)] = (last, since)
 
-    def landed(self, keys: list[Key]) -> list[Key]:
-        """Keys whose store just landed, less those of a dropped tenant (removed now)."""
+    # ---- the pool (PoolListener) ----------------------------------------------------------
+
+    @contextmanager
+    def evicting_for(self, tid: str) -> Iterator[None]:
+        """Blocks the pool drops meanwhile are counted as evictions for ``tid``'s traffic."""
+        self._evicting_for = tid
+        try:
+            yield
+        finally:
+            self._evicting_for = None
+
+    def pool_added(self, keys: Sequence[Key]) -> None:
+        if self.active:
+            for key in keys:
+                self.primary_owners.add(key, NO_TENANT)
+
+    def pool_dropped(self, key: Key) -> None:
+        if not self.active:
+            return
+        tid = self.primary_owners.remove(key)
+        if tid.startswith(DOOMED):
+            self.doomed -= 1
+            return
+        requester = self._evicting_for
+        if requester is not None:
+            counts = self.counts_of(tid).tier(PRIMARY)
+            counts.evictions += 1
+            counts.evicted_by_others += tid != requester
+
+    def doomed_among(self, keys: list[Key]) -> list[Key]:
+        """The keys (of a store that just landed) of a dropped tenant."""
         if not self.doomed:
-            return keys
+            return []
         owner = self.primary_owners.owner
-        doomed = [k for k in keys if owner.get(k, NO_TENANT).startswith(DOOMED)]
-        if not doomed:
-            return keys
-        self.primary.remove(doomed)
-        gone = set(doomed)
-        return [k for k in keys if k not in gone]
+        return [k for k in keys if owner.get(k, NO_TENANT).startswith(DOOMED)]
 
     def doom(self, keys: Sequence[Key], tid: str) -> None:
         """The tenant's blocks that could not be removed at its drop: no one sees them now."""
@@ -440,7 +357,7 @@ class Tenants:
             self.primary_owners.add(key, DOOMED + tid)
         self.doomed += len(keys)
 
-    def primary_reset(self) -> None:
+    def pool_reset(self) -> None:
         self.primary_owners.reset()
         self.doomed = 0
 
@@ -455,6 +372,12 @@ class Tenants:
                 owners.claim(key, tid)
             return True
         return owner == tid
+
+    def visible_in_pool(self, tid: str, key: Key) -> bool:
+        return self.visible(self.primary_owners, tid, key)
+
+    def visible_on_tier(self, tier_idx: int, tid: str, key: Key) -> bool:
+        return self.visible(self.tier_owners[tier_idx], tid, key)
 
     def owned_prefix(self, tid: str, keys: Sequence[Key], n: int) -> int:
         """How many of the first ``n`` keys a request of ``tid`` may read (in order)."""
@@ -476,32 +399,32 @@ class Tenants:
         for owners in self.tier_owners:
             owners.touch(keys)
 
-    # ---- the secondary tiers' index (IndexListener) ---------------------------------------
+    # ---- the secondary tiers (IndexListener) ----------------------------------------------
 
     def added(self, tier: SecondaryTier, keys: list[Key]) -> None:
         """A tier gained keys: each is owned by who owned it before the tier's worker
         restarted, else by its owner in the pool (a cascade), else by no one."""
-        owners = self.tier_owners[self._index_of(tier)]
+        if not self.active:
+            return
+        owners = self.tier_owners[self._tier_index[tier.name]]
         in_pool = self.primary_owners.owner
         for key in keys:
             tid = owners.stale.pop(key, None)
             owners.add(key, tid if tid is not None else in_pool.get(key, NO_TENANT))
 
     def removed(self, tier: SecondaryTier, keys: list[Key]) -> None:
-        owners = self.tier_owners[self._index_of(tier)]
+        if not self.active:
+            return
+        owners = self.tier_owners[self._tier_index[tier.name]]
         for key in keys:
             owners.remove(key)
 
     def cleared(self, tier: SecondaryTier) -> None:
-        owners = self.tier_owners[self._index_of(tier)]
+        if not self.active:
+            return
+        owners = self.tier_owners[self._tier_index[tier.name]]
         owners.stale.update(owners.owner)
         owners.reset()
-
-    def _index_of(self, tier: SecondaryTier) -> int:
-        for i, known in enumerate(self.tiers):
-            if known is tier:
-                return i
-        raise KeyError(tier.name)
 
     def note_probe(self, key: Key, tid: str) -> None:
         """A request of ``tid`` asks a probed tier for ``key``: its probe names the tenant."""
@@ -527,9 +450,10 @@ class Tenants:
 
     # ---- status ---------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, dict[str, Any]]:
+    def snapshot(self) -> dict[str, TenantStatus]:
         """Per tenant id (named, or holding blocks, or counted): its counters and, per tier,
-        its blocks, share, cap, evictions and refusals."""
+        its blocks, share, cap, evictions and refusals (``bytes`` left to the caller, who
+        knows what a block takes on each tier)."""
         owners = [self.primary_owners, *self.tier_owners]
         tids = set(self.policy.named) | set(self.counts)
         for tier_owners in owners:
@@ -543,20 +467,20 @@ class Tenants:
             for tier_owners in owners:
                 limits = self.limits(tid, tier_owners.name)
                 tier_counts = counts.tiers.get(tier_owners.name) or TenantTierCounts()
-                tiers[tier_owners.name] = {
-                    "blocks": tier_owners.usage(tid),
-                    "share_blocks": limits.share,
-                    "cap_blocks": limits.cap,
-                    "evictions": tier_counts.evictions,
-                    "evicted_by_others": tier_counts.evicted_by_others,
-                    "refused": tier_counts.refused,
-                }
-            out[tid] = {
-                "named": tid in self.policy.named,
-                "requests": counts.requests,
-                "lookups_hit": counts.lookups_hit,
-                "lookups_hit_pending": counts.lookups_hit_pending,
-                "lookups_miss": counts.lookups_miss,
-                "tiers": tiers,
-            }
+                tiers[tier_owners.name] = TenantTierStatus(
+                    blocks=tier_owners.usage(tid),
+                    share_blocks=limits.share,
+                    cap_blocks=limits.cap,
+                    evictions=tier_counts.evictions,
+                    evicted_by_others=tier_counts.evicted_by_others,
+                    refused=tier_counts.refused,
+                )
+            out[tid] = TenantStatus(
+                named=tid in self.policy.named,
+                requests=counts.requests,
+                lookups_hit=counts.lookups_hit,
+                lookups_hit_pending=counts.lookups_hit_pending,
+                lookups_miss=counts.lookups_miss,
+                tiers=tiers,
+            )
         return out

@@ -1,4 +1,4 @@
-"""Room on the secondary tiers for tenants: their caps, and a tier's capacity shared by shares.
+"""The secondary tiers' room for tenants: their caps, and a tier's capacity shared by shares.
 
 On a tier whose evictions the manager chooses (``TierSpec.capacity_keys`` > 0: the disk tier
 when tenants are configured) the tier's worker never has to evict: before a cascade goes out,
@@ -19,27 +19,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
+from kvoffload.tiering.cascades import TierCascades
 from kvoffload.tiering.secondary import SecondaryTier
-from kvoffload.tiering.tenants import DOOMED, NO_TENANT, Tenants
-from kvoffload.tiering.types import Key, TransferJob, TransferResult
+from kvoffload.tiering.tenants.owners import TenantOwners
+from kvoffload.tiering.tenants.policy import DOOMED
+from kvoffload.tiering.types import Admission, Key, TransferJob, TransferResult
+from kvoffload.wire.tenant_ids import NO_TENANT
 from kvoffload.wire.vocab import JobKind
-
-if TYPE_CHECKING:
-    from kvoffload.tiering.cascades import Cascades
-
-
-@dataclass(slots=True)
-class Admission:
-    """What may happen to keys about to be cascaded: go ``now``, ``wait`` for removals under
-    way, or be given up (``full``: no room; ``capped``: their tenant is at its cap)."""
-
-    now: list[Key] = field(default_factory=list)
-    wait: list[Key] = field(default_factory=list)
-    full: list[Key] = field(default_factory=list)
-    capped: list[Key] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -52,16 +40,20 @@ class DeleteJob:
 
 
 class TenantRoom:
+    """The ``CascadeRoom`` of ``Cascades``, for tenants. ``cascade_state``: each tier's cascade
+    state (shared with ``Cascades``: its cascades in flight count as the tier's occupancy, and
+    a finished removal makes the tier's backlog due)."""
+
     def __init__(
         self,
-        tenants: Tenants,
+        tenants: TenantOwners,
         tiers: Sequence[SecondaryTier],
-        cascades: Cascades,
+        cascade_state: Sequence[TierCascades],
         submit: Callable[[TransferJob], None],
     ) -> None:
         self.tenants = tenants
         self.tiers = tiers
-        self.cascades = cascades
+        self.cascade_state = cascade_state
         self._submit = submit
         n = len(tiers)
         self.deleting = [0] * n
@@ -70,9 +62,6 @@ class TenantRoom:
         self._inflight_owner: list[dict[Key, str]] = [{} for _ in range(n)]
         self.jobs: dict[int, DeleteJob] = {}
         self._pending_owners: dict[Key, str] = {}
-        self.on_drop_deleted: (
-            Callable[[DeleteJob, list[Key], list[Key], TransferResult], None] | None
-        ) = None
         policy = tenants.policy
         self._capped = [
             any(lim.get(t.name) and lim[t.name].cap is not None for lim in policy.named.values())
@@ -139,7 +128,7 @@ class TenantRoom:
     def _occupied(self, tier_idx: int) -> int:
         """Blocks the tier holds or is being given: indexed, cascades in flight, removals in
         flight (still there until they land)."""
-        inflight = self.cascades.per_tier[tier_idx].inflight_keys
+        inflight = self.cascade_state[tier_idx].inflight_keys
         return len(self.tiers[tier_idx].index) + inflight + self.deleting[tier_idx]
 
     def _oldest(
@@ -236,22 +225,22 @@ class TenantRoom:
 
     def delete_done(
         self, job: TransferJob, ok: list[Key], failed: list[Key], result: TransferResult
-    ) -> None:
+    ) -> DeleteJob | None:
         """A ``DELETE`` job's result: keys it could not remove are back in the tier's index;
-        cascades waiting for the room look again."""
+        cascades waiting for the room look again. Returns the job's entry (None: not one of
+        this room's), whose ``drop`` names the tenant drop it serves."""
         entry = self.jobs.pop(job.job_id, None)
         tier_idx = job.tier
         self.deleting[tier_idx] = max(0, self.deleting[tier_idx] - len(job.keys))
         if entry is None:
-            return
+            return None
         tier = self.tiers[tier_idx]
         if failed and tier.spec.indexed:
             owners = self.tenants.tier_owners[tier_idx]
             owners.stale.update({k: entry.owners[k] for k in failed if k in entry.owners})
             tier.apply_index_update(failed, [])
-        self.cascades.per_tier[tier_idx].due_at = 0.0
-        if entry.drop is not None and self.on_drop_deleted is not None:
-            self.on_drop_deleted(entry, ok, failed, result)
+        self.cascade_state[tier_idx].due_at = 0.0
+        return entry
 
     def discard(self, keys: set[Key]) -> None:
         """Keys no longer waiting for room (a tenant drop)."""
