@@ -15,14 +15,13 @@ from kvoffload.config import Config, ConfigError, load_config
 from kvoffload.extras import MissingExtra
 from kvoffload.logs import configure_logging
 from kvoffload.runtime.discovery import NoServiceFound, find_endpoint
+from kvoffload.runtime.runspec import EXIT_REFUSED
 from kvoffload.wire.status import ManagerStatus, TenantStatus
 from kvoffload.wire.tenant_ids import tenant_id
 
 if TYPE_CHECKING:
     from kvoffload.client import KVOffloadClient
 
-EXIT_REFUSED = 2
-"""An invalid configuration, a set-up the service cannot run, a missing extra."""
 EXIT_PIPE_CLOSED = 128 + signal.SIGPIPE
 
 

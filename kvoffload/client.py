@@ -105,7 +105,7 @@ class KVOffloadClient:
         self._requests: dict[str, tuple[dict[str, Any], str]] = {}
         """Open requests: their params and tenant id (``reconnect`` opens them again)."""
         self._jobs: dict[
-            int, tuple[str, p.DeviceJobKind]
+            int, tuple[str, p.JobKind]
         ] = {}  # accepted device jobs: id -> (req_id, kind)
         self._unawaited: dict[int, str] = {}  # rid -> call name, sent with wait=False
         self.deferred_errors: deque[KVOffloadError] = deque(maxlen=DEFERRED_ERRORS_KEPT)
@@ -305,7 +305,7 @@ class KVOffloadClient:
             device_blocks=device_blocks,
             handle_id=handle_id,
         )
-        return self._accepted(req_id, p.DeviceJobKind.STORE, accepted)
+        return self._accepted(req_id, p.JobKind.DEVICE_STORE, accepted)
 
     def load(
         self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str
@@ -319,11 +319,9 @@ class KVOffloadClient:
             device_blocks=device_blocks,
             handle_id=handle_id,
         )
-        return self._accepted(req_id, p.DeviceJobKind.LOAD, accepted)
+        return self._accepted(req_id, p.JobKind.DEVICE_LOAD, accepted)
 
-    def _accepted(
-        self, req_id: str, kind: p.DeviceJobKind, accepted: p.JobAccepted
-    ) -> p.JobAccepted:
+    def _accepted(self, req_id: str, kind: p.JobKind, accepted: p.JobAccepted) -> p.JobAccepted:
         if accepted.job_id is not None:
             self._jobs[accepted.job_id] = (req_id, kind)
         return accepted

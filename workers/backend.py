@@ -38,6 +38,8 @@ DEVICE_KINDS = frozenset({JobKind.DEVICE_STORE, JobKind.DEVICE_LOAD})
 """Kinds whose ``Job.device_blocks`` are co-indexed with ``Job.keys`` and need ``handle_id``."""
 URGENT_KINDS = frozenset({JobKind.DEVICE_LOAD, JobKind.PROMOTION, JobKind.PROBE, JobKind.VERIFY})
 """Kinds on the engine's critical path: run before stores and cascades when both are queued."""
+INDEX_BATCH_KEYS = 4096
+"""The most keys one ``IndexUpdate`` carries (a start-up index goes in batches of this size)."""
 
 
 @dataclass

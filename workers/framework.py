@@ -72,6 +72,7 @@ from kvoffload.wire.protocol import (
 )
 from kvoffload.wire.status import MediumStats, WorkerLoopStats, WorkerStats
 from workers.backend import (
+    INDEX_BATCH_KEYS,
     AttachRefused,
     Backend,
 )
@@ -84,7 +85,6 @@ log = get_logger()
 HELLO_RESEND_S = 1.0
 CONNECT_RETRY_S = 0.02
 RELEASE_RETRY_S = 0.01
-INDEX_BATCH_KEYS = 4096
 MAX_FRAMES_PER_TURN = 1024
 CLOSE_LINGER_MS = 1000
 

@@ -40,8 +40,6 @@ from kvoffload.testing.burst import DirectWriter, settle
 from kvoffload.testing.helpers import keys_for
 from kvoffload.testing.service import ServiceHarness
 
-DISK_RECORD_OVERHEAD = 4096
-
 
 def one_round(args: argparse.Namespace, index: int) -> dict:
     block_bytes = args.block_kib * 1024

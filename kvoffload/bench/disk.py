@@ -45,11 +45,16 @@ from pathlib import Path
 import structlog
 
 from kvoffload.config import Config, DiskConfig, PoolConfig
-from kvoffload.memory.blockformat import BlockHeader, deployment_fingerprint, payload_checksum
+from kvoffload.memory.blockformat import (
+    PAGE_BYTES,
+    BlockHeader,
+    deployment_fingerprint,
+    payload_checksum,
+)
 from kvoffload.memory.pool import HostPool
 from kvoffload.wire.protocol import Job, JobKind
 from workers.disk import DiskStore
-from workers.disk.rawio import O_DIRECT, PAGE_SIZE, page_buffer, probe_direct_io
+from workers.disk.rawio import O_DIRECT, page_buffer, probe_direct_io
 from workers.disk.worker import DiskBackend
 from workers.faults import FaultInjector
 
@@ -110,7 +115,7 @@ def run_cell(
 ) -> dict:
     root = workdir / f"store-{mode}-{block_bytes}-{threads}"
     fingerprint = deployment_fingerprint(block_bytes, "bench")
-    record = PAGE_SIZE + -(-block_bytes // PAGE_SIZE) * PAGE_SIZE
+    record = PAGE_BYTES + -(-block_bytes // PAGE_BYTES) * PAGE_BYTES
     store = DiskStore(root, block_bytes, fingerprint, count * record, direct_io=mode == "direct")
     store.open()
     gib = count * block_bytes / 1e9
@@ -194,7 +199,7 @@ def worker_round(
 ) -> dict:
     """One round of the ``worker`` part for one block size (see the module docstring)."""
     block_bytes = pool.block_bytes
-    record = PAGE_SIZE + -(-block_bytes // PAGE_SIZE) * PAGE_SIZE
+    record = PAGE_BYTES + -(-block_bytes // PAGE_BYTES) * PAGE_BYTES
     root = workdir / f"worker-{block_bytes}"
     cfg = Config(
         pool=PoolConfig(num_slots=pool.num_slots, block_bytes=block_bytes, layout_id="bench"),
@@ -336,8 +341,8 @@ def per_record_costs(
     turns going first. Figures are medians over rounds; what a put or get costs beyond its parts
     is Python, lock and index overhead."""
     fingerprint = deployment_fingerprint(block_bytes, "bench")
-    direct = probe_direct_io(workdir) and block_bytes % PAGE_SIZE == 0
-    record = PAGE_SIZE + -(-block_bytes // PAGE_SIZE) * PAGE_SIZE
+    direct = probe_direct_io(workdir) and block_bytes % PAGE_BYTES == 0
+    record = PAGE_BYTES + -(-block_bytes // PAGE_BYTES) * PAGE_BYTES
     chunk = max(1, count // rounds)
     n, m = len(sources), len(dests)
     page = page_buffer()
@@ -360,7 +365,7 @@ def per_record_costs(
         samples[name].append((clock() - start) / chunk * 1e6)
 
     def two_pwrites(i: int) -> None:
-        os.pwrite(fd, sources[i % n], i * record + PAGE_SIZE)
+        os.pwrite(fd, sources[i % n], i * record + PAGE_BYTES)
         os.pwrite(fd, page, i * record)
 
     raw_path = workdir / "raw-records.bin"

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvoffload.memory.blockformat import deployment_fingerprint
+from kvoffload.memory.blockformat import deployment_fingerprint, disk_record_bytes
 from workers.disk import DiskStore
 
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="kvo-startup-", dir=args.dir))
     fingerprint = deployment_fingerprint(args.block_bytes, "bench")
-    capacity = (args.blocks + 16) * (args.block_bytes + 4096)
+    capacity = (args.blocks + 16) * disk_record_bytes(args.block_bytes)
     area = mmap.mmap(-1, args.block_bytes)
     slot = memoryview(area)
     store = DiskStore(root, args.block_bytes, fingerprint, capacity, direct_io=False)

@@ -38,6 +38,7 @@ import torch
 from kvoffload.client import KVOffloadClient
 from kvoffload.engine import BENCH_MODEL, Engine, TinyDecoder
 from kvoffload.logs import configure_logging
+from kvoffload.memory.blockformat import disk_record_bytes
 from kvoffload.testing.service import ServiceHarness
 
 NEW_TOKENS = 16
@@ -57,7 +58,7 @@ def ttft_service(block_bytes: int, layout_id: str, max_blocks: int) -> ServiceHa
             "layout_id": layout_id,
             "unread_promotion_cap": 1.0,
         },
-        "disk": {"capacity_bytes": 4 * slots * (block_bytes + 4096)},
+        "disk": {"capacity_bytes": 4 * slots * disk_record_bytes(block_bytes)},
     }
     return ServiceHarness(None, sections, defaults={}, watch=False)
 

@@ -55,6 +55,7 @@ from typing import Any
 import msgspec
 
 from kvoffload.client import KVOffloadClient
+from kvoffload.memory.blockformat import disk_record_bytes
 from kvoffload.testing.helpers import REPO_ROOT
 from kvoffload.testing.service import ServiceHarness
 from kvoffload.testing.vllm_engine import (
@@ -150,7 +151,7 @@ def bench_service(
     sections = {
         "service": {"log_level": "warning"},
         "pool": {"block_bytes": block_bytes, "num_slots": pool_blocks, "unread_promotion_cap": 1.0},
-        "disk": {"capacity_bytes": disk_blocks * (block_bytes + 4096)},
+        "disk": {"capacity_bytes": disk_blocks * disk_record_bytes(block_bytes)},
     }
     return ServiceHarness(workdir, sections, defaults={}, log_path=log_path, watch=False)
 

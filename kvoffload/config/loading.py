@@ -25,6 +25,7 @@ import msgspec
 
 from kvoffload.config import tenants as tenant_settings
 from kvoffload.config.sections import SECTIONS, Config
+from kvoffload.memory.blockformat import disk_record_bytes
 
 ENV_PREFIX = "KVOFFLOAD_"
 DEFAULTS_SOURCE = "defaults"
@@ -229,11 +230,11 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
     if disk.enabled:
         if not disk.root:
             fail("disk.root", "must not be empty when disk.enabled")
-        if disk.capacity_bytes < pool.block_bytes + 4096:
+        if disk.capacity_bytes < disk_record_bytes(pool.block_bytes):
             fail(
                 "disk.capacity_bytes",
                 f"must hold one record (pool.block_bytes + a 4096-byte header = "
-                f"{pool.block_bytes + 4096}), got {disk.capacity_bytes}",
+                f"{disk_record_bytes(pool.block_bytes)}), got {disk.capacity_bytes}",
             )
 
     obj = cfg.object

@@ -34,6 +34,10 @@ from dataclasses import dataclass
 
 import xxhash
 
+PAGE_BYTES = 4096
+"""A memory page, and the header page of a disk record: pool blocks are whole pages, and
+``O_DIRECT`` I/O moves whole, page-aligned pages."""
+
 MAGIC = b"KVOB"
 FORMAT_VERSION = 1
 MAX_KEY_BYTES = 64
@@ -47,6 +51,12 @@ _SLICES = struct.Struct("<HI")
 _SLICES_AT = _FIELDS.size + _CRC.size
 _SLICES_CRC_AT = _SLICES_AT + _SLICES.size
 assert _SLICES_CRC_AT + _CRC.size <= HEADER_SIZE
+
+
+def disk_record_bytes(block_bytes: int) -> int:
+    """Bytes one block takes in the disk tier: a header page, then the payload in whole
+    pages (``workers.disk.layout``)."""
+    return PAGE_BYTES + -(-block_bytes // PAGE_BYTES) * PAGE_BYTES
 
 
 class CorruptBlock(Exception):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvoffload.logs import get_logger
+from kvoffload.memory.blockformat import PAGE_BYTES
 from kvoffload.memory.shmseg import OwnedSegment, attach_segment, close_mapping, create_segment
 from kvoffload.wire.protocol import CudaIpcFields, HandleKind, KVHandle, TensorSpec
 
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 log = get_logger()
 
-PAGE_BYTES = 4096
 MAX_KV_BLOCKS = 1 << 24
 """The most device blocks one handle may have."""
 MAX_HANDLE_ID_CHARS = 256

@@ -17,12 +17,11 @@ import os
 import numpy as np
 
 from kvoffload.logs import get_logger
+from kvoffload.memory.blockformat import PAGE_BYTES
 from kvoffload.memory.cuda_host import register_host_memory, unregister_host_memory
 from kvoffload.memory.shmseg import OwnedSegment, attach_segment, close_mapping, create_segment
 
 log = get_logger()
-
-PAGE_BYTES = 4096
 
 
 class PoolMismatch(Exception):

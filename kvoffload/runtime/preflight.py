@@ -22,12 +22,12 @@ import psutil
 
 from kvoffload.config import Config
 from kvoffload.extras import install_line, missing_modules
+from kvoffload.memory.blockformat import PAGE_BYTES
 from kvoffload.memory.slottable import table_bytes as slot_table_bytes
 from kvoffload.runtime.locks import flock_held, flock_holder
 from kvoffload.runtime.rundir import MAX_IPC_PATH_BYTES, live_runs
 
 SHM_DIR = Path("/dev/shm")
-PAGE_BYTES = 4096
 OBJECT_WORKER_MODULES = ("obstore",)
 RUN_SOCKET_NAME = "00000000-client.sock"
 """The longest socket name a run gives its ipc endpoints (a run id is 8 hex digits)."""

@@ -304,7 +304,7 @@ class ClientApi:
         blocks = [block_of[k] for k in out.keys_to_store]
         job = p.Job(0, p.JobKind.DEVICE_STORE, out.keys_to_store, out.slots, blocks, msg.handle_id)
         job_id = self.workers.submit_device_job(
-            session, scoped, msg.req_id, p.DeviceJobKind.STORE, job
+            session, scoped, msg.req_id, p.JobKind.DEVICE_STORE, job
         )
         return p.JobAccepted(msg.rid, job_id, out.keys_to_store, out.evicted)
 
@@ -313,7 +313,7 @@ class ClientApi:
         slots = self.tiering.prepare_load(scoped, msg.keys)
         job = p.Job(0, p.JobKind.DEVICE_LOAD, msg.keys, slots, msg.device_blocks, msg.handle_id)
         job_id = self.workers.submit_device_job(
-            session, scoped, msg.req_id, p.DeviceJobKind.LOAD, job
+            session, scoped, msg.req_id, p.JobKind.DEVICE_LOAD, job
         )
         return p.JobAccepted(msg.rid, job_id, list(msg.keys))
 

@@ -64,7 +64,7 @@ class WorkerChannel:
             worker.stats = msg.stats
 
     def submit_device_job(
-        self, session: ClientSession, scoped: str, req_id: str, kind: p.DeviceJobKind, job: p.Job
+        self, session: ClientSession, scoped: str, req_id: str, kind: p.JobKind, job: p.Job
     ) -> int:
         """Track and send a device job; if it cannot be sent it finishes at once as failed
         (its event still reaches the client exactly once)."""
@@ -193,7 +193,7 @@ class WorkerChannel:
         state = self.state
         job = state.device_jobs.pop(job_id)
         try:
-            if job.kind is p.DeviceJobKind.STORE:
+            if job.kind is p.JobKind.DEVICE_STORE:
                 state.tiering.complete_store(job.scoped_req, job.keys, success, successful_keys)
             else:
                 state.tiering.complete_load(job.keys)

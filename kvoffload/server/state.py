@@ -55,7 +55,7 @@ class DeviceJob:
     identity: bytes
     scoped_req: str
     req_id: str
-    kind: p.DeviceJobKind
+    kind: p.JobKind
     keys: list[bytes]
 
 

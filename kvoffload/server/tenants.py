@@ -14,14 +14,11 @@ import msgspec
 
 from kvoffload.config import Config
 from kvoffload.config import tenants as tenant_settings
-from kvoffload.memory.blockformat import HEADER_SIZE
+from kvoffload.memory.blockformat import HEADER_SIZE, disk_record_bytes
 from kvoffload.tiering.tenants import PRIMARY, DropProgress, TenantLimits, TenantPolicy
 from kvoffload.wire import protocol as p
 from kvoffload.wire.status import TenantStatus
 from kvoffload.wire.tenant_ids import tenant_id, tenant_label
-
-DISK_RECORD_HEADER_BYTES = 4096
-"""The header page of each disk record (``workers.disk.layout``)."""
 
 _TIER_OF_FIELD = {"pool_slots": PRIMARY, "disk_bytes": "disk", "object_bytes": "object"}
 
@@ -31,7 +28,7 @@ def block_bytes_per_tier(cfg: Config) -> dict[str, int]:
     block = cfg.pool.block_bytes
     return {
         PRIMARY: block,
-        "disk": block + DISK_RECORD_HEADER_BYTES,
+        "disk": disk_record_bytes(block),
         "object": block + HEADER_SIZE,
     }
 

@@ -29,6 +29,7 @@ import psutil
 
 from kvoffload.client import KVOffloadError
 from kvoffload.config import load_config
+from kvoffload.memory.blockformat import disk_record_bytes
 from kvoffload.soak.clients import EnginePool
 from kvoffload.soak.engine import EngineOptions, JobLost, Reconnect, SoakEngine
 from kvoffload.soak.injector import FAULT_KINDS, Injector, plan_faults
@@ -402,7 +403,8 @@ class SoakRun:
             "setup": {
                 "pool_slots": cfg.pool.num_slots,
                 "block_bytes": cfg.pool.block_bytes,
-                "disk_capacity_blocks": cfg.disk.capacity_bytes // (cfg.pool.block_bytes + 4096),
+                "disk_capacity_blocks": cfg.disk.capacity_bytes
+                // disk_record_bytes(cfg.pool.block_bytes),
                 "request_lease_s": cfg.service.request_lease_s,
                 "heartbeat_timeout_s": cfg.service.heartbeat_timeout_s,
                 "faults_config": self.opts.faults,

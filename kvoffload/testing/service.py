@@ -49,6 +49,7 @@ import structlog
 
 from kvoffload.client import KVOffloadClient, KVOffloadError
 from kvoffload.config import Config, load_config
+from kvoffload.memory.blockformat import disk_record_bytes
 from kvoffload.memory.pool import HostPool
 from kvoffload.runtime.rundir import live_runs
 from kvoffload.runtime.supervisor import Supervisor
@@ -57,7 +58,7 @@ from kvoffload.wire.status import ManagerStatus, WorkerStatus
 log = structlog.get_logger()
 
 BLOCK_BYTES = 65536
-DISK_RECORD_BYTES = BLOCK_BYTES + 4096
+DISK_RECORD_BYTES = disk_record_bytes(BLOCK_BYTES)
 WATCH_INTERVAL_S = 0.05
 
 SOAK_DEFAULTS: dict[str, dict[str, Any]] = {

@@ -32,7 +32,7 @@ from kvoffload.wire.vocab import LookupResult as LookupResult
 from kvoffload.wire.vocab import MissReason as MissReason
 from kvoffload.wire.vocab import must_wait as must_wait
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
@@ -45,13 +45,6 @@ class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, omit_defau
 
 
 # ---- vocabulary ---------------------------------------------------------------------------------
-
-
-class DeviceJobKind(enum.StrEnum):
-    """A device job as its client sees it (``DeviceJobFinished.kind``)."""
-
-    STORE = "store"
-    LOAD = "load"
 
 
 class HandleKind(enum.StrEnum):
@@ -350,7 +343,8 @@ class Slots(_Msg, tag="slots"):
 class DeviceJobFinished(msgspec.Struct, forbid_unknown_fields=True):
     job_id: int
     req_id: str
-    kind: DeviceJobKind
+    kind: JobKind
+    """``DEVICE_STORE`` or ``DEVICE_LOAD``."""
     success: bool
     successful_keys: list[bytes] | None = None
     error: str = ""

@@ -51,7 +51,7 @@ def test_store_lookup_load_round_trip(start_service, kv):
         c.new_request("r1")
         keys = keys_for("a", 8)
         done = store_and_wait(c, "r1", keys, list(range(8)))
-        assert done.success and done.kind == "store"
+        assert done.success and done.kind is p.JobKind.DEVICE_STORE
         reply = c.lookup("r1", keys)
         assert reply.results == [LookupResult.HIT] * 8 and reply.hit_prefix == 8
         accepted = c.load("r1", keys, list(range(16, 24)), "kv")

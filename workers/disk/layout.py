@@ -3,7 +3,7 @@
 Each deployment fingerprint gets its own directory, ``<root>/<fingerprint hex>/``, holding
 ``layout.json``, a ``lock`` file, slab files ``slab-NNNNNN.kvs`` and, while no store has it
 open after a clean close, an empty ``clean`` file. A record is one header page
-(``PAGE_SIZE`` bytes: the 128-byte block header, zero padded) followed by the payload rounded up
+(``PAGE_BYTES`` bytes: the 128-byte block header, zero padded) followed by the payload rounded up
 to whole pages. Record ``r`` lives in slab ``r // records_per_slab`` at byte offset
 ``(r % records_per_slab) * record_size``. Paths and offsets derive only from these numbers and
 the fingerprint, never from keys.
@@ -19,9 +19,8 @@ from pathlib import Path
 
 import structlog
 
-from kvoffload.memory.blockformat import FORMAT_VERSION
+from kvoffload.memory.blockformat import FORMAT_VERSION, PAGE_BYTES, disk_record_bytes
 from workers.disk.errors import LayoutError
-from workers.disk.rawio import PAGE_SIZE, round_up
 
 STORE_VERSION = 1
 LAYOUT_FILE = "layout.json"
@@ -50,7 +49,7 @@ class SlabLayout:
 
     @property
     def record_size(self) -> int:
-        return PAGE_SIZE + round_up(self.block_bytes)
+        return disk_record_bytes(self.block_bytes)
 
     @property
     def n_slabs(self) -> int:
@@ -81,7 +80,7 @@ class SlabLayout:
             "block_format_version": FORMAT_VERSION,
             "block_bytes": self.block_bytes,
             "fingerprint": self.fingerprint.hex(),
-            "header_page": PAGE_SIZE,
+            "header_page": PAGE_BYTES,
             "record_size": self.record_size,
             "records_per_slab": self.records_per_slab,
         }
@@ -102,7 +101,7 @@ def plan_layout(
         raise ValueError(f"block_bytes must be positive, got {block_bytes}")
     if records_per_slab < 1:
         raise ValueError(f"records_per_slab must be positive, got {records_per_slab}")
-    record_size = PAGE_SIZE + round_up(block_bytes)
+    record_size = disk_record_bytes(block_bytes)
     n_records = capacity_bytes // record_size
     if n_records < 1:
         raise ValueError(

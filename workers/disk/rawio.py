@@ -12,25 +12,26 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-PAGE_SIZE = 4096
+from kvoffload.memory.blockformat import PAGE_BYTES
+
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
-ZERO_PAGE = mmap.mmap(-1, PAGE_SIZE)
+ZERO_PAGE = mmap.mmap(-1, PAGE_BYTES)
 """A page-aligned page of zeros. Never written to: any thread may use it as a write source."""
 
 
 def page_buffer() -> mmap.mmap:
-    """A fresh zeroed, page-aligned ``PAGE_SIZE`` buffer (anonymous mmap), usable with O_DIRECT."""
-    return mmap.mmap(-1, PAGE_SIZE)
+    """A fresh zeroed, page-aligned ``PAGE_BYTES`` buffer (anonymous mmap), usable with O_DIRECT."""
+    return mmap.mmap(-1, PAGE_BYTES)
 
 
-def round_up(n: int, multiple: int = PAGE_SIZE) -> int:
+def round_up(n: int, multiple: int = PAGE_BYTES) -> int:
     return -(-n // multiple) * multiple
 
 
 def is_page_aligned(buf) -> bool:
     """True when the first byte of ``buf`` (any buffer, read-only allowed) sits on a page boundary."""
-    return np.frombuffer(buf, dtype=np.uint8).ctypes.data % PAGE_SIZE == 0
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data % PAGE_BYTES == 0
 
 
 def pwrite_all(fd: int, buf, offset: int) -> None:
@@ -96,7 +97,7 @@ def probe_direct_io(directory: Path) -> bool:
         return False
     path = directory / f".direct-io-probe-{os.getpid()}"
     written, read_back = page_buffer(), page_buffer()
-    written.write(os.urandom(PAGE_SIZE))
+    written.write(os.urandom(PAGE_BYTES))
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | O_DIRECT, 0o600)
     except OSError as exc:
@@ -104,7 +105,9 @@ def probe_direct_io(directory: Path) -> bool:
         return False
     try:
         pwrite_all(fd, written, 0)
-        return preadv_all(fd, [read_back], 0, PAGE_SIZE) == PAGE_SIZE and read_back[:] == written[:]
+        return (
+            preadv_all(fd, [read_back], 0, PAGE_BYTES) == PAGE_BYTES and read_back[:] == written[:]
+        )
     except OSError as exc:
         structlog.get_logger().debug("disk_direct_io_probe_failed", step="io", error=str(exc))
         return False

@@ -11,9 +11,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
-from kvoffload.memory.blockformat import HEADER_SIZE, CorruptBlock, block_checksum, decode_header
+from kvoffload.memory.blockformat import (
+    HEADER_SIZE,
+    PAGE_BYTES,
+    CorruptBlock,
+    block_checksum,
+    decode_header,
+)
 from workers.disk.layout import SlabLayout
-from workers.disk.rawio import PAGE_SIZE, preadv_all
+from workers.disk.rawio import preadv_all
 
 _BLANK_HEADER = bytes(HEADER_SIZE)
 
@@ -44,15 +50,15 @@ def scan_slab(
     """
     result = SlabScan(slab)
     file_size = os.fstat(fd).st_size
-    size = layout.record_size if verify else PAGE_SIZE
+    size = layout.record_size if verify else PAGE_BYTES
     buf = mmap.mmap(-1, size)
-    payload = memoryview(buf)[PAGE_SIZE : PAGE_SIZE + layout.block_bytes]
+    payload = memoryview(buf)[PAGE_BYTES : PAGE_BYTES + layout.block_bytes]
     first = layout.first_record(slab)
     try:
         for index in range(layout.slab_records(slab)):
             record = first + index
             offset = index * layout.record_size
-            if offset + PAGE_SIZE > file_size:
+            if offset + PAGE_BYTES > file_size:
                 break
             want = min(size, file_size - offset)
             try:

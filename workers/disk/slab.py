@@ -30,7 +30,7 @@ Contracts:
   ``open`` and ``close``, which must not overlap other calls. One lock guards the index and
   allocation metadata and is never held during I/O.
 * I/O mode: O_DIRECT when the probe in ``open()`` succeeds and ``block_bytes`` is a multiple of
-  ``PAGE_SIZE``, else buffered I/O. With O_DIRECT a slot that is not page aligned is moved
+  ``PAGE_BYTES``, else buffered I/O. With O_DIRECT a slot that is not page aligned is moved
   through the buffered descriptor of the same file, which the kernel keeps coherent.
 * Only ``open`` scans: header pages after a clean close, whole records otherwise (one read of
   the stored bytes). Slab files beyond the capacity (after shrinking it) are left untouched
@@ -53,6 +53,7 @@ import structlog
 from kvoffload.memory.blockformat import (
     HEADER_SIZE,
     MAX_KEY_BYTES,
+    PAGE_BYTES,
     BlockChecksum,
     BlockHeader,
     CorruptBlock,
@@ -71,7 +72,6 @@ from workers.disk.layout import (
     take_clean_mark,
 )
 from workers.disk.rawio import (
-    PAGE_SIZE,
     ZERO_PAGE,
     is_page_aligned,
     page_buffer,
@@ -126,8 +126,8 @@ class DiskStore:
             raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         if len(fingerprint) != 16:
             raise ValueError(f"fingerprint must be 16 bytes, got {len(fingerprint)}")
-        if direct_io and block_bytes % PAGE_SIZE:
-            raise ValueError(f"direct_io=True needs block_bytes to be a multiple of {PAGE_SIZE}")
+        if direct_io and block_bytes % PAGE_BYTES:
+            raise ValueError(f"direct_io=True needs block_bytes to be a multiple of {PAGE_BYTES}")
         self._layout: SlabLayout = plan_layout(
             Path(root), block_bytes, fingerprint, capacity_bytes, records_per_slab
         )
@@ -299,7 +299,7 @@ class DiskStore:
             page[:HEADER_SIZE] = header.encode()
             header_may_be_valid = True
             self._fault("write_record", key)
-            pwritev_all(fd, [page, view], offset, PAGE_SIZE + len(view))
+            pwritev_all(fd, [page, view], offset, PAGE_BYTES + len(view))
             self._sync(slab_file, key)
         except BaseException as exc:
             cleared = not header_may_be_valid or self._clear_header(record, key)
@@ -372,7 +372,7 @@ class DiskStore:
         fd = slab_file.buffered
         if slab_file.direct is not None and is_page_aligned(view):
             fd = slab_file.direct
-        total = PAGE_SIZE + len(view)
+        total = PAGE_BYTES + len(view)
         try:
             self._fault("read", key)
             got = preadv_all(fd, [page, view], offset, total)
@@ -449,7 +449,7 @@ class DiskStore:
     def _choose_direct_io(self) -> bool:
         if self._direct_io_request is False:
             return False
-        if self._layout.block_bytes % PAGE_SIZE:
+        if self._layout.block_bytes % PAGE_BYTES:
             self._log.info(
                 "disk_direct_io_off_unaligned_block", block_bytes=self._layout.block_bytes
             )

@@ -54,7 +54,7 @@ from kvoffload.memory.pool import HostPool
 from kvoffload.runtime.runspec import FatalStartError
 from kvoffload.wire.protocol import Job, JobKind, KVHandle
 from kvoffload.wire.status import DiskWorkerStats
-from workers.backend import BackendOutcome
+from workers.backend import INDEX_BATCH_KEYS, BackendOutcome
 from workers.disk.errors import LayoutError, StoreFull, TransientIOError
 from workers.disk.fanout import fan_out
 from workers.disk.slab import DiskStore
@@ -64,7 +64,6 @@ from workers.slotheaders import SlotHeaders
 
 log = get_logger(tier="disk")
 
-INDEX_BATCH_KEYS = 4096
 FAILING_OPS = frozenset({"allocate", "write_record", "fsync", "read"})
 """Store operations that injected failures may hit (``clear`` and ``scan`` are left alone:
 failing them would only strand records until the next start)."""
