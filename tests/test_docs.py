@@ -1,6 +1,7 @@
 """The documentation checks of docs/testing.md: every ```toml block of README.md and docs/ loads as
 a kvoffload configuration (``toml fragment`` blocks only parse), and every relative link names a
-file that exists, and a heading of it when it has an anchor."""
+file that exists, and a heading of it when it has an anchor; the architecture's source tree
+names what exists and every package of kvoffload/."""
 
 from __future__ import annotations
 
@@ -159,3 +160,84 @@ def test_slugs_follow_github() -> None:
     assert slug("`kvoffload demo`") == "kvoffload-demo"
     assert slug("1. Install") == "1-install"
     assert slug("Cascades and durability") == "cascades-and-durability"
+
+
+ARCHITECTURE = REPO / "docs" / "design" / "architecture.md"
+DESCRIPTION_COLUMN = 24
+"""In the source tree block, a line whose first word starts left of this column names an
+entry (a directory ending in ``/`` or a module); words further right describe it."""
+NAMED_MODULE = re.compile(r"\b[\w/]*\w\.py\b")
+NAMED_DIRECTORY = re.compile(r"(?<![\w/])([a-z_]+/)(?=[,;\s]|$)")
+
+
+@dataclass(frozen=True)
+class SourceTree:
+    directories: frozenset[str]
+    modules: frozenset[str]
+
+
+def source_tree(text: str) -> SourceTree:
+    """The directories and modules (repo-relative paths) the ``## Source tree`` block names:
+    each entry under the last entry less indented than it, each word of a description under
+    its entry's directory."""
+    section = text.split("## Source tree", 1)[1]
+    block = section.split("```", 2)[1].split("\n", 1)[1]
+    directories: set[str] = set()
+    modules: set[str] = set()
+    stack: list[tuple[int, str]] = []
+    here = ""
+    for line in block.splitlines():
+        stripped = line.lstrip()
+        if not stripped:
+            continue
+        indent = len(line) - len(stripped)
+        description = line
+        if indent < DESCRIPTION_COLUMN:
+            entry, _, description = stripped.partition(" ")
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            parent = stack[-1][1] if stack else ""
+            path = parent + entry
+            if entry.endswith("/"):
+                parts = path.split("/")[:-1]
+                directories.update("/".join(parts[: i + 1]) + "/" for i in range(len(parts)))
+                stack.append((indent, path))
+                here = path
+            else:
+                modules.add(path)
+                here = parent
+        for name in NAMED_MODULE.findall(description):
+            modules.add(here + name)
+        for name in NAMED_DIRECTORY.findall(description):
+            directories.add(here + name)
+    return SourceTree(frozenset(directories), frozenset(modules))
+
+
+def named_but_missing(tree: SourceTree) -> list[str]:
+    return sorted(p for p in tree.directories | tree.modules if not (REPO / p).exists())
+
+
+def left_unnamed(tree: SourceTree) -> list[str]:
+    """The packages of ``kvoffload/`` and its top-level modules that the tree leaves out."""
+    packages = {
+        init.parent.relative_to(REPO).as_posix() + "/"
+        for init in (REPO / "kvoffload").rglob("__init__.py")
+    } - {"kvoffload/"}
+    top_level = {p.relative_to(REPO).as_posix() for p in (REPO / "kvoffload").glob("*.py")}
+    return sorted((packages - tree.directories) | (top_level - tree.modules))
+
+
+def test_the_source_tree_names_what_exists() -> None:
+    tree = source_tree(ARCHITECTURE.read_text())
+    assert "kvoffload/wire/protocol.py" in tree.modules
+    assert named_but_missing(tree) == []
+
+
+def test_the_source_tree_names_every_package_and_top_level_module() -> None:
+    assert left_unnamed(source_tree(ARCHITECTURE.read_text())) == []
+
+
+def test_the_source_tree_check_sees_a_missing_module_and_an_unnamed_package() -> None:
+    planted = source_tree(ARCHITECTURE.read_text().replace("  wire/ ", "  wires/", 1))
+    assert "kvoffload/wires/protocol.py" in named_but_missing(planted)
+    assert "kvoffload/wire/" in left_unnamed(planted)

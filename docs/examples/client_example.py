@@ -18,11 +18,15 @@ import time
 
 import numpy as np
 
-from kvoffload.client import KVOffloadClient, KVOffloadError, LookupOutcome
-from kvoffload.memory.blockformat import payload_checksum
-from kvoffload.memory.kvcache import SharedKVCache
-from kvoffload.memory.pool import HostPool
-from kvoffload.runtime.discovery import find_endpoint
+from kvoffload import (
+    HostPool,
+    KVOffloadClient,
+    KVOffloadError,
+    LookupOutcome,
+    SharedKVCache,
+    find_endpoint,
+    payload_checksum,
+)
 
 TOKENS_PER_BLOCK = 16
 HANDLE = "example-kv"

@@ -206,7 +206,7 @@ class ClientApi:
         self, identity: bytes, session: ClientSession, msg: p.NewRequest
     ) -> p.NewRequestReply:
         scoped = session.scoped(msg.req_id)
-        if self.tiering.has_request(scoped):
+        if scoped in self.tiering.requests:
             raise RequestError(
                 ErrorCode.DUPLICATE_REQUEST,
                 f"request {msg.req_id!r} is active or still finishing its stores",
@@ -437,7 +437,7 @@ class ClientApi:
         if session.pinned:
             self.tiering.complete_load(session.all_pins())
         for scoped in session.requests:
-            if self.tiering.has_request(scoped):
+            if scoped in self.tiering.requests:
                 self.tiering.on_request_finished(scoped)
         self.handles.release(session.handles)
         self.state.dispatch_tier_jobs()

@@ -39,6 +39,8 @@ from typing import Any
 
 import psutil
 
+from kvoffload import VLLM_CONNECTOR, VLLM_CONNECTOR_MODULE
+
 VOCAB = 1024
 BLOCK_TOKENS = 32
 """Tokens per vLLM block of every engine started here."""
@@ -53,8 +55,8 @@ ENGINE_ENV = {
 """The environment every engine runs with (on top of this process's)."""
 
 KVOFFLOAD_CONNECTOR: dict[str, Any] = {
-    "kv_connector": "KVOffloadConnector",
-    "kv_connector_module_path": "kvoffload.integrations.vllm.connector",
+    "kv_connector": VLLM_CONNECTOR,
+    "kv_connector_module_path": VLLM_CONNECTOR_MODULE,
     "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute",
 }

@@ -11,11 +11,13 @@ loads it or finishes (within ``unread_promotion_cap`` slots). A key whose cascad
 ``WriteBack.HOLD`` tier has not landed is held in the pool, never evicted; a store that finds no
 other room is refused (``writeback.Eviction``).
 
-Its parts, each in its module: ``PrefixLookup`` (a request's prefix across the tiers),
+Its parts, each in its module: ``RequestTable`` (request states and how a request ends),
+``PrefixLookup`` (a request's prefix across the tiers),
 ``Promotions`` (queued per step, landed, protected until read), ``Cascades`` (durable cascades
 to every secondary tier: backlogs, retries, drops), ``PendingDeadlines`` (how long a request
-waits for a key being written), ``TierJobs`` (the jobs in flight and their results) and
-``Adoption`` (warm restart).
+waits for a key being written), ``TierJobs`` (the jobs in flight and their results),
+``Adoption`` (warm restart) and ``Tenancy`` (tenants: owners, visibility, shares, caps, drops;
+``tiering.tenants``).
 
 Warm restart: ``adopt`` enters blocks found in the pool as in-flight writes (HIT_PENDING) and
 ``complete_adoption`` makes the verified ones ready and frees the rest. With
@@ -36,6 +38,7 @@ from kvoffload.tiering.jobs import TierJobs, split_outcome
 from kvoffload.tiering.lookup import PrefixLookup
 from kvoffload.tiering.primary import PrimaryIndex
 from kvoffload.tiering.promotions import Promotions
+from kvoffload.tiering.requests import RequestTable
 from kvoffload.tiering.secondary import SecondaryTier, TierSpec
 from kvoffload.tiering.stats import TieringStats
 from kvoffload.tiering.tenants import DropProgress, Tenancy, TenantPolicy
@@ -52,11 +55,9 @@ from kvoffload.tiering.types import (
     PrepareStoreOutput,
     ProtocolViolation,
     ReqContext,
-    RequestFinishedError,
     RequestState,
     TransferJob,
     TransferResult,
-    UnknownRequest,
 )
 from kvoffload.tiering.writeback import Eviction
 from kvoffload.wire.status import TieringStatus, TierState
@@ -100,7 +101,7 @@ class TieringLedger:
         self.tiers = [SecondaryTier(spec, owners) for spec in tiers]
         self._tier_by_name = {t.name: i for i, t in enumerate(self.tiers)}
         self._clock = clock
-        self._requests: dict[str, RequestState] = {}
+        states: dict[str, RequestState] = {}
         self._outbox: list[TransferJob] = []
         self._events: list[Evicted] = []
         self.stats = TieringStats(["primary", *names])
@@ -125,7 +126,7 @@ class TieringLedger:
         self.promotions = Promotions(
             len(self.tiers), self.primary, self.stats, self._submit, unread_cap
         )
-        self.deadlines = PendingDeadlines(hit_pending_deadline_s, self._requests, self.stats, clock)
+        self.deadlines = PendingDeadlines(hit_pending_deadline_s, states, self.stats, clock)
         self._lookup = PrefixLookup(
             self.primary, self.tiers, self.stats, self.deadlines, self._start_promotion, owners
         )
@@ -139,6 +140,9 @@ class TieringLedger:
             self.eviction.allocate,
             self._record_evictions,
         )
+        self.requests = RequestTable(
+            states, self.tiers, self.promotions, self.deadlines, self.cascades, self.tenancy
+        )
         self.jobs = TierJobs(
             self.tiers,
             self.stats,
@@ -148,7 +152,7 @@ class TieringLedger:
             cascades=self.cascades,
             promotions=self.promotions,
             deadlines=self.deadlines,
-            active=self._active,
+            active=self.requests.active,
             listener=self.tenancy,
         )
 
@@ -162,18 +166,6 @@ class TieringLedger:
         """One increasing counter for every job of the service (device jobs included)."""
         return self.jobs.next_id()
 
-    def request(self, req_id: str) -> RequestState:
-        try:
-            return self._requests[req_id]
-        except KeyError:
-            raise UnknownRequest(f"unknown request {req_id!r}") from None
-
-    def has_request(self, req_id: str) -> bool:
-        return req_id in self._requests
-
-    def open_requests(self) -> int:
-        return len(self._requests)
-
     def set_tier_online(self, tier_name: str, online: bool) -> None:
         """Whether the tier's worker is connected and its index announced (a new ledger starts
         with every tier online). Cascades for an offline tier wait in its backlog, unpinned,
@@ -186,48 +178,19 @@ class TieringLedger:
     # ---- request lifecycle ----------------------------------------------------------------
 
     def on_new_request(self, ctx: ReqContext) -> OffloadPolicy:
-        """Create (or replace) the request's state; REQUEST_LEVEL if any tier asks for it."""
-        state = RequestState(ctx)
-        for i, tier in enumerate(self.tiers):
-            if tier.on_new_request(ctx.req_id) is OffloadPolicy.REQUEST_LEVEL:
-                state.request_level_tiers.add(i)
-        self._requests[ctx.req_id] = state
-        self.tenancy.request_started(ctx)
-        if state.request_level_tiers:
-            return OffloadPolicy.REQUEST_LEVEL
-        return OffloadPolicy.CHUNK_LEVEL
+        """Create (or replace) the request's state (``RequestTable.start``)."""
+        return self.requests.start(ctx)
 
     def on_request_finished(self, req_id: str) -> None:
-        """No more submit-side calls for this request. Its queued promotions are submitted first;
-        the secondary tiers hear of it once its stores and parked cascades have drained."""
-        state = self.request(req_id)
-        if state.is_finished:
-            return
-        self.promotions.flush(only_req=req_id)
-        self.promotions.release_unread(state)
-        self.deadlines.disarm_all(state)
-        state.is_finished = True
-        self._maybe_finalize(req_id)
-
-    def _maybe_finalize(self, req_id: str) -> None:
-        state = self._requests.get(req_id)
-        if state is None or not state.is_finished:
-            return
-        if state.pending_primary_stores or state.parked_cascade_keys:
-            return
-        for tier in self.tiers:
-            tier.on_request_finished(req_id)
-        self.tenancy.request_done(state.ctx)
-        del self._requests[req_id]
+        """No more submit-side calls for this request (``RequestTable.finish``)."""
+        self.requests.finish(req_id)
 
     # ---- lookup ---------------------------------------------------------------------------
 
     def lookup(self, req_id: str, keys: Sequence[Key]) -> PrefixResult:
         """Evaluate keys in order, stopping at the first MISS (see ``lookup.PrefixLookup``). A
         finished request is refused (RequestFinishedError): it may start nothing."""
-        state = self.request(req_id)
-        if state.is_finished:
-            raise RequestFinishedError(f"request {req_id!r} is finished")
+        state = self.requests.open(req_id)
         result = self._lookup.evaluate(state, keys)
         self.tenancy.looked_up(state.ctx.tenant, result)
         return result
@@ -249,9 +212,7 @@ class TieringLedger:
     def prepare_load(self, req_id: str, keys: Sequence[Key]) -> list[int]:
         """Pin ready keys for a device load; returns their slots co-indexed with keys.
         All keys must be HIT (NotReady otherwise, nothing pinned). Release with complete_load."""
-        state = self.request(req_id)
-        if state.is_finished:
-            raise RequestFinishedError(f"request {req_id!r} is finished")
+        state = self.requests.open(req_id)
         slots = self.primary.pin(keys)
         self.promotions.read(state, keys)
         return slots
@@ -274,9 +235,7 @@ class TieringLedger:
 
         Keys already present go, for request-level tiers, straight to a cascade (ready) or are
         parked until their in-flight write lands."""
-        state = self.request(req_id)
-        if state.is_finished:
-            raise RequestFinishedError(f"request {req_id!r} is finished")
+        state = self.requests.open(req_id)
         allocated = self.tenancy.allocate(state.ctx.tenant, keys, set(keys))
         if allocated is None:
             self.eviction.store_refused(keys)
@@ -302,7 +261,7 @@ class TieringLedger:
     ) -> None:
         """Finish a device store prepared by ``prepare_store`` (same partial-success rules as a
         TransferResult). Keys that landed are cascaded to every secondary tier."""
-        state = self.request(req_id)
+        state = self.requests.get(req_id)
         if state.pending_primary_stores <= 0:
             raise ProtocolViolation(f"request {req_id!r} has no pending store")
         ok, failed = split_outcome(keys, success, successful_keys)
@@ -316,7 +275,7 @@ class TieringLedger:
         state.pending_primary_stores -= 1
         if landed:
             self.cascades.submit_everywhere(landed, req_id)
-        self._maybe_finalize(req_id)
+        self.requests.finalize(req_id)
         if violation:
             raise ProtocolViolation("successful_keys is not a subset of the stored keys")
 
@@ -340,7 +299,7 @@ class TieringLedger:
         send each probed tier's batch of unknown keys (one probe job per tier per step), and
         time out probes that went unanswered. Returns the ids of the probes timed out."""
         self.promotions.flush()
-        self.cascades.retry_parked(self._requests, self._maybe_finalize)
+        self.cascades.retry_parked(self.requests.states, self.requests.finalize)
         self.cascades.retry_due()
         for i, tier in enumerate(self.tiers):
             if tier.has_queued_probes():
@@ -388,11 +347,6 @@ class TieringLedger:
         self, tier_name: str, added: Iterable[Key], removed: Iterable[Key]
     ) -> None:
         self.tiers[self.tier_index(tier_name)].apply_index_update(added, removed)
-
-    def _active(self, req_id: str | None) -> RequestState | None:
-        """The request's state while it has not finished, else None."""
-        state = self._requests.get(req_id) if req_id is not None else None
-        return state if state is not None and not state.is_finished else None
 
     def _record_evictions(self, evicted: list[Key]) -> None:
         if evicted:
@@ -454,14 +408,7 @@ class TieringLedger:
         self.cascades.give_up_all()
         self._outbox.clear()
         self.promotions.reset()
-        for req_id, state in list(self._requests.items()):
-            state.pending_primary_stores = 0
-            state.parked_cascade_keys.clear()
-            state.unread.clear()
-            self.cascades.unpark(req_id)
-            state.pending_deadlines.clear()
-            state.expired.clear()
-            self._maybe_finalize(req_id)
+        self.requests.reset()
         self.deadlines.clear()
         self.adoption.clear()
         self.primary.reset()
@@ -481,7 +428,7 @@ class TieringLedger:
             unread_promotion_pins=self.promotions.unread_total,
             jobs_in_flight=len(self.jobs),
             cascade_backlog=self.cascade_backlog(),
-            requests=self.open_requests(),
+            requests=len(self.requests),
             tiers={
                 tier.name: TierState(
                     indexed_keys=len(tier.index),

@@ -87,9 +87,9 @@ class PrefixLookup:
         """The request's results for ``keys``, in order, up to and including the first MISS."""
         leading_hits = self.primary.ready_run(keys)
         visibility = self._visibility
-        tenants = visibility if visibility.active else None
-        if tenants is not None and leading_hits:
-            leading_hits = tenants.owned_prefix(state.ctx.tenant, keys, leading_hits)
+        owners_apply = visibility.active  # read once: the loop below is the lookup's hot path
+        if owners_apply and leading_hits:
+            leading_hits = visibility.owned_prefix(state.ctx.tenant, keys, leading_hits)
         results = [HIT] * leading_hits
         reasons = [MissReason.NONE] * leading_hits
         uncertain = False
@@ -100,9 +100,9 @@ class PrefixLookup:
         for key in keys[leading_hits:]:
             result = primary_lookup(key)
             if (
-                tenants is not None
+                owners_apply
                 and result is not MISS
-                and not tenants.visible_in_pool(state.ctx.tenant, key)
+                and not visibility.visible_in_pool(state.ctx.tenant, key)
             ):
                 results.append(MISS)  # another tenant's block
                 reasons.append(MissReason.ABSENT)
@@ -145,12 +145,12 @@ class PrefixLookup:
                 filtered = True
                 continue
             result, tier_reason = tier.lookup(key, req_id)
-            tenants = self._visibility
-            if tenants.active:
-                if result is HIT and not tenants.visible_on_tier(i, state.ctx.tenant, key):
+            visibility = self._visibility
+            if visibility.active:
+                if result is HIT and not visibility.visible_on_tier(i, state.ctx.tenant, key):
                     result, tier_reason = MISS, MissReason.ABSENT  # another tenant's block
                 elif result is RETRY and state.ctx.tenant and not tier.spec.indexed:
-                    tenants.note_probe(key, state.ctx.tenant)
+                    visibility.note_probe(key, state.ctx.tenant)
             self.stats.tier_lookup(i + 1, result)
             if result is HIT:
                 if uncertain:

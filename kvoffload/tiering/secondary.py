@@ -34,7 +34,7 @@ class TierSpec:
     last, counted).
     ``request_level``: the tier wants every block of every request, prefix hits included.
     ``capacity_keys``: the blocks the tier holds at most, for a manager that chooses what
-    leaves it (tenant shares, ``tenant_room``); 0: the tier's worker evicts by itself."""
+    leaves it (tenant shares, the tenants' room); 0: the tier's worker evicts by itself."""
 
     name: str
     medium: Medium = Medium.STORAGE

@@ -106,7 +106,7 @@ def test_store_result_not_subset_fails_whole_store(h):
     with pytest.raises(ProtocolViolation):
         h.m.complete_store(r, out.keys_to_store, False, [k(1), k(9)])
     assert h.m.lookup(r, [k(1)]).results == [MISS]
-    assert h.m.request(r).pending_primary_stores == 0
+    assert h.m.requests.get(r).pending_primary_stores == 0
 
 
 def test_prepare_store_skips_present_keys(h):
@@ -826,13 +826,13 @@ def test_on_request_finished_delays_secondary_until_store_completes(h):
     r = h.new()
     out = h.m.prepare_store(r, [k(1)])
     h.m.on_request_finished(r)
-    assert rec.events == [] and h.m.has_request(r)
+    assert rec.events == [] and (r in h.m.requests)
     with pytest.raises(RequestFinishedError):
         h.m.prepare_store(r, [k(2)])
     h.m.complete_store(r, out.keys_to_store)
     assert rec.events == [("finish", "disk"), ("finish", "mem2")]
     assert len(h.jobs()) == 2
-    assert not h.m.has_request(r)
+    assert r not in h.m.requests
 
 
 def test_finished_request_lookup_is_refused_and_submits_nothing(h):
@@ -850,7 +850,7 @@ def test_finished_request_lookup_is_refused_and_submits_nothing(h):
     h.m.complete_store(r, out.keys_to_store)
     h.m.end_step()
     assert [job.kind for job in h.jobs()] == [JobKind.CASCADE, JobKind.CASCADE]
-    assert not h.m.has_request(r)
+    assert r not in h.m.requests
 
 
 def test_finish_hooks_follow_cascade_submission(h):
@@ -874,7 +874,7 @@ def test_failed_store_finalizes_finished_request(h):
     h.m.complete_store(r, out.keys_to_store, success=False)
     rec.collect_submits()
     assert rec.events == [("finish", "disk"), ("finish", "mem2")]
-    assert not h.m.has_request(r)
+    assert r not in h.m.requests
 
 
 def test_zero_store_request_finalizes_immediately(h):
@@ -883,7 +883,7 @@ def test_zero_store_request_finalizes_immediately(h):
     h.m.on_request_finished(r)
     assert rec.events == [("finish", "disk"), ("finish", "mem2")]
     with pytest.raises(UnknownRequest):
-        h.m.request(r)
+        h.m.requests.get(r)
 
 
 def test_prepare_store_of_present_keys_does_not_count_pending(h):
@@ -891,9 +891,9 @@ def test_prepare_store_of_present_keys_does_not_count_pending(h):
     h.store(r, [k(1)])
     out = h.m.prepare_store(r, [k(1)])
     assert out.keys_to_store == []
-    assert h.m.request(r).pending_primary_stores == 0
+    assert h.m.requests.get(r).pending_primary_stores == 0
     h.m.on_request_finished(r)
-    assert not h.m.has_request(r)
+    assert r not in h.m.requests
 
 
 def test_on_request_finished_flushes_only_its_pending_promotions(h):
@@ -921,7 +921,7 @@ def test_result_after_finish_creates_no_request_state_and_a_reused_id_starts_fre
     r = h.new("r")
     assert h.m.lookup(r, [k(1)]).results == [HIT_PENDING]
     h.m.on_request_finished(r)  # submits its promotion, then finalizes
-    assert not h.m.has_request(r)
+    assert r not in h.m.requests
     assert [j.kind for j in h.jobs()] == [JobKind.PROMOTION]
     h.m.fail_worker_jobs(tier)  # the worker dies with the promotion in flight
     tracked = h.m.snapshot().tiers[tier].tracked_requests
@@ -935,7 +935,7 @@ def test_result_after_finish_creates_no_request_state_and_a_reused_id_starts_fre
 def test_on_new_request_policy():
     h = Harness(request_level=("mem2",))
     assert h.m.on_new_request(ReqContext("x")) is OffloadPolicy.REQUEST_LEVEL
-    assert h.m.request("x").request_level_tiers == {1}
+    assert h.m.requests.get("x").request_level_tiers == {1}
     h2 = Harness()
     assert h2.m.on_new_request(ReqContext("x")) is OffloadPolicy.CHUNK_LEVEL
 
@@ -962,15 +962,15 @@ def test_request_level_parks_pending_keys_until_their_write_lands():
     w, r = h.new("w"), h.new("r")
     out = h.m.prepare_store(w, [k(1)])
     h.m.prepare_store(r, [k(1)])
-    assert h.m.request(r).parked_cascade_keys
+    assert h.m.requests.get(r).parked_cascade_keys
     h.m.on_request_finished(r)
-    assert h.m.has_request(r) and h.m.has_pending_work()
+    assert (r in h.m.requests) and h.m.has_pending_work()
     h.m.complete_store(w, out.keys_to_store)
     h.jobs()
     h.m.end_step()
     jobs = h.jobs()
     assert [(j.req_id, j.keys) for j in jobs] == [("r", [k(1)])]
-    assert not h.m.has_request(r)
+    assert r not in h.m.requests
 
 
 def test_cascade_drops_parked_keys_whose_primary_write_failed():
@@ -981,7 +981,7 @@ def test_cascade_drops_parked_keys_whose_primary_write_failed():
     h.m.complete_store(w, out.keys_to_store, success=False)
     h.m.end_step()
     assert h.jobs() == []
-    assert not h.m.request(r).parked_cascade_keys
+    assert not h.m.requests.get(r).parked_cascade_keys
 
 
 # -- results from workers -----------------------------------------------------------------------
@@ -1057,9 +1057,9 @@ def test_reset_cache_finalizes_finished_and_keeps_active_requests(h):
     put_in_tier(h, "disk", [k(3)])
     h.m.lookup(active, [k(3)])  # a queued promotion that reset drops
     h.m.reset_cache()
-    assert not h.m.has_request(done)
+    assert done not in h.m.requests
     assert rec.events == [("finish", "disk"), ("finish", "mem2")]
-    assert h.m.request(active).pending_primary_stores == 0
+    assert h.m.requests.get(active).pending_primary_stores == 0
     assert len(h.m.primary) == 0 and h.m.primary.free_slots == 5
     h.m.end_step()
     assert h.jobs() == []
