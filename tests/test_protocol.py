@@ -56,7 +56,8 @@ def test_manager_message_round_trip(msg):
 
 def test_reply_round_trip():
     reply = p.Events(
-        rid=3, finished=[p.DeviceJobFinished(1, "r", p.JobKind.DEVICE_LOAD, False, [b"x" * 16], "boom")]
+        rid=3,
+        finished=[p.DeviceJobFinished(1, "r", p.JobKind.DEVICE_LOAD, False, [b"x" * 16], "boom")],
     )
     assert p.decode_client_reply(p.encode(reply)) == reply
 

@@ -34,6 +34,7 @@ from kvoffload.logs import get_logger
 from kvoffload.tiering.adoption import Adoption
 from kvoffload.tiering.cascades import Cascades, TierCascades
 from kvoffload.tiering.deadlines import PendingDeadlines
+from kvoffload.tiering.events import POOL, TierEvent, TierEvents
 from kvoffload.tiering.jobs import TierJobs, split_outcome
 from kvoffload.tiering.lookup import PrefixLookup
 from kvoffload.tiering.primary import PrimaryIndex
@@ -47,7 +48,6 @@ from kvoffload.tiering.tenants.owners import TenantOwners
 from kvoffload.tiering.tenants.pool import PoolShares
 from kvoffload.tiering.tenants.room import TenantRoom
 from kvoffload.tiering.types import (
-    Evicted,
     JobsInFlight,
     Key,
     OffloadPolicy,
@@ -96,14 +96,18 @@ class TieringLedger:
         # owners listen to the pool and the tiers, their room admits cascades, the tenancy
         # hears of the jobs' results.
         owners = TenantOwners(tenant_policy or TenantPolicy(), num_slots, tiers, clock)
-        self.primary = PrimaryIndex(num_slots, policy, track_slot_invalidations, owners)
+        self.events = TierEvents(owners)
+        self.primary = PrimaryIndex(
+            num_slots, policy, track_slot_invalidations, owners, self.events.sink(POOL)
+        )
         self.adoption = Adoption(self.primary)
-        self.tiers = [SecondaryTier(spec, owners) for spec in tiers]
+        self.tiers = [
+            SecondaryTier(spec, owners, self.events.sink(i + 1)) for i, spec in enumerate(tiers)
+        ]
         self._tier_by_name = {t.name: i for i, t in enumerate(self.tiers)}
         self._clock = clock
         states: dict[str, RequestState] = {}
         self._outbox: list[TransferJob] = []
-        self._events: list[Evicted] = []
         self.stats = TieringStats(["primary", *names])
         cascade_state = [TierCascades() for _ in self.tiers]
         room = TenantRoom(owners, self.tiers, cascade_state, self._submit)
@@ -173,6 +177,7 @@ class TieringLedger:
         tier_idx = self.tier_index(tier_name)
         self.tiers[tier_idx].online = online
         if online:
+            self.tiers[tier_idx].index_announced()
             self.cascades.tier_online(tier_idx)
 
     # ---- request lifecycle ----------------------------------------------------------------
@@ -320,10 +325,10 @@ class TieringLedger:
     def take_touched(self, tier_name: str) -> list[Key]:
         return self.tiers[self.tier_index(tier_name)].take_touched()
 
-    def take_events(self) -> list[Evicted]:
-        """Evictions from the primary tier since the last call."""
-        out, self._events = self._events, []
-        return out
+    def take_events(self) -> list[TierEvent]:
+        """What the tiers gained and lost since the last call, in order, once ``events`` was
+        started (``tiering.events``)."""
+        return self.events.take()
 
     # ---- results --------------------------------------------------------------------------
 
@@ -352,7 +357,6 @@ class TieringLedger:
         if evicted:
             self.promotions.evicted(evicted)
             self.stats.tier(0).evictions += len(evicted)
-            self._events.append(Evicted(evicted))
             self.cascades.evicted(evicted)
 
     # ---- warm restart ---------------------------------------------------------------------

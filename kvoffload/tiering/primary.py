@@ -9,7 +9,9 @@ Slots are handed out never-used first (increasing), then freed ones (last freed 
 With ``track_invalidations`` every slot freed or handed to a new key is recorded until
 ``take_invalidated_slots``, so the caller can forget what the slot held (its slot header).
 The ``PoolListener`` hears of every key that enters the index and every key that leaves it,
-except by ``reset`` (tenant accounting, ``tenants.owners``).
+except by ``reset`` (tenant accounting, ``tenants.owners``). The ``EventSink`` hears of every
+key that becomes ready and of every ready key that leaves, ``reset`` included
+(``tiering.events``), before its listener does.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol
 
+from kvoffload.tiering.events import NO_EVENTS, EventSink
 from kvoffload.tiering.policies import make_policy
 from kvoffload.tiering.types import Allocation, Key, NotReady, ProtocolViolation
 from kvoffload.wire.vocab import LookupResult
@@ -51,6 +54,7 @@ class PrimaryIndex:
         policy: str = "lru",
         track_invalidations: bool = False,
         listener: PoolListener = NO_POOL_LISTENER,
+        events: EventSink = NO_EVENTS,
     ) -> None:
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
@@ -67,6 +71,7 @@ class PrimaryIndex:
         self.recently_evicted: OrderedDict[Key, None] = OrderedDict()
         self.evictions = 0
         self._listener = listener
+        self._events = events
 
     def ref_count(self, key: Key) -> int:
         """ref_cnt of a present key; KeyError if absent."""
@@ -179,6 +184,8 @@ class PrimaryIndex:
         chosen = self.policy.evict(n, protected)
         if chosen is None:
             return None
+        if self._events.active:
+            self._events.removed(chosen)
         for key in chosen:
             self._drop(key)
             self._remember_evicted(key)
@@ -188,12 +195,13 @@ class PrimaryIndex:
     def remove(self, keys: Iterable[Key]) -> list[Key]:
         """Remove the idle keys among ``keys`` (ready, neither pinned nor held) at once, not as
         evictions (a tenant drop); returns them. The others are left alone."""
-        removed = []
-        for key in keys:
-            if self._refs.get(key) == 0 and key not in self._holds:
-                self.policy.remove(key)
-                self._drop(key)
-                removed.append(key)
+        refs, holds = self._refs, self._holds
+        removed = [k for k in dict.fromkeys(keys) if refs.get(k) == 0 and k not in holds]
+        if removed and self._events.active:
+            self._events.removed(removed)
+        for key in removed:
+            self.policy.remove(key)
+            self._drop(key)
         return removed
 
     def complete_write(self, keys: Iterable[Key], success: bool) -> list[Key]:
@@ -211,6 +219,8 @@ class PrimaryIndex:
                 self.policy.remove(key)
                 self._drop(key)
             changed.append(key)
+        if success and changed and self._events.active:
+            self._events.stored(changed)
         return changed
 
     def pin(self, keys: Iterable[Key]) -> list[int]:
@@ -284,6 +294,8 @@ class PrimaryIndex:
 
     def reset(self) -> None:
         """Forget everything (callers guarantee no job still targets a slot)."""
+        if self._events.active:
+            self._events.removed([k for k, ref in self._refs.items() if ref != WRITING])
         if self._track_invalidations:
             self._invalidated.extend(self._slot.values())
         self._slot.clear()

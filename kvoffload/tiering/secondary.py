@@ -16,6 +16,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvoffload.tiering.events import NO_EVENTS, EventSink
 from kvoffload.tiering.types import Key, Locality, Medium, OffloadPolicy, WriteBack
 from kvoffload.tiering.verdicts import VerdictCache
 from kvoffload.wire.vocab import LookupResult, MissReason
@@ -77,7 +78,15 @@ NO_INDEX_LISTENER: IndexListener = _NoIndexListener()
 
 
 class SecondaryTier:
-    def __init__(self, spec: TierSpec, listener: IndexListener = NO_INDEX_LISTENER) -> None:
+    def __init__(
+        self,
+        spec: TierSpec,
+        listener: IndexListener = NO_INDEX_LISTENER,
+        events: EventSink = NO_EVENTS,
+    ) -> None:
+        """``events``: hears what the tier gains and loses (``tiering.events``); while an
+        indexed tier's worker announces its index again, only the difference is told, once
+        ``index_announced``."""
         self.spec = spec
         self.index: set[Key] = set()
         self.verdicts = VerdictCache()
@@ -86,6 +95,9 @@ class SecondaryTier:
         self.online = True
         """The tier's worker is connected and its index announced (cascades wait while not)."""
         self._listener = listener
+        self._events = events
+        self._announced_before: set[Key] | None = None
+        """While the worker announces its index again: the index the events last told."""
 
     @property
     def name(self) -> str:
@@ -160,23 +172,42 @@ class SecondaryTier:
 
     def clear_index(self) -> None:
         """The tier's worker (re)started and will announce its whole index again."""
+        if self._events.active and self._announced_before is None:
+            self._announced_before = set(self.index)
         self.index.clear()
         if self._listener.active:
             self._listener.cleared(self)
 
+    def index_announced(self) -> None:
+        """The worker's index is complete again: tell the events what changed meanwhile."""
+        before, self._announced_before = self._announced_before, None
+        if before is None or not self._events.active:
+            return
+        self._events.removed([k for k in before if k not in self.index])
+        self._events.stored([k for k in self.index if k not in before])
+
+    def _telling(self) -> bool:
+        return self._events.active and self._announced_before is None
+
     def _add(self, keys: list[Key]) -> None:
-        if self._listener.active:
+        listening, telling = self._listener.active, self._telling()
+        if listening or telling:
             fresh = [k for k in dict.fromkeys(keys) if k not in self.index]
-            if fresh:
+            if fresh and listening:
                 self._listener.added(self, fresh)
+            if fresh and telling:
+                self._events.stored(fresh)
         if self.spec.indexed:
             self.index.update(keys)
 
     def _remove(self, keys: list[Key]) -> None:
-        if self._listener.active:
-            if self.spec.indexed:
-                keys = [k for k in dict.fromkeys(keys) if k in self.index]
-            if keys:
+        listening, telling = self._listener.active, self._telling()
+        if listening or telling:
+            index = self.index
+            keys = [k for k in dict.fromkeys(keys) if k in index or not self.spec.indexed]
+            if keys and telling:
+                self._events.removed(keys)
+            if keys and listening:
                 self._listener.removed(self, keys)
         self.index.difference_update(keys)
 

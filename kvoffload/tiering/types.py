@@ -190,13 +190,6 @@ class Allocation(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class Evicted:
-    """Keys that left the primary tier (``TieringLedger.take_events``)."""
-
-    keys: list[Key]
-
-
-@dataclass(frozen=True, slots=True)
 class PrepareStoreOutput:
     """``keys_to_store``/``slots`` are co-indexed: the caller writes each key into its slot and
     then calls ``complete_store``. ``evicted`` lists keys dropped from the primary tier."""

@@ -11,8 +11,8 @@ from kvoffload.tiering import (
     TieringLedger,
     TransferResult,
 )
+from kvoffload.tiering.events import POOL, TierEvent
 from kvoffload.tiering.types import (
-    Evicted,
     JobsInFlight,
     NotReady,
     ProtocolViolation,
@@ -779,12 +779,14 @@ def test_prepare_load_requires_ready_keys_and_pins(h):
 
 def test_eviction_in_primary_tier(h):
     r = h.new()
+    h.m.events.start()
     h.store(r, [k(i) for i in range(5)])
     h.answer(h.jobs())
+    h.m.take_events()
     out = h.m.prepare_store(r, [k(5), k(6)])
     assert out.keys_to_store == [k(5), k(6)]
     assert out.evicted == [k(0), k(1)]
-    assert h.m.take_events() == [Evicted([k(0), k(1)])]
+    assert h.m.take_events() == [TierEvent(POOL, True, [k(0), k(1)])]
 
 
 def test_touch_propagates_to_all_tiers(h):

@@ -57,6 +57,9 @@ class TieringMachine(RuleBasedStateMachine):
         self.stores = []  # (req_id, keys) prepared, not completed
         self.loads = []  # keys pinned by prepare_load, not completed
         self.ready: set[bytes] = set()  # keys whose last write completed successfully
+        self.m.events.start()
+        self.announced: dict[int, set[bytes]] = {0: set(), 1: set(), 2: set()}
+        """Per tier number, what the events told: applied in order, each change effective."""
 
     def _collect(self):
         for job in self.m.take_submissions():
@@ -175,6 +178,17 @@ class TieringMachine(RuleBasedStateMachine):
         removed = data.draw(st.lists(st.sampled_from(KEYS), max_size=2))
         self.m.apply_index_update("disk", added, removed)
 
+    @rule()
+    def disk_worker_restarts(self):
+        """The worker comes back and announces its index again (``disk_reports``), complete
+        when the tier is online again (``worker_connection``)."""
+        self.m.set_tier_online("disk", False)
+        for job_id in self.m.fail_worker_jobs("disk"):
+            self.jobs.pop(job_id)
+            self.answered.add(job_id)
+        self.m.reset_tier_index("disk")
+        self._collect()
+
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
     def finish_request(self, data):
@@ -211,7 +225,21 @@ class TieringMachine(RuleBasedStateMachine):
                     "backlog keys are ready"
                 )
         for event in self.m.take_events():
-            self._forget(event.keys)
+            told = self.announced[event.tier]
+            if event.removed:
+                if event.tier == 0:
+                    self._forget(event.keys)
+                assert event.tier == 2 or told.issuperset(event.keys), "removed, never stored"
+                told.difference_update(event.keys)
+            else:
+                assert event.tier == 2 or told.isdisjoint(event.keys), "stored twice"
+                told.update(event.keys)
+        # the events told what the tiers hold
+        ready = {key for key, _, ref in self.m.primary.items() if ref >= 0}
+        assert self.announced[0] == ready
+        disk = self.m.tiers[0]
+        if disk.online:
+            assert self.announced[1] == disk.index
 
     def teardown(self):
         for req in list(self.requests):

@@ -389,6 +389,15 @@ class TenantOwners:
                 return i
         return n
 
+    def owner_of(self, tier: int, key: Key) -> str:
+        """The tenant owning ``key`` on tier number ``tier`` (0: the pool, ``i + 1``: secondary
+        tier ``i``), a dropped one's too, for the events (``tiering.events``)."""
+        if tier == 0:
+            return self.primary_owners.owner.get(key, NO_TENANT).removeprefix(DOOMED)
+        owners = self.tier_owners[tier - 1]
+        found = owners.owner.get(key)
+        return found if found is not None else owners.stale.get(key, NO_TENANT)
+
     def count_lookup(self, tid: str, results: list[LookupResult]) -> None:
         counts = self.counts_of(tid)
         counts.lookups_hit += results.count(LookupResult.HIT)
