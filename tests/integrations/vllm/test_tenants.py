@@ -104,7 +104,10 @@ def test_a_tenants_share_keeps_its_prefix_in_the_pool_through_another_tenants_fl
     assert tenants[tenant_id(A)].lookups_hit - before.tenants[tenant_id(A)].lookups_hit == case.keys
     assert after.per_tier["disk"].promoted_keys_ok == before.per_tier["disk"].promoted_keys_ok
     assert a_pool.evicted_by_others == 0 and a_pool.share_blocks == case.keys
-    assert tenants[tenant_id(B)].tiers["primary"].evictions >= 4 * POOL_SLOTS  # it churned
+    # It churned: B's blocks turned the pool over more than once. How many of its stores got
+    # slots depends on how many were in flight together (a store finding the pool full of
+    # writes in flight is refused and vLLM skips it), so the bound is the pool, not the flood.
+    assert tenants[tenant_id(B)].tiers["primary"].evictions > 2 * POOL_SLOTS
     assert tenants[tenant_id(C)].tiers["primary"].evicted_by_others > 0
     assert again_c["cached"] == 0  # no share: the flood took its prefix everywhere
     same_output(again_a, reference(prompt_a, case.full_tokens))
