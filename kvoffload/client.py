@@ -396,6 +396,17 @@ class KVOffloadClient:
             p.TenantDrop, p.TenantDropped, timeout_s=timeout_s, tenant=tenant_id(name)
         )
 
+    def take_tier_events(
+        self, cursor: int = 0, prefix: bytes = b"", max_keys: int = 8192
+    ) -> p.TierEvents:
+        """What the service's tiers gained and lost after ``cursor`` (0: begin with a
+        snapshot), keys starting with ``prefix`` only (``protocol.TierEvents`` says how to
+        apply the reply). Blocks of a tenant are seen once this client named the tenant in a
+        request."""
+        return self._call(
+            p.TakeTierEvents, p.TierEvents, cursor=cursor, prefix=prefix, max_keys=max_keys
+        )
+
     def poll(self, wait_ms: int = 0) -> list[p.DeviceJobFinished]:
         """Finished-job events not yet taken (each is returned exactly once)."""
         events = list(self._events)
@@ -403,7 +414,7 @@ class KVOffloadClient:
         if events:
             return events
         events = self._call(
-            p.Poll, p.Events, timeout_s=wait_ms / 1000 + self.timeout_s, wait_ms=wait_ms
+            p.Poll, p.JobsFinished, timeout_s=wait_ms / 1000 + self.timeout_s, wait_ms=wait_ms
         ).finished
         for event in events:
             self._jobs.pop(event.job_id, None)

@@ -32,6 +32,7 @@ RULES = (
             "kvoffload.tiering",
             "kvoffload.wire.vocab",
             "kvoffload.wire.status",
+            "kvoffload.wire.events",
             "kvoffload.wire.tenant_ids",
             "kvoffload.logs",
         ),

@@ -55,7 +55,7 @@ def test_manager_message_round_trip(msg):
 
 
 def test_reply_round_trip():
-    reply = p.Events(
+    reply = p.JobsFinished(
         rid=3,
         finished=[p.DeviceJobFinished(1, "r", p.JobKind.DEVICE_LOAD, False, [b"x" * 16], "boom")],
     )
@@ -69,7 +69,7 @@ def test_reply_round_trip():
         (p.Control(action="reboot"), p.decode_manager_message),
         (p.Error(rid=1, code="whatever", message=""), p.decode_client_reply),
         (
-            p.Events(rid=1, finished=[p.DeviceJobFinished(1, "r", "copy", True)]),
+            p.JobsFinished(rid=1, finished=[p.DeviceJobFinished(1, "r", "copy", True)]),
             p.decode_client_reply,
         ),
         (

@@ -12,6 +12,7 @@ from msgspec import Meta
 from kvoffload.config.tenants import TenantConfig
 from kvoffload.memory.blockformat import MAX_KEY_BYTES
 from kvoffload.memory.slotcopy import MAX_COPY_THREADS
+from kvoffload.wire.events import KeyForm
 from kvoffload.wire.protocol import FaultSpec
 
 GiB = 1 << 30
@@ -125,6 +126,25 @@ class SupervisorConfig(_Section, frozen=True):
     cpu_affinity: Cores = ()
 
 
+class EventsConfig(_Section, frozen=True):
+    """The node's event stream (off while ``endpoint`` is empty): every tier's stored and
+    removed blocks as vLLM's ``KVEventBatch`` on a ZeroMQ PUB, with a replay ROUTER when
+    ``replay_endpoint`` is set; a ``tcp://`` endpoint needs the ``service.curve_*`` keys.
+    ``key_form``: how blocks are named (``kvoffload.wire.events.KeyForm``);
+    ``tenant_blocks``: whether blocks of a tenant are published (off: only blocks of no
+    tenant). ``feed_keys``: the keys the manager keeps for clients that take events."""
+
+    endpoint: str = ""
+    replay_endpoint: str = ""
+    topic: str = "kvoffload"
+    key_form: KeyForm = KeyForm.KEY
+    tenant_blocks: bool = False
+    buffer_batches: Positive = 10000
+    queue_batches: Positive = 10000
+    hwm: Positive = 100000
+    feed_keys: Positive = 262144
+
+
 class EngineConfig(_Section, frozen=True):
     """One inference worker the supervisor starts: argv and extra environment."""
 
@@ -141,6 +161,7 @@ class Config(_Section, frozen=True):
     disk: DiskConfig = msgspec.field(default_factory=DiskConfig)
     object: ObjectConfig = msgspec.field(default_factory=ObjectConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    events: EventsConfig = msgspec.field(default_factory=EventsConfig)
     engines: tuple[EngineConfig, ...] = ()
     tenants: dict[str, TenantConfig] = {}
     """Shares and caps per tenant (``kvoffload.config.tenants``): ``default`` and named entries."""

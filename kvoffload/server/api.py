@@ -80,6 +80,7 @@ class ClientApi:
         handlers.add(p.Status, self._on_status)
         handlers.add(p.Disconnect, self._on_disconnect)
         handlers.add(p.TenantDrop, self._on_tenant_drop)
+        handlers.add(p.TakeTierEvents, self._on_take_tier_events)
 
     def on_frames(self, frames: list[bytes]) -> None:
         """Decode one client request, run its handler and send the reply (a handler that returns
@@ -212,6 +213,7 @@ class ClientApi:
                 f"request {msg.req_id!r} is active or still finishing its stores",
             )
         check_tenant(msg.tenant)
+        session.tenants.add(msg.tenant)
         ctx = ReqContext.from_params(scoped, msg.params, msg.tenant)
         policy = self.tiering.on_new_request(ctx)
         session.requests.add(scoped)
@@ -404,7 +406,7 @@ class ClientApi:
 
     def _on_poll(self, identity: bytes, session: ClientSession, msg: p.Poll) -> None:
         if session.pending_poll is not None:
-            self.state.reply(identity, p.Events(session.pending_poll.rid, []))
+            self.state.reply(identity, p.JobsFinished(session.pending_poll.rid, []))
         session.pending_poll = PendingPoll(msg.rid, time.monotonic() + msg.wait_ms / 1000)
         self.state.answer_poll(session, force=msg.wait_ms <= 0)
         return None
@@ -425,6 +427,11 @@ class ClientApi:
         self.state.drop_replies.wait(drop, identity, msg.rid)
         self.state.dispatch_tier_jobs()
         return None
+
+    def _on_take_tier_events(
+        self, identity: bytes, session: ClientSession, msg: p.TakeTierEvents
+    ) -> p.TierEvents:
+        return self.state.events.take(session.event_reader, msg, session.tenants)
 
     def _drop_session(self, session: ClientSession, reason: str) -> None:
         """Finish everything a vanished client left: its prepared stores fail, its pins are

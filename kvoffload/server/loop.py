@@ -69,6 +69,7 @@ class ManagerServer:
             if state.waiting_lookups and state.job_sock in events:
                 self.api.serve_waiting_lookups(now)
             state.run_tier_step()
+            state.events.collect()
             state.clear_invalidated_slots()
             if now - last_housekeeping >= HOUSEKEEPING_PERIOD_S:
                 last_housekeeping = now
@@ -122,6 +123,9 @@ class ManagerServer:
         self.workers.shutdown_workers()
         if self.metrics is not None:
             self.metrics.close()
+        if state.node_stream is not None:
+            state.events.collect()
+            state.node_stream.close()
         if state.auth is not None:
             state.auth.stop()
         state.client_sock.close(linger=0)

@@ -1,4 +1,5 @@
-"""Per-client state held by the manager: identity, lease, owned requests, pins, event queue.
+"""Per-client state held by the manager: identity, lease, owned requests, pins, finished jobs,
+its tenants and its place in the tiers' events.
 
 Request ids are namespaced per client (``<client_id>/<req_id>``) so two engines never share a
 request. A client may only release pins it took itself.
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from kvoffload.server.events import EventReader
 from kvoffload.wire.protocol import DeviceJobFinished
 
 
@@ -32,6 +34,9 @@ class ClientSession:
     pending_poll: PendingPoll | None = None
     handles: set[str] = field(default_factory=set)
     device_jobs: set[int] = field(default_factory=set)
+    tenants: set[str] = field(default_factory=set)
+    """The tenants this client named in its requests: it takes their blocks' events."""
+    event_reader: EventReader = field(default_factory=EventReader)
 
     def scoped(self, req_id: str) -> str:
         return f"{self.client_id}/{req_id}"

@@ -16,6 +16,8 @@ import zmq
 
 from kvoffload.config import Config
 from kvoffload.runtime.runspec import RunSpec
+from kvoffload.server.events import EventFeed
+from kvoffload.server.eventstream import NodeStream
 from kvoffload.server.metrics import MetricsEndpoint
 from kvoffload.server.sessions import ClientSession
 from kvoffload.server.sockets import bind_client_socket, bind_job_socket
@@ -142,6 +144,8 @@ class ManagerState:
         self.draining = False
         self.started_at = time.monotonic()
         self.metrics = MetricsEndpoint(svc.metrics_port) if svc.metrics_port else None
+        self.node_stream = NodeStream(cfg.events, svc) if cfg.events.endpoint else None
+        self.events = EventFeed(self.tiering, cfg.events.feed_keys, self.node_stream)
 
     def idle(self) -> bool:
         """No device job and no tier job in flight."""
@@ -244,7 +248,7 @@ class ManagerState:
         events = list(session.events)
         session.events.clear()
         session.pending_poll = None
-        self.reply(session.identity, p.Events(poll.rid, events))
+        self.reply(session.identity, p.JobsFinished(poll.rid, events))
 
     def status(self, now: float) -> ManagerStatus:
         """The manager's status, built from the parts' typed snapshots."""

@@ -34,7 +34,7 @@ from kvoffload.logs import get_logger
 from kvoffload.tiering.adoption import Adoption
 from kvoffload.tiering.cascades import Cascades, TierCascades
 from kvoffload.tiering.deadlines import PendingDeadlines
-from kvoffload.tiering.events import POOL, TierEvent, TierEvents
+from kvoffload.tiering.events import POOL, EventLog
 from kvoffload.tiering.jobs import TierJobs, split_outcome
 from kvoffload.tiering.lookup import PrefixLookup
 from kvoffload.tiering.primary import PrimaryIndex
@@ -60,8 +60,9 @@ from kvoffload.tiering.types import (
     TransferResult,
 )
 from kvoffload.tiering.writeback import Eviction
+from kvoffload.wire.events import TierEvent
 from kvoffload.wire.status import TieringStatus, TierState
-from kvoffload.wire.vocab import JobKind
+from kvoffload.wire.vocab import PRIMARY, JobKind, Locality, Medium
 
 log = get_logger()
 
@@ -96,19 +97,23 @@ class TieringLedger:
         # owners listen to the pool and the tiers, their room admits cascades, the tenancy
         # hears of the jobs' results.
         owners = TenantOwners(tenant_policy or TenantPolicy(), num_slots, tiers, clock)
-        self.events = TierEvents(owners)
+        self.events = EventLog(owners)
+        pool_events = self.events.sink(POOL, PRIMARY, Medium.CPU, Locality.LOCAL)
         self.primary = PrimaryIndex(
-            num_slots, policy, track_slot_invalidations, owners, self.events.sink(POOL)
+            num_slots, policy, track_slot_invalidations, owners, pool_events
         )
         self.adoption = Adoption(self.primary)
         self.tiers = [
-            SecondaryTier(spec, owners, self.events.sink(i + 1)) for i, spec in enumerate(tiers)
+            SecondaryTier(
+                spec, owners, self.events.sink(i + 1, spec.name, spec.medium, spec.locality)
+            )
+            for i, spec in enumerate(tiers)
         ]
         self._tier_by_name = {t.name: i for i, t in enumerate(self.tiers)}
         self._clock = clock
         states: dict[str, RequestState] = {}
         self._outbox: list[TransferJob] = []
-        self.stats = TieringStats(["primary", *names])
+        self.stats = TieringStats([PRIMARY, *names])
         cascade_state = [TierCascades() for _ in self.tiers]
         room = TenantRoom(owners, self.tiers, cascade_state, self._submit)
         self.cascades = Cascades(
@@ -329,6 +334,15 @@ class TieringLedger:
         """What the tiers gained and lost since the last call, in order, once ``events`` was
         started (``tiering.events``)."""
         return self.events.take()
+
+    def event_snapshot(self) -> list[TierEvent]:
+        """What the events told the pool and each indexed tier hold now, as stored events (a
+        probed tier's blocks cannot be listed)."""
+        held: dict[int, Iterable[Key]] = {POOL: self.primary.ready_keys()}
+        held.update(
+            (i + 1, t.announced_index()) for i, t in enumerate(self.tiers) if t.spec.indexed
+        )
+        return self.events.snapshot(held)
 
     # ---- results --------------------------------------------------------------------------
 

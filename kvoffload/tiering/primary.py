@@ -313,6 +313,10 @@ class PrimaryIndex:
     def writing_count(self) -> int:
         return sum(1 for r in self._refs.values() if r == WRITING)
 
+    def ready_keys(self) -> list[Key]:
+        """Every present key whose write has landed."""
+        return [k for k, r in self._refs.items() if r != WRITING]
+
     def items(self) -> Iterable[tuple[Key, int, int]]:
         """(key, slot, ref_cnt) for every present key."""
         return ((k, self._slot[k], r) for k, r in self._refs.items())

@@ -186,6 +186,10 @@ class SecondaryTier:
         self._events.removed([k for k in before if k not in self.index])
         self._events.stored([k for k in self.index if k not in before])
 
+    def announced_index(self) -> set[Key]:
+        """The index as the events told it (while the worker announces it again: as it was)."""
+        return self.index if self._announced_before is None else self._announced_before
+
     def _telling(self) -> bool:
         return self._events.active and self._announced_before is None
 

@@ -10,6 +10,8 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from kvoffload.logs import get_logger
 from kvoffload.wire.vocab import ErrorCode, JobKind, LookupResult, MissReason, must_wait
+from kvoffload.wire.vocab import Locality as Locality
+from kvoffload.wire.vocab import Medium as Medium
 
 log = get_logger()
 
@@ -38,16 +40,6 @@ class WriteBack(enum.Enum):
 class OffloadPolicy(enum.IntEnum):
     CHUNK_LEVEL = 0  # offload only newly computed blocks
     REQUEST_LEVEL = 1  # offload every block of the request, prefix hits included
-
-
-class Medium(enum.Enum):
-    CPU = "cpu"
-    STORAGE = "storage"
-
-
-class Locality(enum.Enum):
-    LOCAL = "local"
-    REMOTE = "remote"
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from kvoffload.wire.events import TierEvent
 from kvoffload.wire.status import ManagerStatus, WorkerStats
 
 # re-exported: part of the protocol
@@ -32,7 +33,7 @@ from kvoffload.wire.vocab import LookupResult as LookupResult
 from kvoffload.wire.vocab import MissReason as MissReason
 from kvoffload.wire.vocab import must_wait as must_wait
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
@@ -244,6 +245,22 @@ class TenantDrop(_Msg, tag="tenant_drop"):
     tenant: str
 
 
+MAX_EVENT_PREFIX_BYTES = 64
+MAX_EVENT_KEYS = 65536
+
+
+class TakeTierEvents(_Msg, tag="take_tier_events"):
+    """Take what the service's tiers gained and lost after ``cursor`` (0: nothing taken yet),
+    answered at once with ``TierEvents``: at most ``max_keys`` keys, only keys that start with
+    ``prefix``, only blocks of no tenant or of a tenant this client named in ``NewRequest``.
+    The first call starts the service's event log."""
+
+    rid: int
+    cursor: int = 0
+    prefix: Annotated[bytes, msgspec.Meta(max_length=MAX_EVENT_PREFIX_BYTES)] = b""
+    max_keys: Annotated[int, msgspec.Meta(ge=1, le=MAX_EVENT_KEYS)] = 8192
+
+
 ClientRequest = (
     Connect
     | RegisterKV
@@ -263,6 +280,7 @@ ClientRequest = (
     | Status
     | Disconnect
     | TenantDrop
+    | TakeTierEvents
 )
 
 
@@ -350,7 +368,9 @@ class DeviceJobFinished(msgspec.Struct, forbid_unknown_fields=True):
     error: str = ""
 
 
-class Events(_Msg, tag="events"):
+class JobsFinished(_Msg, tag="jobs_finished"):
+    """Reply to ``Poll``: this client's device jobs that finished since its last poll."""
+
     rid: int
     finished: list[DeviceJobFinished]
 
@@ -370,6 +390,25 @@ class TenantDropped(_Msg, tag="tenant_dropped"):
     failed: dict[str, int] = {}
 
 
+class TierEvents(_Msg, tag="tier_events"):
+    """Reply to ``TakeTierEvents``; pass ``cursor`` to the next call.
+
+    ``resync``: the client's cursor was 0, from an earlier manager, or so old that events it
+    never took are gone; these events begin a snapshot (stored events only) of every block
+    the tiers named in ``complete`` hold now (the host pool and the indexed tiers; a probed
+    tier, the object store, cannot be listed), and the client replaces what it knew of those
+    tiers with the snapshot once it ends. ``in_snapshot``: the snapshot goes on in the next
+    reply. ``more``: events are waiting beyond ``max_keys``; ask again now."""
+
+    rid: int
+    events: list[TierEvent]
+    cursor: int
+    resync: bool = False
+    complete: list[str] = []
+    in_snapshot: bool = False
+    more: bool = False
+
+
 ClientReply = (
     Error
     | Ok
@@ -378,9 +417,10 @@ ClientReply = (
     | LookupReply
     | JobAccepted
     | Slots
-    | Events
+    | JobsFinished
     | StatusReply
     | TenantDropped
+    | TierEvents
 )
 
 

@@ -9,6 +9,23 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
+PRIMARY = "primary"
+"""The host pool's name among the tiers (tier events, tenants' limits and counts, stats)."""
+
+
+class Medium(enum.Enum):
+    """What a tier keeps its blocks in."""
+
+    CPU = "cpu"
+    STORAGE = "storage"
+
+
+class Locality(enum.Enum):
+    """Where a tier keeps them, relative to this node: the object store is remote."""
+
+    LOCAL = "local"
+    REMOTE = "remote"
+
 
 class LookupResult(enum.IntEnum):
     MISS = 0

@@ -45,7 +45,7 @@ SAMPLES = [
     p.Lookup(rid=2, req_id="r", keys=[b"k" * 16]),
     p.Store(rid=3, req_id="r", keys=[b"k" * 16], device_blocks=[0], handle_id="h"),
     p.RegisterKV(rid=4, handle=p.KVHandle("h", "shm", 2, [p.TensorSpec(row_bytes=4096)], "/x")),
-    p.Events(
+    p.JobsFinished(
         rid=5,
         finished=[p.DeviceJobFinished(1, "r", p.JobKind.DEVICE_LOAD, False, [b"k" * 16], "e")],
     ),

@@ -1,13 +1,13 @@
 """The tiers' events (tiering.events): what each tier gained and lost, as a router hears it."""
 
 from kvoffload.tiering import TierSpec, TransferResult
-from kvoffload.tiering.events import POOL, TierEvent
 from kvoffload.tiering.tenants import TenantLimits, TenantPolicy
-from kvoffload.wire.vocab import JobKind
+from kvoffload.wire.events import TierEvent
+from kvoffload.wire.vocab import PRIMARY, JobKind, Locality, Medium
 from tests.tiering.conftest import Harness, k
 from tests.tiering.test_tenants import TenantHarness
 
-DISK, MEM2, OBJECT = 1, 2, 3
+POOL, DISK, MEM2, OBJECT = PRIMARY, "disk", "mem2", "object"
 
 
 def changes(h) -> list[tuple[int, bool, list[bytes]]]:
@@ -113,15 +113,16 @@ def test_each_event_names_the_tenant_of_its_blocks_a_dropped_ones_too():
     h.store("a", [k(0)])
     h.store("b", [k(1), k(2)])
     h.drain()
+    cpu, storage = (Medium.CPU, Locality.LOCAL), (Medium.STORAGE, Locality.LOCAL)
     assert h.m.take_events() == [
-        TierEvent(POOL, False, [k(0)], "a"),
-        TierEvent(POOL, False, [k(1), k(2)], "b"),
-        TierEvent(DISK, False, [k(0)], "a"),
-        TierEvent(DISK, False, [k(1), k(2)], "b"),
+        TierEvent(POOL, *cpu, False, [k(0)], "a"),
+        TierEvent(POOL, *cpu, False, [k(1), k(2)], "b"),
+        TierEvent(DISK, *storage, False, [k(0)], "a"),
+        TierEvent(DISK, *storage, False, [k(1), k(2)], "b"),
     ]
     h.m.drop_tenant("b")
     h.drain()
     events = h.m.take_events()
-    assert TierEvent(POOL, True, [k(1), k(2)], "b") in events
-    assert TierEvent(DISK, True, [k(1), k(2)], "b") in events
+    assert TierEvent(POOL, *cpu, True, [k(1), k(2)], "b") in events
+    assert TierEvent(DISK, *storage, True, [k(1), k(2)], "b") in events
     assert all(e.tenant == "b" for e in events)

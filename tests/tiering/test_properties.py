@@ -58,7 +58,7 @@ class TieringMachine(RuleBasedStateMachine):
         self.loads = []  # keys pinned by prepare_load, not completed
         self.ready: set[bytes] = set()  # keys whose last write completed successfully
         self.m.events.start()
-        self.announced: dict[int, set[bytes]] = {0: set(), 1: set(), 2: set()}
+        self.announced: dict[str, set[bytes]] = {"primary": set(), "disk": set(), "object": set()}
         """Per tier number, what the events told: applied in order, each change effective."""
 
     def _collect(self):
@@ -227,19 +227,19 @@ class TieringMachine(RuleBasedStateMachine):
         for event in self.m.take_events():
             told = self.announced[event.tier]
             if event.removed:
-                if event.tier == 0:
+                if event.tier == "primary":
                     self._forget(event.keys)
-                assert event.tier == 2 or told.issuperset(event.keys), "removed, never stored"
+                assert event.tier == "object" or told.issuperset(event.keys), "never stored"
                 told.difference_update(event.keys)
             else:
-                assert event.tier == 2 or told.isdisjoint(event.keys), "stored twice"
+                assert event.tier == "object" or told.isdisjoint(event.keys), "stored twice"
                 told.update(event.keys)
         # the events told what the tiers hold
         ready = {key for key, _, ref in self.m.primary.items() if ref >= 0}
-        assert self.announced[0] == ready
+        assert self.announced["primary"] == ready
         disk = self.m.tiers[0]
         if disk.online:
-            assert self.announced[1] == disk.index
+            assert self.announced["disk"] == disk.index
 
     def teardown(self):
         for req in list(self.requests):

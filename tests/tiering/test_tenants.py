@@ -301,6 +301,7 @@ class TenantTraffic(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.h = TenantHarness(POOL_SLOTS, [disk_spec(DISK_KEYS)], TRAFFIC_POLICY)
+        self.h.m.events.start()
         self.owner: dict[bytes, str] = {}
         self.keys_of: dict[str, list[bytes]] = {t: [] for t in SHARES}
         self.pending: list = []
@@ -324,6 +325,8 @@ class TenantTraffic(RuleBasedStateMachine):
         self.pending += new_jobs
         pool_after, disk_after = self.usage()
         for event in self.h.m.take_events():
+            if event.tier != "primary" or not event.removed:
+                continue
             for key in event.keys:
                 tenant = self.owner[key]
                 if tenant in actors:

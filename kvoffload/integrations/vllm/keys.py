@@ -16,7 +16,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-FINGERPRINT_BYTES = 16
+from kvoffload.wire.events import FINGERPRINT_BYTES
+
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 _WEIGHT_SAMPLE_BYTES = 1 << 20
 

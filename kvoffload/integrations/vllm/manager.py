@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
+    OffloadingEvent,
     OffloadingManager,
     OffloadKey,
     OffloadPolicy,
@@ -57,6 +58,7 @@ from kvoffload.client import KVOffloadClient, KVOffloadError, LookupOutcome
 from kvoffload.integrations.vllm import integration_logger
 from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks
 from kvoffload.integrations.vllm.compat import VLLM_FENCES_RESETS
+from kvoffload.integrations.vllm.events import ServiceEvents
 from kvoffload.integrations.vllm.keys import namespaced, offload_key_of
 from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
 from kvoffload.integrations.vllm.metrics import ConfigInfo, Counter, StatsAccumulator
@@ -81,6 +83,7 @@ class KVOffloadManager(OffloadingManager):
         slices: int = 1,
         slice_bytes: int = 0,
         namespace: str = "",
+        events: ServiceEvents | None = None,
     ) -> None:
         """``secondary_source``: how vLLM's hit-source metrics label blocks that kvoffload
         promoted from one of its secondary tiers (blocks already in its host pool are HOST).
@@ -88,7 +91,8 @@ class KVOffloadManager(OffloadingManager):
         endpoint the settings name ("" when it is discovered). ``slices``: the digests a
         stored block needs (one per tensor-parallel rank's slice of ``slice_bytes``, or one for
         a block one rank writes whole): a block stamped with fewer is never served.
-        ``namespace``: the tenant of this engine's requests that carry no ``cache_salt``."""
+        ``namespace``: the tenant of this engine's requests that carry no ``cache_salt``.
+        ``events``: the service's tier events (``take_events``), when vLLM's are on."""
         self._link = link
         self._fingerprint = fingerprint
         self._secondary_source = secondary_source
@@ -106,6 +110,7 @@ class KVOffloadManager(OffloadingManager):
         self._fenced = False
         self._config_info = ConfigInfo(engine_info or {}, endpoint_setting)
         self.tenants = TenantNames(namespace)
+        self._events = events
 
     def set_sliding_windows(self, windows: dict[int, int | None]) -> None:
         """vLLM's KV cache group index -> the chunks of it a resumed request reads (None: full
@@ -457,6 +462,10 @@ class KVOffloadManager(OffloadingManager):
             self._link.call(lambda c: c.reset_cache(timeout_s=RESET_TIMEOUT_S))
         except (ServiceDown, KVOffloadError) as exc:
             log.warning("kvoffload_reset_failed error=%s", exc)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """What the service's tiers gained and lost (``events``); nothing when events are off."""
+        return self._events.take() if self._events is not None else ()
 
     def config_info(self) -> list[dict[str, str | int | float | bool]]:
         return self._config_info.labels(self._link)

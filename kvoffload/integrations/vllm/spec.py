@@ -24,7 +24,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import kvoffload
 from kvoffload.integrations.vllm import integration_logger
-from kvoffload.integrations.vllm.keys import FINGERPRINT_BYTES, KVIdentity, model_digest
+from kvoffload.integrations.vllm.events import ServiceEvents
+from kvoffload.integrations.vllm.keys import KVIdentity, model_digest
 from kvoffload.integrations.vllm.layout import BlockLayout, GeometryError, check_fits
 from kvoffload.integrations.vllm.link import ServiceLink
 from kvoffload.integrations.vllm.manager import KVOffloadManager
@@ -32,6 +33,7 @@ from kvoffload.integrations.vllm.metrics import CONFIG_INFO_KEYS, metric_definit
 from kvoffload.integrations.vllm.settings import ConnectorSettings
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
 from kvoffload.runtime.discovery import ENDPOINT_ENV, find_endpoint
+from kvoffload.wire.events import FINGERPRINT_BYTES
 from kvoffload.wire.protocol import Connected
 
 log = integration_logger(__name__)
@@ -119,6 +121,9 @@ class KVOffloadSpec(OffloadingSpec):
             slices=1 if self.replicated_layout else self.config.parallel.world_size,
             slice_bytes=self.blocks_per_chunk * self.rank_block_bytes,
             namespace=settings.namespace,
+            events=ServiceEvents(link, self.fingerprint)
+            if self.config.enable_kv_cache_events
+            else None,
         )
         if link.connect_now() and link.info is not None:
             self._manager.set_secondary_source(_secondary_source(link.info.tiers))

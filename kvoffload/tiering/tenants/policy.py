@@ -11,10 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvoffload.tiering.types import TieringError
+from kvoffload.wire.vocab import PRIMARY as PRIMARY
 from kvoffload.wire.vocab import ErrorCode
 
-PRIMARY = "primary"
-"""The host pool's name among the tiers of a tenant's limits and counts."""
 DOOMED = "!"
 """Prefix of the owner of a dropped tenant's block that was busy at the drop: no request sees
 it, any eviction may take it."""

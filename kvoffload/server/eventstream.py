@@ -1,0 +1,205 @@
+"""The node's event stream (``[events]``): every tier's stored and removed blocks, published as
+vLLM's KV events so a KV-aware router reads them as it reads a vLLM engine's.
+
+Wire, as vLLM's ``ZmqEventPublisher``: a PUB socket sends (topic, sequence number as 8 bytes
+big-endian, msgpack ``KVEventBatch``); a ROUTER on ``replay_endpoint`` answers a request of one
+frame, the first sequence number wanted (8 bytes big-endian), with every kept batch from it on as
+(topic, sequence, payload) and then ("", ``END_SEQ``, ""). Sequence numbers start at 0 with each
+manager and have no gaps.
+
+It never blocks the manager: the manager hands each turn's events to a bounded queue
+(``publish``) and a thread of its own encodes and sends them. When the queue is full the batch is
+dropped and counted, and the stream is marked lost: later events are dropped too until the
+manager, once the queue has room, hands over a snapshot (``publish_snapshot``), sent as
+``AllBlocksCleared`` followed by every block the tiers hold: a subscriber that applies the
+batches in order holds the service's index again.
+
+A ``tcp://`` endpoint is served with CURVE only: the service's secret key, and the subscriber
+keys of ``service.curve_authorized_dir``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from kvoffload.config import EventsConfig, ServiceConfig
+from kvoffload.runtime.runspec import FatalStartError
+from kvoffload.wire.events import AllBlocksCleared, KVEventBatch, TierEvent, vllm_events
+from kvoffload.wire.tenant_ids import NO_TENANT
+
+log = structlog.get_logger()
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+SNAPSHOT_EVENTS_PER_BATCH = 16
+POLL_S = 0.05
+
+
+@dataclass(slots=True)
+class _Batch:
+    ts: float
+    events: list[TierEvent]
+    snapshot: bool = False
+
+
+class NodeStream:
+    def __init__(self, cfg: EventsConfig, svc: ServiceConfig) -> None:
+        """Bind the PUB (and replay ROUTER) sockets and start the publishing thread;
+        FatalStartError when an endpoint cannot be served."""
+        self._cfg = cfg
+        self._topic = cfg.topic.encode()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
+        endpoints = [e for e in (cfg.endpoint, cfg.replay_endpoint) if e]
+        curve = any(e.startswith("tcp://") for e in endpoints)
+        try:
+            if curve:
+                self._start_curve(svc)
+            self._pub = self._bind(zmq.PUB, cfg.endpoint, svc, curve)
+            self._pub.set_hwm(cfg.hwm)
+            self._replay = (
+                self._bind(zmq.ROUTER, cfg.replay_endpoint, svc, curve)
+                if cfg.replay_endpoint
+                else None
+            )
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._queue: queue.Queue[_Batch | None] = queue.Queue(cfg.queue_batches)
+        self._kept: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_batches)
+        self._lost = False
+        self.dropped_batches = 0
+        self.snapshots = 0
+        self.sent_batches = 0
+        self._thread = threading.Thread(target=self._run, name="kvoffload-events", daemon=True)
+        self._thread.start()
+        log.info("node_events_started", endpoint=cfg.endpoint, replay=cfg.replay_endpoint)
+
+    def _start_curve(self, svc: ServiceConfig) -> None:
+        if not (svc.curve_server_secret_file and svc.curve_authorized_dir):
+            raise FatalStartError(
+                "a tcp:// events endpoint requires CURVE keys (service.curve_server_secret_file"
+                " and service.curve_authorized_dir)"
+            )
+        self._auth = ThreadAuthenticator(self._ctx)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=svc.curve_authorized_dir)
+
+    def _bind(self, kind: int, endpoint: str, svc: ServiceConfig, curve: bool) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if curve:
+            public, secret = zmq.auth.load_certificate(svc.curve_server_secret_file)
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
+            sock.curve_server = True
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise FatalStartError(
+                f"events endpoint {endpoint!r}: cannot listen: {exc.strerror}"
+            ) from exc
+        return sock
+
+    # ---- the manager's side ---------------------------------------------------------------
+
+    def publish(self, events: list[TierEvent]) -> None:
+        """Queue one turn's events (without the tenants' blocks unless ``tenant_blocks``);
+        never blocks. Dropped while the stream is lost."""
+        if not self._cfg.tenant_blocks:
+            events = [e for e in events if e.tenant == NO_TENANT]
+        if not events or self._lost:
+            return
+        try:
+            self._queue.put_nowait(_Batch(time.time(), events))
+        except queue.Full:
+            self._lost = True
+            self.dropped_batches += 1
+            log.warning("node_events_dropped", queue_batches=self._cfg.queue_batches)
+
+    def wants_snapshot(self) -> bool:
+        """The stream lost a batch and its queue has room again for the snapshot."""
+        return self._lost and self._queue.qsize() < self._cfg.queue_batches // 2
+
+    def publish_snapshot(self, held: list[TierEvent]) -> None:
+        """Queue the snapshot that ends a loss: ``held`` as stored events after a clear."""
+        if not self._cfg.tenant_blocks:
+            held = [e for e in held if e.tenant == NO_TENANT]
+        self._lost = False
+        self.snapshots += 1
+        self._queue.put_nowait(_Batch(time.time(), held, snapshot=True))
+        log.info("node_events_resent", events=len(held))
+
+    def close(self) -> None:
+        """Send what is queued (for up to a second), then close the sockets."""
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=1.0)
+        self._thread.join(timeout=2.0)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for name in ("_pub", "_replay"):
+            sock = getattr(self, name, None)
+            if sock is not None:
+                sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.term()
+
+    # ---- the publishing thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        seq = 0
+        form = self._cfg.key_form
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                batch = self._queue.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if batch is None:
+                return
+            converted = vllm_events(batch.events, form)
+            if batch.snapshot:
+                step = SNAPSHOT_EVENTS_PER_BATCH
+                parts = [converted[i : i + step] for i in range(0, len(converted), step)]
+                parts = [[AllBlocksCleared(), *(parts[0] if parts else [])], *parts[1:]]
+            else:
+                parts = [converted]
+            for events in parts:
+                payload = encoder.encode(KVEventBatch(ts=batch.ts, events=events))
+                try:
+                    self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                except zmq.ZMQError as exc:
+                    log.warning("node_events_send_failed", error=str(exc))
+                self._kept.append((seq, payload))
+                seq += 1
+                self.sent_batches += 1
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("node_events_bad_replay_request", frames=len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._kept):
+            if seq >= first:
+                self._replay.send_multipart(
+                    (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
+                )
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
