@@ -208,10 +208,12 @@ class VllmEngineProcess:
         start_timeout_s: float = 600.0,
         engine_core_process: bool = True,
         gpu_blocks: int | None = None,
+        kv_events: dict[str, Any] | None = None,
     ) -> None:
         """``gpu_blocks``: the blocks of vLLM's own KV cache (vLLM's
         ``num_gpu_blocks_override``; None: as many as ``kvcache_gib`` holds), so a test can
-        evict a prefix from vLLM's cache by traffic alone."""
+        evict a prefix from vLLM's cache by traffic alone. ``kv_events``: vLLM's
+        ``KVEventsConfig`` as a dict (None: no KV events)."""
         read_fd, write_fd = os.pipe()
         cmd = [
             sys.executable,
@@ -232,6 +234,8 @@ class VllmEngineProcess:
             cmd += ["--kv-transfer", json.dumps(kv_transfer)]
         if gpu_blocks is not None:
             cmd += ["--gpu-blocks", str(gpu_blocks)]
+        if kv_events is not None:
+            cmd += ["--kv-events", json.dumps(kv_events)]
         env = {
             k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "KVOFFLOAD_ENDPOINT")
         }
@@ -408,10 +412,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--gpu-blocks", type=int, default=None)
+    parser.add_argument("--kv-events", default="", help="KVEventsConfig as JSON")
     args = parser.parse_args(argv)
 
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     kv = json.loads(args.kv_transfer) if args.kv_transfer else None
@@ -427,6 +432,7 @@ def main(argv: list[str] | None = None) -> None:
         distributed_executor_backend="mp" if args.tensor_parallel_size > 1 else None,
         kv_transfer_config=KVTransferConfig(**kv) if kv else None,
         num_gpu_blocks_override=args.gpu_blocks,
+        kv_events_config=KVEventsConfig(**json.loads(args.kv_events)) if args.kv_events else None,
     )
     replies = os.fdopen(args.reply_fd, "w", buffering=1)
     replies.write(json.dumps({"ready": True}) + "\n")
