@@ -86,6 +86,8 @@ class EventFeed:
             stream.publish_snapshot(list(split(tiering.event_snapshot())))
         events = tiering.take_events()
         if not events:
+            if stream is not None:
+                stream.hand_over(time.monotonic())
             return
         ring = self._ring
         for event in split(events):

@@ -8,11 +8,11 @@ frame, the first sequence number wanted (8 bytes big-endian), with every kept ba
 manager and have no gaps.
 
 It never blocks the manager: the manager hands each turn's events to a bounded queue
-(``publish``) and a thread of its own encodes and sends them. When the queue is full the batch is
-dropped and counted, and the stream is marked lost: later events are dropped too until the
-manager, once the queue has room, hands over a snapshot (``publish_snapshot``), sent as
-``AllBlocksCleared`` followed by every block the tiers hold: a subscriber that applies the
-batches in order holds the service's index again.
+(``publish``) and a thread of its own encodes and sends them, what waits in the queue together
+in one batch. When the queue is full the batch is dropped and counted, and the stream is marked
+lost: later events are dropped too until the manager, once the queue has room, hands over a
+snapshot (``publish_snapshot``), sent as ``AllBlocksCleared`` followed by every block the tiers
+hold: a subscriber that applies the batches in order holds the service's index again.
 
 A ``tcp://`` endpoint is served with CURVE only: the service's secret key, and the subscriber
 keys of ``service.curve_authorized_dir``.
@@ -43,6 +43,8 @@ log = structlog.get_logger()
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SNAPSHOT_EVENTS_PER_BATCH = 16
 POLL_S = 0.05
+HANDOVER_S = 0.005
+"""How long the manager gathers events before it queues them for the thread."""
 
 
 @dataclass(slots=True)
@@ -50,6 +52,10 @@ class _Batch:
     ts: float
     events: list[TierEvent]
     snapshot: bool = False
+
+
+_STOP = _Batch(0.0, [])
+"""Queued by ``close``: the thread sends what came before it and ends."""
 
 
 class NodeStream:
@@ -75,9 +81,11 @@ class NodeStream:
         except BaseException:
             self._close_sockets()
             raise
-        self._queue: queue.Queue[_Batch | None] = queue.Queue(cfg.queue_batches)
+        self._queue: queue.Queue[_Batch] = queue.Queue(cfg.queue_batches)
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_batches)
         self._lost = False
+        self._outbox: list[TierEvent] = []
+        self._handed_over = 0.0
         self.dropped_batches = 0
         self.snapshots = 0
         self.sent_batches = 0
@@ -115,12 +123,26 @@ class NodeStream:
     # ---- the manager's side ---------------------------------------------------------------
 
     def publish(self, events: list[TierEvent]) -> None:
-        """Queue one turn's events (without the tenants' blocks unless ``tenant_blocks``);
-        never blocks. Dropped while the stream is lost."""
+        """Hand over one turn's events (without the tenants' blocks unless
+        ``tenant_blocks``); they are queued with the next turns' for up to ``HANDOVER_S``.
+        Never blocks. Dropped while the stream is lost."""
         if not self._cfg.tenant_blocks:
             events = [e for e in events if e.tenant == NO_TENANT]
-        if not events or self._lost:
+        if events and not self._lost:
+            self._outbox.extend(events)
+        self.hand_over(time.monotonic())
+
+    def hand_over(self, now: float) -> None:
+        """Queue what ``publish`` gathered once ``HANDOVER_S`` passed since the last time."""
+        if self._outbox and now - self._handed_over >= HANDOVER_S:
+            self._handed_over = now
+            self.flush()
+
+    def flush(self) -> None:
+        """Queue what ``publish`` gathered now."""
+        if not self._outbox:
             return
+        events, self._outbox = self._outbox, []
         try:
             self._queue.put_nowait(_Batch(time.time(), events))
         except queue.Full:
@@ -137,14 +159,16 @@ class NodeStream:
         if not self._cfg.tenant_blocks:
             held = [e for e in held if e.tenant == NO_TENANT]
         self._lost = False
+        self._outbox.clear()
         self.snapshots += 1
         self._queue.put_nowait(_Batch(time.time(), held, snapshot=True))
         log.info("node_events_resent", events=len(held))
 
     def close(self) -> None:
-        """Send what is queued (for up to a second), then close the sockets."""
+        """Send what is gathered and queued (for up to a second), then close the sockets."""
+        self.flush()
         with contextlib.suppress(queue.Full):
-            self._queue.put(None, timeout=1.0)
+            self._queue.put(_STOP, timeout=1.0)
         self._thread.join(timeout=2.0)
         self._close_sockets()
 
@@ -163,15 +187,26 @@ class NodeStream:
         encoder = msgspec.msgpack.Encoder()
         seq = 0
         form = self._cfg.key_form
+        held_back: _Batch | None = None
         while True:
             if self._replay is not None and self._replay.poll(0):
                 self._serve_replay()
-            try:
-                batch = self._queue.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
+            batch = held_back
+            held_back = None
             if batch is None:
+                try:
+                    batch = self._queue.get(timeout=POLL_S)
+                except queue.Empty:
+                    continue
+            if batch is _STOP:
                 return
+            if not batch.snapshot:  # what waited behind it goes in the same send
+                while not self._queue.empty():
+                    follower = self._queue.get_nowait()
+                    if follower is _STOP or follower.snapshot:
+                        held_back = follower
+                        break
+                    batch.events.extend(follower.events)
             converted = vllm_events(batch.events, form)
             if batch.snapshot:
                 step = SNAPSHOT_EVENTS_PER_BATCH

@@ -120,14 +120,27 @@ def _block_ids(keys: list[bytes], form: KeyForm) -> dict[int | None, list[Extern
     return out
 
 
+def _merged(events: Iterable[TierEvent]) -> list[TierEvent]:
+    """``events`` with each run of neighbours of the same tier and change as one event."""
+    out: list[TierEvent] = []
+    for event in events:
+        last = out[-1] if out else None
+        if last is not None and (last.tier, last.removed) == (event.tier, event.removed):
+            last.keys = [*last.keys, *event.keys]  # vLLM's format names no tenant
+        else:
+            out.append(msgspec.structs.replace(event))
+    return out
+
+
 def vllm_events(
     events: Iterable[TierEvent], form: KeyForm = KeyForm.KEY
 ) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
     """Tier events as vLLM's KV events: the pool's blocks under medium ``CPU`` without an
     ``ownership`` (as vLLM's own CPU tier), a secondary tier's under its medium and locality
-    with its name as ``ownership``. A stored block carries no tokens (``block_size`` 0)."""
+    with its name as ``ownership``. A stored block carries no tokens (``block_size`` 0).
+    Neighbouring events of one tier and one change become one."""
     out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
-    for event in events:
+    for event in _merged(events):
         medium = VLLM_MEDIUM[event.medium]
         pool = event.tier == PRIMARY
         locality = None if pool else VLLM_LOCALITY[event.locality]

@@ -267,6 +267,7 @@ def test_a_node_stream_that_drops_batches_resends_everything_after_a_clear(tmp_p
         wait_until(subscribed, what="the subscription")
         for key in keys:  # far faster than the thread sends: the queue of two overflows
             stream.publish([TierEvent("primary", Medium.CPU, Locality.LOCAL, False, [key])])
+            stream.flush()
         assert stream.dropped_batches > 0
         wait_until(stream.wants_snapshot, what="room for the snapshot")
         stream.publish_snapshot([TierEvent("primary", Medium.CPU, Locality.LOCAL, False, keys)])
