@@ -122,7 +122,8 @@ def _curve_keys(args) -> tuple[bytes, bytes, bytes] | None:
 def format_status(status: ManagerStatus) -> str:
     t = status.tiering
     lines = [
-        f"uptime {status.uptime_s:.1f}s  clients {status.clients}  draining {status.draining}",
+        f"uptime {status.uptime_s:.1f}s  clients {status.clients}  draining {status.draining}"
+        + (f"  DEGRADED: {', '.join(status.tiers_down)} down" if status.tiers_down else ""),
         f"pool {status.pool.name}: {t.used_slots}/{t.slots} slots used, "
         f"{t.pinned_slots} pinned, {t.writing_slots} being written, "
         f"{t.unread_promotion_pins} unread promotions",

@@ -32,13 +32,16 @@ Cores = tuple[Annotated[int, Meta(ge=0)], ...]
 class ServiceConfig(_Section, frozen=True):
     """Manager and channels. Empty ``runtime_dir`` means ``$XDG_RUNTIME_DIR/kvoffload`` when set,
     else ``/tmp/kvoffload-<uid>``; empty ``client_endpoint`` means an ipc socket in the runtime
-    dir; a ``tcp://`` endpoint needs both CURVE settings. ``metrics_port`` 0 turns metrics off."""
+    dir; a ``tcp://`` endpoint needs both CURVE settings. ``metrics_port`` 0 turns metrics off
+    (and the health endpoints served with them); ``metrics_host`` is the address they listen on
+    (``0.0.0.0``: every interface)."""
 
     runtime_dir: str = ""
     client_endpoint: str = ""
     curve_server_secret_file: str = ""
     curve_authorized_dir: str = ""
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    metrics_host: Annotated[str, Meta(min_length=1)] = "127.0.0.1"
     log_level: str = "info"
     heartbeat_interval_s: PositiveSeconds = 0.5
     heartbeat_timeout_s: PositiveSeconds = 5.0

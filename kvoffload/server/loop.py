@@ -8,7 +8,6 @@ manager assigns job ids (the tiering library's counter) and never maps the pool'
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -33,7 +32,6 @@ HOUSEKEEPING_PERIOD_S = 0.02
 class ManagerServer:
     def __init__(self, spec: RunSpec, cfg: Config) -> None:
         self.state = ManagerState(spec, cfg)
-        self._supervisor_pid = os.getppid()
         handles = KVHandles(self.state)
         self.workers = WorkerChannel(self.state, handles)
         self.api = ClientApi(self.state, handles, self.workers)
@@ -103,9 +101,9 @@ class ManagerServer:
                 log.exception("message_handling_crashed", channel=channel)
 
     def _housekeeping(self, now: float) -> None:
-        if not self.state.draining and os.getppid() != self._supervisor_pid:
+        if not self.state.draining and not self.state.supervisor_alive():
             # re-parented: no one would restart this manager or clean up after it
-            log.warning("supervisor_gone", supervisor_pid=self._supervisor_pid)
+            log.warning("supervisor_gone", supervisor_pid=self.state.supervisor_pid)
             self.state.draining = True
         self.workers.kill_silent_workers(now)
         self.api.housekeeping(now)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -29,12 +29,13 @@ from prometheus_client import (
     Histogram,
     ProcessCollector,
     disable_created_metrics,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvoffload.runtime.runspec import FatalStartError
+from kvoffload.server.health import Health, serve_http
 from kvoffload.tiering.types import CascadeDrop
 from kvoffload.wire import protocol as p
 from kvoffload.wire.status import (
@@ -235,6 +236,10 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(PREFIX + name, doc, value=value)
 
 
+def _alive() -> bool:
+    return True
+
+
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(PREFIX + name, doc, value=value)
 
@@ -243,6 +248,11 @@ def _manager_families(status: ManagerStatus) -> Iterator[Metric]:
     tiering = status.tiering
     yield _gauge("uptime_seconds", "Seconds since the manager started.", status.uptime_s)
     yield _gauge("draining", "1 while the manager drains for shutdown.", int(status.draining))
+    yield _gauge(
+        "degraded",
+        "1 while a configured tier is not serving (its worker down or its index incomplete).",
+        int(bool(status.tiers_down)),
+    )
     yield _gauge("pool_block_bytes", "Bytes of one host pool slot.", status.pool.block_bytes)
     levels = _pool_levels(tiering)
     for name, doc in POOL_GAUGES.items():
@@ -453,13 +463,17 @@ def _label(value: Any) -> str:
 
 
 class MetricsEndpoint:
-    """The manager's metrics and their HTTP endpoint (``/metrics`` on 127.0.0.1:``port``)."""
+    """The manager's metrics and their HTTP endpoint (``/metrics`` on ``host``:``port``), with
+    ``/healthz`` and ``/readyz`` beside them (``server.health``)."""
 
-    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, port: int, host: str = "127.0.0.1", supervisor_alive: Callable[[], bool] = _alive
+    ) -> None:
         disable_created_metrics()  # no ``_created`` series: the manager's uptime says it
         self._registry = CollectorRegistry()
         self._collector = ManagerCollector()
         self._registry.register(self._collector)
+        self.health = Health(supervisor_alive)
         ProcessCollector(registry=self._registry)
         self._calls = Histogram(
             PREFIX + "client_call_duration_seconds",
@@ -491,7 +505,7 @@ class MetricsEndpoint:
         self._dispatched: dict[int, tuple[str, str, float]] = {}
         self._worker_pids: dict[str, int] = {}
         try:
-            self._server, _ = start_http_server(port, addr=host, registry=self._registry)
+            self._server = serve_http(host, port, make_wsgi_app(self._registry), self.health)
         except OSError as exc:
             raise FatalStartError(
                 f"service.metrics_port = {port}: cannot listen on {host}:{port}: "
@@ -505,6 +519,7 @@ class MetricsEndpoint:
     def publish(self, status: ManagerStatus) -> None:
         """The manager's current status (``ManagerState.status``)."""
         self._collector.publish(status)
+        self.health.publish(status)
 
     def client_call(self, msg: Any, seconds: float) -> None:
         """One client request handled in ``seconds``."""

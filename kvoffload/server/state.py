@@ -143,9 +143,18 @@ class ManagerState:
         self.waiting_lookups: dict[bytes, WaitingLookup] = {}
         self.draining = False
         self.started_at = time.monotonic()
-        self.metrics = MetricsEndpoint(svc.metrics_port) if svc.metrics_port else None
+        self.supervisor_pid = os.getppid()
+        self.metrics = (
+            MetricsEndpoint(svc.metrics_port, svc.metrics_host, self.supervisor_alive)
+            if svc.metrics_port
+            else None
+        )
         self.node_stream = NodeStream(cfg.events, svc) if cfg.events.endpoint else None
         self.events = EventFeed(self.tiering, cfg.events.feed_keys, self.node_stream)
+
+    def supervisor_alive(self) -> bool:
+        """The supervisor that started this manager is still its parent."""
+        return os.getppid() == self.supervisor_pid
 
     def idle(self) -> bool:
         """No device job and no tier job in flight."""
@@ -264,5 +273,6 @@ class ManagerState:
             worker_restarts_seen=self.registry.restarts_seen,
             clients=len(self.sessions),
             warm_restart=self.warm.snapshot() if self.warm is not None else None,
+            tiers_down=[t.name for t in self.tiering.tiers if not t.online],
             client_handshakes_refused=self.auth.counts() if self.auth is not None else {},
         )

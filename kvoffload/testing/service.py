@@ -248,13 +248,16 @@ class ServiceHarness:
 
     # ---- start and watch ------------------------------------------------------------------
 
-    def start(self, ready_timeout_s: float = 60.0) -> ServiceHarness:
-        """Start the service; return once every worker's index is in."""
+    def start(
+        self, ready_timeout_s: float = 60.0, wait_for: tuple[str, ...] | None = None
+    ) -> ServiceHarness:
+        """Start the service; return once the index of every worker (of ``wait_for``, when
+        given) is in."""
         if self.launch == Launch.SERVE:
             self._start_serve(ready_timeout_s)
         else:
             self._start_in_process()
-        self.wait_workers(self.worker_names, timeout_s=ready_timeout_s)
+        self.wait_workers(wait_for or self.worker_names, timeout_s=ready_timeout_s)
         self._note_children()
         return self
 

@@ -255,6 +255,9 @@ class ManagerStatus(_Status):
     worker_restarts_seen: int
     clients: int
     warm_restart: WarmRestartStatus | None
+    tiers_down: list[str] = []
+    """Configured tiers not serving now (worker down, or its index not yet complete): the
+    service is degraded while any is."""
     client_handshakes_refused: dict[str, int] = {}
     """Client connections the CURVE gate of a tcp:// endpoint refused, by reason (empty on
     an ipc:// endpoint; ``kvoffload.server.handshakes``)."""
