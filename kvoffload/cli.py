@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -49,6 +50,29 @@ def cmd_serve(args) -> int:
     if supervisor.failure is not None:
         print(f"kvoffload: stopped: {supervisor.failure}", file=sys.stderr)
     return code
+
+
+def cmd_config_check(args) -> int:
+    """Every check ``serve`` makes before it creates anything; the same refusal line."""
+    from kvoffload.config import resolve_runtime_dir
+    from kvoffload.runtime.preflight import StartRefused, check_startup
+
+    cfg = _load(args)
+    try:
+        check_startup(cfg, resolve_runtime_dir(cfg))
+    except StartRefused as exc:
+        print(f"kvoffload: cannot start: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    print(f"kvoffload: configuration ok ({args.config or 'embedded defaults'})")
+    return 0
+
+
+def cmd_config_show(args) -> int:
+    """The effective configuration (defaults, the file, the environment), secrets masked."""
+    from kvoffload.config.toml import to_toml
+
+    print(to_toml(_load(args).to_toml_dict(redact_secrets=True)), end="")
+    return 0
 
 
 def _service_client(args, name: str) -> tuple[str, KVOffloadClient]:
@@ -117,6 +141,19 @@ def _curve_keys(args) -> tuple[bytes, bytes, bytes] | None:
     if secret is None:
         raise SystemExit(f"kvoffload: {args.curve_secret} holds no secret key")
     return public, secret, server
+
+
+def cmd_keys_generate(args) -> int:
+    from kvoffload.runtime.curvekeys import KeysExist, generate
+
+    try:
+        files = generate(Path(args.dir), args.client)
+    except KeysExist as exc:
+        print(f"kvoffload: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote CURVE keys under {Path(args.dir).resolve()} (mode 0600); use them with:\n")
+    print(files.settings(args.endpoint), end="")
+    return 0
 
 
 def format_status(status: ManagerStatus) -> str:
@@ -256,6 +293,31 @@ def build_parser() -> argparse.ArgumentParser:
     drop.add_argument("--curve-secret", help="this client's CURVE secret key file")
     drop.add_argument("--curve-server-key", help="the service's CURVE public key file")
     drop.set_defaults(func=cmd_tenant_drop)
+
+    config = sub.add_parser("config", help="check or show the configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser(
+        "check", help="run serve's start-up checks without starting (exit 2: refused)"
+    )
+    check.add_argument("--config", help="TOML config file (defaults are embedded)")
+    check.set_defaults(func=cmd_config_check)
+    show_cmd = config_sub.add_parser(
+        "show", help="print the effective configuration (file + environment), secrets masked"
+    )
+    show_cmd.add_argument("--config", help="TOML config file (defaults are embedded)")
+    show_cmd.set_defaults(func=cmd_config_show)
+
+    keys = sub.add_parser("keys", help="CURVE keys for a tcp:// client endpoint")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    generate = keys_sub.add_parser(
+        "generate", help="write a server key pair and a client key pair, and print the settings"
+    )
+    generate.add_argument("dir", help="directory for the keys (made with mode 0700)")
+    generate.add_argument("--client", default="client", help="the client key's name")
+    generate.add_argument(
+        "--endpoint", default="tcp://*:5555", help="the endpoint the printed settings name"
+    )
+    generate.set_defaults(func=cmd_keys_generate)
 
     demo = sub.add_parser(
         "demo",

@@ -91,7 +91,7 @@ def test_env_overrides_file_with_type_parsing(tmp_path: Path) -> None:
         "KVOFFLOAD_SERVICE__RUNTIME_DIR": "/run/kv",
         "KVOFFLOAD_POOL__LAYOUT_ID": "1234",
         "kvoffload_object__prefix": '"quoted"',
-        "KVOFFLOAD_CONFIG": "ignored: no section separator",
+        "KVOFFLOAD_ENDPOINT": "left to the client",
     }
     cfg = load_config(path, env=env)
     assert cfg.pool.num_slots == 128
@@ -299,3 +299,13 @@ def test_resolve_runtime_dir() -> None:
     assert resolve_runtime_dir(defaults, env={}) == Path(f"/tmp/kvoffload-{os.getuid()}")
     cfg = load_config(env={"KVOFFLOAD_SERVICE__RUNTIME_DIR": "/srv/kv"})
     assert resolve_runtime_dir(cfg, env=xdg) == Path("/srv/kv")
+
+
+def test_a_mistyped_override_is_refused_naming_the_setting_meant(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, env={"KVOFFLOAD_POOL_NUM_SLOTS": "128"})
+    assert "did you mean KVOFFLOAD_POOL__NUM_SLOTS?" in str(refused.value)
+    assert "KVOFFLOAD_POOL_NUM_SLOTS" in str(refused.value)
+    with pytest.raises(ConfigError) as unknown:
+        load_config(None, env={"KVOFFLOAD_CONFIG": "kvoffload.toml"})
+    assert "not a setting" in str(unknown.value)

@@ -5,7 +5,8 @@ Every key has a default, so no file is needed. An override variable is named
 ``[tenants]`` entries: ``KVOFFLOAD_TENANTS__<NAME>__<KEY>``, see ``kvoffload.config.tenants``);
 its value is read as a TOML value (``8``, ``true``, ``[0, 1]``, ``"text"``), falling back to the
 raw text. For string keys the raw text is used unless it is a quoted TOML string. ``[[engines]]``
-can only be set in the file. Empty ``object.access_key_id`` / ``object.secret_access_key`` are
+can only be set in the file. Any other ``KVOFFLOAD_*`` variable is refused, naming the closest
+setting, unless it is one of ``OTHER_VARIABLES``. Empty ``object.access_key_id`` / ``object.secret_access_key`` are
 taken from ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``.
 
 Every error is a ``ConfigError`` naming the key and where its value came from.
@@ -13,6 +14,7 @@ Every error is a ``ConfigError`` naming the key and where its value came from.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tomllib
@@ -28,6 +30,14 @@ from kvoffload.config.sections import SECTIONS, Config
 from kvoffload.memory.blockformat import disk_record_bytes
 
 ENV_PREFIX = "KVOFFLOAD_"
+OTHER_VARIABLES = frozenset(
+    {
+        "KVOFFLOAD_ENDPOINT",  # a client's endpoint (runtime.discovery)
+        "KVOFFLOAD_FATAL_REASON_FILE",  # set by the supervisor for its children
+        "KVOFFLOAD_VLLM033_DIR",  # the test suite's copy of vLLM 0.33's files
+    }
+)
+"""``KVOFFLOAD_*`` variables that are not settings and are left to whoever reads them."""
 DEFAULTS_SOURCE = "defaults"
 
 
@@ -107,11 +117,13 @@ def _parse_env_value(raw: str, field_type: Any) -> Any:
 
 
 def _apply_env(data: dict[str, Any], sources: dict[str, str], env: Mapping[str, str]) -> None:
-    """Apply ``KVOFFLOAD_<SECTION>__<KEY>`` overrides to ``data`` in place. Variables with the
-    prefix but without ``__`` belong to other components and are ignored."""
+    """Apply ``KVOFFLOAD_<SECTION>__<KEY>`` overrides to ``data`` in place; a variable with
+    the prefix that is neither a setting's nor in ``OTHER_VARIABLES`` is refused."""
     for var in sorted(env):
-        if not var.upper().startswith(ENV_PREFIX) or "__" not in var:
+        if not var.upper().startswith(ENV_PREFIX) or var.upper() in OTHER_VARIABLES:
             continue
+        if "__" not in var:
+            raise ConfigError(f"not a setting; {_closest(var)}", var.lower(), var)
         section, _, key = var[len(ENV_PREFIX) :].lower().partition("__")
         dotted = f"{section}.{key}"
         if section == "engines":
@@ -131,6 +143,19 @@ def _apply_env(data: dict[str, Any], sources: dict[str, str], env: Mapping[str, 
             raise ConfigError("is not a table in the config file", section, sources.get(section))
         table[key] = _parse_env_value(env[var], fields[key].type)
         sources[dotted] = var
+
+
+def _closest(var: str) -> str:
+    """Names the setting variable nearest to ``var`` (a mistyped one)."""
+    known = [
+        f"{ENV_PREFIX}{section.upper()}__{f.name.upper()}"
+        for section, cls in SECTIONS.items()
+        for f in msgspec.structs.fields(cls)
+    ]
+    near = difflib.get_close_matches(var.upper(), [*known, *OTHER_VARIABLES], n=1, cutoff=0.6)
+    if near:
+        return f"did you mean {near[0]}?"
+    return f"settings are {ENV_PREFIX}<SECTION>__<KEY> (double underscore)"
 
 
 def _key_from_error_path(path: str) -> str:

@@ -159,7 +159,9 @@ def check_disk_root(cfg: Config, runtime_dir: Path) -> None:
 def check_ports(cfg: Config) -> None:
     svc = cfg.service
     if svc.metrics_port:
-        _check_port("service.metrics_port", svc.metrics_port, "127.0.0.1", svc.metrics_port, "port")
+        _check_port(
+            "service.metrics_port", svc.metrics_port, svc.metrics_host, svc.metrics_port, "port"
+        )
     endpoint = svc.client_endpoint
     if endpoint.startswith("tcp://"):
         host, _, port = endpoint.removeprefix("tcp://").rpartition(":")

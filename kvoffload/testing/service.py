@@ -49,6 +49,7 @@ import structlog
 
 from kvoffload.client import KVOffloadClient, KVOffloadError
 from kvoffload.config import Config, load_config
+from kvoffload.config.toml import to_toml as to_toml
 from kvoffload.memory.blockformat import disk_record_bytes
 from kvoffload.memory.pool import HostPool
 from kvoffload.runtime.rundir import live_runs
@@ -104,32 +105,6 @@ def merge_sections(base: dict[str, Any], extra: dict[str, Any] | None) -> dict[s
         else:
             merged.setdefault(name, {}).update(table)
     return merged
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"no TOML form for {type(value).__name__}")
-
-
-def to_toml(sections: dict[str, Any]) -> str:
-    """TOML text of flat tables (scalars, arrays and inline tables as values); a section whose
-    value is a list of tables becomes an array of tables (``[[engines]]``)."""
-    lines: list[str] = []
-    for name, table in sections.items():
-        for entry in table if isinstance(table, list) else [table]:
-            lines.append(f"[[{name}]]" if isinstance(table, list) else f"[{name}]")
-            lines.extend(f"{key} = {_toml_value(value)}" for key, value in entry.items())
-            lines.append("")
-    return "\n".join(lines)
 
 
 @dataclass
