@@ -149,10 +149,13 @@ class EventsConfig(_Section, frozen=True):
 
 
 class EngineConfig(_Section, frozen=True):
-    """One inference worker the supervisor starts: argv and extra environment."""
+    """One inference worker the supervisor starts: argv and extra environment. ``restart``:
+    started again, with the supervisor's backoff, after it exits with a non-zero status (off:
+    an engine that exits stays down)."""
 
     command: tuple[str, ...]
     env: dict[str, str] = {}
+    restart: bool = False
 
 
 class Config(_Section, frozen=True):

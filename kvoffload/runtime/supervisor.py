@@ -80,6 +80,8 @@ class Child:
     fatal_starts: int = 0
     """Start failures in a row that a restart cannot fix."""
     reason_file: Path | None = None
+    engine: bool = False
+    """An ``[[engines]]`` entry: its exit codes are its own (only a clean exit ends it)."""
     """Where the child writes why it cannot start (``EXIT_FATAL``)."""
     spawn_error: str = ""
     """Why the last attempt to run its program failed ("" when it ran)."""
@@ -212,7 +214,9 @@ class Supervisor:
             )
         for i, engine in enumerate(cfg.engines):
             env = {**engine.env, "KVOFFLOAD_ENDPOINT": client_endpoint}
-            self._add(Child(f"engine{i}", list(engine.command), False, env=env))
+            self._add(
+                Child(f"engine{i}", list(engine.command), engine.restart, env=env, engine=True)
+            )
 
     def _add(self, child: Child) -> None:
         self.children[child.name] = child
@@ -289,10 +293,11 @@ class Supervisor:
             self._log_exit(child, code)
             if child.name == "manager":
                 self._fence_workers()
-            if not child.restart or code == EXIT_REFUSED:
+            if not child.restart or code == (0 if child.engine else EXIT_REFUSED):
                 child.proc = None
                 continue
-            child.fatal_starts = child.fatal_starts + 1 if code == EXIT_FATAL else 0
+            fatal = code == EXIT_FATAL and not child.engine
+            child.fatal_starts = child.fatal_starts + 1 if fatal else 0
             if self._give_up(child):
                 return
             self._schedule_restart(child, now)
@@ -365,7 +370,9 @@ class Supervisor:
         fields = {"child": child.name, "child_pid": child.pid, "exit_code": code}
         if code < 0:
             fields["signal"] = signal.Signals(-code).name
-        if child.restart and code == EXIT_REFUSED:
+        if child.engine:
+            (log.info if code == 0 else log.warning)("child_exited", **fields)
+        elif child.restart and code == EXIT_REFUSED:
             log.error("child_refused_to_start", **fields)
         elif child.restart and code == EXIT_FATAL:
             log.error("child_cannot_start", reason=self._fatal_reason(child), **fields)

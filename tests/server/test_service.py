@@ -17,7 +17,7 @@ from kvoffload.client import KVOffloadError
 from kvoffload.memory.cuda_host import cuda_device_count
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.runtime.rundir import cleanup_stale
-from kvoffload.testing.helpers import free_port, keys_for, random_kv_cache
+from kvoffload.testing.helpers import free_port, keys_for, random_kv_cache, wait_until
 from kvoffload.testing.metrics import sample_value, scrape_metrics
 from kvoffload.tiering import LookupResult
 from kvoffload.wire import protocol as p
@@ -385,3 +385,28 @@ def test_manager_and_workers_shut_down_when_their_supervisor_dies(start_service,
     gone = {e["proc"] for e in service.log_events() if e.get("event") == "supervisor_gone"}
     assert gone >= ({"cpu", "disk"} if manager_dies_too else {"manager"}), gone
     cleanup_stale(service.runtime_dir)  # what the next `kvoffload serve` there does first
+
+
+def test_an_engine_with_restart_is_started_again_after_it_fails_and_one_without_is_not(
+    start_service,
+):
+    failing = f'command = ["{sys.executable}", "-c", "import sys; sys.exit(1)"]'
+    service = start_service(
+        extra_config=(
+            "restart_backoff_initial_s = 0.2\nrestart_backoff_max_s = 0.4\n"
+            f"[[engines]]\n{failing}\nrestart = true\n[[engines]]\n{failing}\n"
+        )
+    )
+
+    def starts(name: str) -> int:
+        return sum(
+            1
+            for e in service.log_events()
+            if e.get("event") == "child_started" and e.get("child") == name
+        )
+
+    wait_until(lambda: starts("engine0") >= 3, what="engine0 started again", timeout_s=30)
+    assert starts("engine1") == 1
+    exits = [e for e in service.log_events() if e.get("event") == "child_exited"]
+    assert {e["child"] for e in exits} == {"engine0", "engine1"}
+    assert all(e["exit_code"] == 1 for e in exits)
