@@ -19,6 +19,7 @@ import os
 import re
 import tomllib
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -145,6 +146,17 @@ def _apply_env(data: dict[str, Any], sources: dict[str, str], env: Mapping[str, 
         sources[dotted] = var
 
 
+def _is_http_url(text: str) -> bool:
+    """``http(s)://host[:port][/path]`` with nothing a URL cannot hold."""
+    try:
+        url = urllib.parse.urlsplit(text)
+        url.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        return False
+    printable = text.isprintable() and not any(c.isspace() for c in text)
+    return url.scheme in ("http", "https") and bool(url.hostname) and printable
+
+
 def _closest(var: str) -> str:
     """Names the setting variable nearest to ``var`` (a mistyped one)."""
     known = [
@@ -266,6 +278,8 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
     if obj.enabled:
         if not obj.endpoint:
             fail("object.endpoint", "must be set when object.enabled is true")
+        if not _is_http_url(obj.endpoint):
+            fail("object.endpoint", f"must be an http:// or https:// URL, got {obj.endpoint!r}")
         if not obj.bucket:
             fail("object.bucket", "must be set when object.enabled is true")
     if obj.breaker_max_cooldown_s < obj.breaker_cooldown_s:

@@ -1,16 +1,19 @@
 """Health and readiness of a real service (``kvoffload serve``): ``/healthz`` and ``/readyz``
 beside ``/metrics`` on ``service.metrics_host``; a configured tier whose worker never comes up
 (an object store nobody listens on) makes the service degraded: ``/readyz`` says 503 with the
-reason, ``kvoffload status`` and the ``kvoffload_degraded`` metric say so."""
+reason, ``kvoffload status`` and the ``kvoffload_degraded`` metric say so; an S3 server that
+comes up 20 s after the service (its bucket made after that) is joined without a restart."""
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 
 from kvoffload.cli import main
-from kvoffload.testing.helpers import free_port, wait_until
+from kvoffload.testing.helpers import free_port, keys_for, skip_without_extra, wait_until
 from kvoffload.testing.metrics import sample_value, scrape_metrics
+from kvoffload.testing.s3server import S3Server, object_section
 from kvoffload.testing.service import serve_harness, to_toml
 
 
@@ -67,3 +70,46 @@ def test_a_tier_that_never_comes_up_makes_the_service_degraded_and_not_ready(tmp
     finally:
         leftovers = service.stop()
     assert leftovers.clean, leftovers
+
+
+def test_an_object_tier_whose_s3_comes_up_late_joins_without_a_restart(tmp_path):
+    skip_without_extra("object")
+    s3 = S3Server(tmp_path / "s3")  # not started yet
+    port = free_port()
+    service = serve_harness(
+        tmp_path / "service",
+        service_options=f"metrics_port = {port}",
+        extra_config=(
+            "restart_backoff_initial_s = 0.2\nrestart_backoff_max_s = 1.0\n"
+            + to_toml({"object": object_section(s3, "late", "kv")})
+        ),
+    )
+    started = time.monotonic()
+    try:
+        service.start(wait_for=("cpu",))
+        wait_until(
+            lambda: "tier object: down" in probe(port, "/readyz")[1], what="the tier to be down"
+        )
+        time.sleep(max(0.0, 20.0 - (time.monotonic() - started)))
+        s3.start()  # reachable now, but the bucket is still missing
+        s3.create_bucket("late")
+        assert wait_until(lambda: probe(port, "/readyz") == (200, "ok\n"), timeout_s=60)
+        manager = service.status().pid
+        keys = keys_for("late", 4)
+        with service.client("engine") as client:
+            client.new_request("late")
+            client.complete_store("late", client.prepare_store("late", keys).keys)
+            client.finish_request("late")
+            wait_until(
+                lambda: client.status().tiering.per_tier["object"].cascaded_keys_ok == 4,
+                what="the blocks' cascade to the bucket",
+            )
+        assert service.status().pid == manager  # joined with no restart of the service
+    finally:
+        leftovers = service.stop()
+        s3.stop()
+    assert leftovers.clean, leftovers
+    tries = [e for e in service.log_events() if e.get("event") == "object_store_unavailable"]
+    assert len(tries) == 1 and "cannot reach" in tries[0]["error"]  # at most once a minute
+    ready = [e for e in service.log_events() if e.get("event") == "object_store_ready"]
+    assert len(ready) == 1 and ready[0]["attempts"] > 2

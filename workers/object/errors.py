@@ -20,6 +20,11 @@ class ObjectStoreConfigError(ObjectStoreError):
     """Endpoint, credentials or bucket are wrong; the message says which."""
 
 
+class StoreNotReady(ObjectStoreConfigError):
+    """The start-up check failed for a reason the world may fix (the endpoint unreachable, the
+    bucket missing, the credentials refused): worth trying again."""
+
+
 class TransientObjectError(ObjectStoreError):
     """Timeout, 5xx, throttling or connection failure that persisted through bounded retries."""
 

@@ -46,9 +46,9 @@ from kvoffload.wire.tenant_ids import NO_TENANT
 from workers.object.breaker import CircuitBreaker
 from workers.object.classify import UNREACHABLE, ErrorKind, Failure, classify
 from workers.object.errors import (
-    ObjectStoreConfigError,
     ObjectStoreError,
     ReleaseFailed,
+    StoreNotReady,
     TransientObjectError,
 )
 from workers.object.naming import namespace, normalize_prefix, object_name, tenant_namespace
@@ -178,7 +178,7 @@ class S3BlockStore:
     def check(self) -> None:
         """Verify at startup that the endpoint answers, the credentials work and the bucket exists.
 
-        One LIST request, no retries, no breaker; raises ObjectStoreConfigError naming the problem.
+        One LIST request, no retries, no breaker; raises StoreNotReady naming the problem.
         """
         self._ensure_open()
         try:
@@ -186,21 +186,17 @@ class S3BlockStore:
         except _CLIENT_ERRORS as exc:
             raise self._config_error(classify(exc)) from exc
 
-    def _config_error(self, failure: Failure) -> ObjectStoreConfigError:
+    def _config_error(self, failure: Failure) -> StoreNotReady:
         if failure.kind == ErrorKind.NO_BUCKET:
-            return ObjectStoreConfigError(
-                f"bucket {self.bucket!r} does not exist at {self.endpoint}"
-            )
+            return StoreNotReady(f"bucket {self.bucket!r} does not exist at {self.endpoint}")
         if failure.kind == ErrorKind.AUTH:
-            return ObjectStoreConfigError(
+            return StoreNotReady(
                 f"{self.endpoint} rejected the credentials (access key id {self._access_key_id!r}) "
                 f"for bucket {self.bucket!r}: {failure.code or failure.status}"
             )
         if failure.kind in (ErrorKind.CONNECTION, ErrorKind.SERVER, ErrorKind.THROTTLED):
-            return ObjectStoreConfigError(
-                f"cannot reach the S3 endpoint {self.endpoint}: {failure.detail}"
-            )
-        return ObjectStoreConfigError(
+            return StoreNotReady(f"cannot reach the S3 endpoint {self.endpoint}: {failure.detail}")
+        return StoreNotReady(
             f"S3 endpoint {self.endpoint} refused bucket {self.bucket!r}: {failure.detail}"
         )
 

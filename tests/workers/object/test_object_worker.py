@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import msgspec
 import numpy as np
@@ -27,7 +29,7 @@ from kvoffload.memory.blockformat import HEADER_SIZE, deployment_fingerprint  # 
 from kvoffload.memory.kvcache import SharedKVCache  # noqa: E402
 from kvoffload.memory.pool import HostPool  # noqa: E402
 from kvoffload.memory.slottable import SlotTable  # noqa: E402
-from kvoffload.runtime.runspec import EXIT_REFUSED, RunSpec  # noqa: E402
+from kvoffload.runtime.runspec import RunSpec  # noqa: E402
 from kvoffload.testing.helpers import REPO_ROOT, random_kv_cache, wait_until  # noqa: E402
 from kvoffload.testing.s3server import S3Server, object_section  # noqa: E402
 from kvoffload.testing.service import shm_names_containing, to_toml  # noqa: E402
@@ -380,17 +382,60 @@ def run_object_worker(
         ({"bucket": "kvo-no-such-bucket"}, "does not exist"),
     ],
 )
-def test_worker_exits_2_when_the_store_is_unusable(
+def test_a_worker_whose_store_is_not_ready_tries_again_until_it_is_stopped(
     tmp_path, s3_server: S3Server, bucket: str, change, expected
 ) -> None:
     cfg = make_config(s3_server, bucket, "kv/startup")
-    cfg = msgspec.structs.replace(cfg, object=msgspec.structs.replace(cfg.object, **change))
-    proc, events = run_object_worker(tmp_path, cfg)
-    assert proc.returncode == EXIT_REFUSED, proc.stderr
-    unusable = [e for e in events if e["event"] == "object_store_unusable"]
-    assert len(unusable) == 1 and expected in unusable[0]["error"], proc.stderr
-    assert unusable[0]["level"] == "error" and unusable[0]["proc"] == "object"
-    assert not [e for e in events if e["event"] in ("worker_started", "pool_attach_failed")]
+    cfg = msgspec.structs.replace(
+        cfg,
+        object=msgspec.structs.replace(cfg.object, **change),
+        supervisor=msgspec.structs.replace(
+            cfg.supervisor, restart_backoff_initial_s=0.05, restart_backoff_max_s=0.1
+        ),
+    )
+    log_path = tmp_path / "worker.log"
+    with log_path.open("w") as log_file:
+        proc = start_object_worker(tmp_path, cfg, log_file)
+        try:
+
+            def unavailable() -> list[dict]:
+                return [e for e in log_events(log_path) if e["event"] == "object_store_unavailable"]
+
+            wait_until(unavailable, what="the store's first failed check")
+            time.sleep(1.0)  # about ten more checks, none of them logged
+            assert proc.poll() is None  # still trying
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=10)
+    events = log_events(log_path)
+    logged = [e for e in events if e["event"] == "object_store_unavailable"]
+    assert code == 0
+    assert len(logged) == 1 and expected in logged[0]["error"] and logged[0]["level"] == "warning"
+    assert not [e for e in events if e["event"] in ("object_store_ready", "worker_started")]
+
+
+def start_object_worker(tmp_path: Path, cfg: Config, log_file: IO[str]) -> subprocess.Popen:
+    spec = RunSpec(
+        run_id="objtest",
+        job_endpoint=f"ipc://{tmp_path}/no-manager.sock",
+        client_endpoint=f"ipc://{tmp_path}/no-client.sock",
+        pool_name=f"/kvoffload-test-absent-{uuid.uuid4().hex[:8]}",
+        config=cfg.to_toml_dict(redact_secrets=False),
+    )
+    path = tmp_path / "runspec.json"
+    path.write_bytes(msgspec.json.encode(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "workers.object", "--spec", str(path), "--hello-timeout", "2"],
+        cwd=REPO_ROOT,
+        env=env,
+        stderr=log_file,
+        text=True,
+    )
+
+
+def log_events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
 
 
 def test_worker_with_a_usable_store_goes_on_to_the_manager(
