@@ -241,3 +241,62 @@ def test_the_source_tree_check_sees_a_missing_module_and_an_unnamed_package() ->
     planted = source_tree(ARCHITECTURE.read_text().replace("  wire/ ", "  wires/", 1))
     assert "kvoffload/wires/protocol.py" in named_but_missing(planted)
     assert "kvoffload/wire/" in left_unnamed(planted)
+
+
+OPERATIONS = REPO / "docs" / "operations.md"
+
+
+def cli_flags() -> dict[str, list[str]]:
+    """``kvoffload <command ...>`` -> its flags (without ``--help``), from the CLI's parser."""
+    import argparse
+
+    from kvoffload.cli import build_parser
+
+    out: dict[str, list[str]] = {}
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        subcommands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        for action in subcommands:
+            for name, sub in action.choices.items():
+                walk(sub, f"{path} {name}")
+        if not subcommands:
+            out[path] = [
+                max(a.option_strings, key=len)
+                for a in parser._actions
+                if a.option_strings and "--help" not in a.option_strings
+            ]
+
+    walk(build_parser(), "kvoffload")
+    return out
+
+
+def command_rows(text: str) -> list[str]:
+    section = text.split("## Commands", 1)[1].split("\n## ", 1)[0]
+    return [line for line in section.splitlines() if line.startswith("| `kvoffload ")]
+
+
+def undocumented_flags(flags: dict[str, list[str]], text: str) -> list[str]:
+    """``command flag`` for each flag that no row of the command table naming the command
+    mentions (and each command no row names)."""
+    rows = command_rows(text)
+    missing = []
+    for command, names in flags.items():
+        mine = [r for r in rows if f"`{command}" in r.split("|")[1]]
+        if not mine:
+            missing.append(command)
+        missing.extend(f"{command} {n}" for n in names if not any(n in r for r in mine))
+    return missing
+
+
+def test_every_cli_flag_is_in_the_command_table() -> None:
+    flags = cli_flags()
+    assert "--curve-server-key" in flags["kvoffload status"]
+    assert undocumented_flags(flags, OPERATIONS.read_text()) == []
+
+
+def test_the_flag_check_sees_a_planted_flag_and_command() -> None:
+    planted = {**cli_flags(), "kvoffload status": ["--planted"], "kvoffload planted": []}
+    assert undocumented_flags(planted, OPERATIONS.read_text()) == [
+        "kvoffload status --planted",
+        "kvoffload planted",
+    ]

@@ -11,6 +11,8 @@ import signal
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.testing.helpers import REPO_ROOT, free_port, keys_for
 from kvoffload.testing.metrics import sample_value, scrape_metrics
+from kvoffload.testing.s3server import object_section
+from kvoffload.testing.service import to_toml
 from tests.server.test_service import BLOCK, store_and_wait
 
 DASHBOARD = REPO_ROOT / "dashboards" / "kvoffload.json"
@@ -92,3 +94,57 @@ def test_grafana_dashboard_queries_only_exported_metrics(start_service):
         referenced |= names
     assert sorted(referenced - exported_names(families)) == []
     assert service.status().workers["disk"].alive
+
+
+OPERATIONS = REPO_ROOT / "docs" / "operations.md"
+
+
+def documented_families(text: str) -> list[re.Pattern[str]]:
+    """The metric families the metrics table of operations.md names, as patterns: each code
+    span of its first column (``_total`` dropped, ``<stat>`` and ``*`` standing for a name)."""
+    section = text.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    patterns = []
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        for name in re.findall(r"`([^`]+)`", line.split("|")[1]):
+            name = name.removesuffix("_total")
+            regex = re.escape(name).replace(re.escape("<stat>"), r"\w+").replace(r"\*", r"\w*")
+            patterns.append(re.compile(regex + r"(_total)?"))
+    return patterns
+
+
+def undocumented(families: set[str], text: str) -> list[str]:
+    patterns = documented_families(text)
+    return sorted(f for f in families if not any(p.fullmatch(f) for p in patterns))
+
+
+def test_every_exported_metric_is_in_the_operations_guide(start_service, s3_server) -> None:
+    port = free_port()
+    s3_server.create_bucket("metrics-doc")
+    service = start_service(
+        workers=("cpu", "disk"),
+        service_options=f"metrics_port = {port}",
+        extra_config=to_toml(
+            {
+                "object": object_section(s3_server, "metrics-doc", "kv"),
+                "tenants": {"alice": {"pool_slots_share": 4}},
+            }
+        ),
+    )
+    with service.client("engine") as client:
+        client.new_request("r", tenant="alice")
+        keys = keys_for("metrics-doc", 4)
+        client.complete_store("r", client.prepare_store("r", keys).keys)
+        client.lookup("r", keys)
+        client.finish_request("r")
+    families = scrape_metrics(
+        port, lambda f: "kvoffload_tenant_blocks" in f and "kvoffload_worker_gets" in f
+    )
+    text = OPERATIONS.read_text()
+    assert len(families) > 40
+    missing = undocumented(set(families), text)
+    assert missing == [], "\n".join(missing)
+    assert undocumented({"kvoffload_planted_gauge", "kvoffload_tier_lookups"}, text) == [
+        "kvoffload_planted_gauge"
+    ]
