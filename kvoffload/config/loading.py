@@ -35,6 +35,7 @@ OTHER_VARIABLES = frozenset(
     {
         "KVOFFLOAD_ENDPOINT",  # a client's endpoint (runtime.discovery)
         "KVOFFLOAD_FATAL_REASON_FILE",  # set by the supervisor for its children
+        "KVOFFLOAD_TENANT_KEY_FILE",  # the key of tenant ids (wire.tenant_ids)
         "KVOFFLOAD_VLLM033_DIR",  # the test suite's copy of vLLM 0.33's files
     }
 )

@@ -26,6 +26,7 @@ from kvoffload.memory.blockformat import PAGE_BYTES
 from kvoffload.memory.slottable import table_bytes as slot_table_bytes
 from kvoffload.runtime.locks import flock_held, flock_holder
 from kvoffload.runtime.rundir import MAX_IPC_PATH_BYTES, live_runs
+from kvoffload.wire.tenant_ids import TENANT_KEY_ENV, TenantKeyError, tenant_key
 
 SHM_DIR = Path("/dev/shm")
 OBJECT_WORKER_MODULES = ("obstore",)
@@ -63,6 +64,7 @@ def check_startup(cfg: Config, runtime_dir: Path) -> None:
     check_extras(cfg)
     check_engines(cfg)
     check_curve_key(cfg)
+    check_tenant_key()
     check_runtime_dir(cfg, runtime_dir)
     check_disk_root(cfg, runtime_dir)
     check_ports(cfg)
@@ -111,6 +113,19 @@ def check_curve_key(cfg: Config) -> None:
             problem,
             "name the server's .key_secret file (zmq.auth.create_certificates writes one)",
         )
+
+
+def check_tenant_key() -> None:
+    """The file of ``KVOFFLOAD_TENANT_KEY_FILE``, when set, holds a usable key."""
+    try:
+        tenant_key()
+    except TenantKeyError as exc:
+        raise StartRefused(
+            TENANT_KEY_ENV,
+            os.environ.get(TENANT_KEY_ENV, ""),
+            str(exc).split(": ", 1)[1],
+            "fix the file or unset the variable",
+        ) from None
 
 
 def check_runtime_dir(cfg: Config, runtime_dir: Path) -> None:

@@ -40,6 +40,7 @@ from kvoffload.runtime.runspec import (
     RunSpec,
     write_runspec,
 )
+from kvoffload.wire.tenant_ids import TENANT_KEY_ENV, tenant_key
 
 log = structlog.get_logger()
 
@@ -112,6 +113,11 @@ class Supervisor:
         StartRefused (nothing left behind) when the set-up cannot run."""
         base = resolve_runtime_dir(self.cfg)
         check_startup(self.cfg, base)
+        if self.cfg.tenants and tenant_key() is None:
+            log.warning(
+                "tenant_ids_unkeyed",
+                hint=f"tenant ids are guessable from tenant names; set {TENANT_KEY_ENV}",
+            )
         removed = cleanup_stale(base)
         if removed:
             log.info("stale_runs_removed", removed=removed)

@@ -311,3 +311,14 @@ class S3Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+KEY_MARKER_SUFFIX = "/tenants/key-check"
+"""The object tier's tenant-key marker (one per deployment directory), not a block."""
+
+
+def block_object_names(client: Any, bucket: str, prefix: str) -> list[str]:
+    """The names of the block objects under ``prefix`` (the tenant-key marker left out)."""
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix)
+    names = [entry["Key"] for entry in listed.get("Contents", [])]
+    return [n for n in names if not n.endswith(KEY_MARKER_SUFFIX)]

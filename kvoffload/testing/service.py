@@ -511,14 +511,16 @@ def serve_harness(
     service_options: str = "",
     num_slots: int = 64,
     block_bytes: int = 65536,
+    env: dict[str, str] | None = None,
 ) -> ServiceHarness:
     """A (not yet started) ``kvoffload serve`` with ``workers``. ``service_options``: extra
     ``key = value`` lines of the [service] table; ``extra_config``: TOML whose leading keys
-    belong to [supervisor], then any tables (``[faults]``, ``[object]``, ``[[engines]]``)."""
+    belong to [supervisor], then any tables (``[faults]``, ``[object]``, ``[[engines]]``).
+    ``env``: the environment of ``kvoffload serve`` (default: this process's)."""
     sections = tomllib.loads(f"[service]\n{service_options}\n[supervisor]\n{extra_config}\n")
     sections["pool"] = {"num_slots": num_slots, "block_bytes": block_bytes}
     sections.setdefault("disk", {})["enabled"] = "disk" in workers
-    return ServiceHarness(home, sections, defaults=TEST_DEFAULTS, launch=Launch.SERVE)
+    return ServiceHarness(home, sections, defaults=TEST_DEFAULTS, launch=Launch.SERVE, env=env)
 
 
 def sections_harness(

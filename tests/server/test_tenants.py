@@ -5,6 +5,8 @@ shares and caps that cannot hold."""
 
 from __future__ import annotations
 
+import base64
+import os
 import subprocess
 import sys
 import time
@@ -15,12 +17,12 @@ from kvoffload.cli import main
 from kvoffload.client import KVOffloadClient, KVOffloadError, LookupOutcome
 from kvoffload.testing.helpers import free_port, keys_for, wait_until
 from kvoffload.testing.metrics import sample_value, scrape_metrics
-from kvoffload.testing.s3server import object_section
-from kvoffload.testing.service import to_toml
+from kvoffload.testing.s3server import block_object_names, object_section
+from kvoffload.testing.service import serve_harness, to_toml
 from kvoffload.tiering import LookupResult
 from kvoffload.wire import protocol as p
 from kvoffload.wire.protocol import ErrorCode
-from kvoffload.wire.tenant_ids import tenant_id
+from kvoffload.wire.tenant_ids import TENANT_KEY_ENV, read_key, tenant_id, tenant_key
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 SLOTS = 64
@@ -72,6 +74,8 @@ def test_a_tenant_inside_its_pool_share_keeps_its_prefix_under_another_tenants_f
         assert hits(client, "carol-again", "carol", carol) == 0  # no share: flooded out
         tenants = client.status().tiering.tenants
     assert tenants[ALICE].named and tenants[ALICE].tiers["primary"].blocks == SHARE
+    unkeyed = [e for e in service.log_events() if e.get("event") == "tenant_ids_unkeyed"]
+    assert len(unkeyed) == 1  # configured tenants without a key: ids guessable from names
     assert tenants[ALICE].tiers["primary"].evicted_by_others == 0
     assert tenants[ALICE].tiers["primary"].share_blocks == SHARE
     assert tenants[CAROL].tiers["primary"].evicted_by_others == SHARE
@@ -146,8 +150,7 @@ def cli(service, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def bucket_names(s3, bucket: str, prefix: str) -> list[str]:
-    listed = s3.list_objects_v2(Bucket=bucket, Prefix=prefix)
-    return [entry["Key"] for entry in listed.get("Contents", [])]
+    return block_object_names(s3, bucket, prefix)
 
 
 def test_a_tenant_drop_removes_its_blocks_from_pool_disk_and_bucket_and_nothing_else(
@@ -247,3 +250,58 @@ def test_a_tenants_blocks_come_back_from_the_bucket_to_that_tenant_only(start_se
         assert hits(client, "bob-again", "bob", bob) == 8
         promoted = client.status().tiering.per_tier["object"].promoted_keys_ok
     assert promoted == 8
+
+
+def test_keyed_tenant_ids_and_a_node_with_another_key_refused_by_the_bucket(
+    start_service, s3_server, tmp_path, monkeypatch
+):
+    bucket = s3_server.create_bucket("tenants")
+    prefix = f"keyed-{time.time_ns()}"
+    section = {"object": object_section(s3_server, bucket, prefix)}
+    key_a, key_b = tmp_path / "a.key", tmp_path / "b.key"
+    key_a.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
+    key_b.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
+    monkeypatch.setenv(TENANT_KEY_ENV, str(key_a))  # this process names tenants as node A does
+    tenant_key.cache_clear()
+    try:
+        keyed = tenant_id("alice")
+        assert keyed == tenant_id("alice", read_key(str(key_a)))
+        assert keyed not in (tenant_id("alice", b""), tenant_id("alice", read_key(str(key_b))))
+        node_a = start_service(
+            workers=("cpu", "object"),
+            extra_config=to_toml({**section, "tenants": {"alice": {"pool_slots_share": 4}}}),
+            env=dict(os.environ),
+        )
+        with node_a.client("engine", timeout_s=20.0) as client:
+            store(client, "alice", "alice", keys_for("alice", 4))
+            wait_until(
+                lambda: client.status().tiering.per_tier["object"].cascaded_keys_ok == 4,
+                what="the cascade to the bucket",
+            )
+            assert keyed in client.status().tiering.tenants
+        names = block_object_names(s3_server.client(), bucket, prefix)
+        assert sum(f"/tenants/{keyed}/" in n for n in names) == 4
+        assert not [e for e in node_a.log_events() if e.get("event") == "tenant_ids_unkeyed"]
+
+        node_b = serve_harness(
+            tmp_path / "node-b",
+            workers=("cpu", "object"),
+            extra_config=to_toml(section),
+            env={**os.environ, TENANT_KEY_ENV: str(key_b)},
+        )
+        try:
+            node_b.start(wait_for=("cpu",))
+            refused = wait_until(
+                lambda: [
+                    e for e in node_b.log_events() if e.get("event") == "object_store_unusable"
+                ],
+                what="node B's object tier refused",
+            )
+            assert "another key than this node's" in refused[0]["error"]
+            assert node_b.status().tiers_down == ["object"]
+        finally:
+            left = node_b.stop()
+        assert left.clean, left
+    finally:
+        monkeypatch.undo()
+        tenant_key.cache_clear()

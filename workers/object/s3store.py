@@ -46,15 +46,24 @@ from kvoffload.wire.tenant_ids import NO_TENANT
 from workers.object.breaker import CircuitBreaker
 from workers.object.classify import UNREACHABLE, ErrorKind, Failure, classify
 from workers.object.errors import (
+    ObjectStoreConfigError,
     ObjectStoreError,
     ReleaseFailed,
     StoreNotReady,
     TransientObjectError,
 )
-from workers.object.naming import namespace, normalize_prefix, object_name, tenant_namespace
+from workers.object.naming import (
+    TENANTS_DIR,
+    namespace,
+    normalize_prefix,
+    object_name,
+    tenant_namespace,
+)
 from workers.object.release import ReleaseHook, SlotTransfer
 from workers.object.retry import RetryPolicy
 
+KEY_MARKER = "key-check"
+"""Under the deployment's tenants directory: which key the fleet's tenant ids are made with."""
 log = structlog.get_logger()
 
 T = TypeVar("T")
@@ -185,6 +194,24 @@ class S3BlockStore:
             next(iter(obstore.list(self._store, self._namespace, chunk_size=1)), None)
         except _CLIENT_ERRORS as exc:
             raise self._config_error(classify(exc)) from exc
+
+    def check_tenant_key(self, marker: str) -> None:
+        """The bucket's tenant-key marker (``wire.tenant_ids.key_check`` of the key its ids are
+        made with) is ``marker``, written now if absent; ObjectStoreConfigError when it holds
+        another: this node's tenant ids would not be the fleet's."""
+        path = f"{self._namespace}{TENANTS_DIR}/{KEY_MARKER}"
+        try:
+            found = bytes(self._fetch(path)).decode()
+        except KeyError:
+            body = marker.encode()
+            self._request("put", path, lambda: obstore.put(self._store, path, body))
+            found = bytes(self._fetch(path)).decode()  # another node may have won the race
+        if found != marker:
+            raise ObjectStoreConfigError(
+                f"the bucket's tenant ids are made with another key than this node's "
+                f"({path} says {found!r}, this node {marker!r}): give every node of the fleet "
+                f"the same KVOFFLOAD_TENANT_KEY_FILE (or none)"
+            )
 
     def _config_error(self, failure: Failure) -> StoreNotReady:
         if failure.kind == ErrorKind.NO_BUCKET:

@@ -41,7 +41,7 @@ from kvoffload.memory.blockformat import CorruptBlock, deployment_fingerprint
 from kvoffload.memory.pool import HostPool
 from kvoffload.wire.protocol import Job, JobKind
 from kvoffload.wire.status import ObjectWorkerStats
-from kvoffload.wire.tenant_ids import NO_TENANT
+from kvoffload.wire.tenant_ids import NO_TENANT, key_check
 from workers.backend import BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector, InjectedFault
 from workers.object.breaker import CLOSED, BreakerOpen, CircuitBreaker
@@ -148,8 +148,10 @@ class ObjectBackend(NoIndexBackend):
         return self._store.breaker.state != CLOSED
 
     def check(self) -> None:
-        """Verify endpoint, credentials and bucket (ObjectStoreConfigError naming the problem)."""
+        """Verify endpoint, credentials and bucket (ObjectStoreConfigError naming the problem),
+        then that the bucket's tenant ids are made with this node's key."""
         self._store.check()
+        self._store.check_tenant_key(key_check())
 
     def _release_hook(self) -> None:
         if self._faults.take_release_failure():

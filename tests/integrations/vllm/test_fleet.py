@@ -27,7 +27,11 @@ pytest.importorskip("vllm")
 
 from kvoffload.testing.helpers import free_port, wait_until  # noqa: E402
 from kvoffload.testing.metrics import sample_value, scrape_metrics  # noqa: E402
-from kvoffload.testing.s3server import S3Server, object_section  # noqa: E402
+from kvoffload.testing.s3server import (  # noqa: E402
+    S3Server,
+    block_object_names,
+    object_section,
+)
 from kvoffload.testing.service import (  # noqa: E402
     TEST_DEFAULTS,
     Launch,
@@ -172,8 +176,7 @@ def settle() -> None:
 
 
 def _objects_in_bucket(fleet: Fleet) -> int:
-    listed = fleet.s3.client().list_objects_v2(Bucket=BUCKET, Prefix=fleet.prefix + "/")
-    return int(listed.get("KeyCount", 0))
+    return len(block_object_names(fleet.s3.client(), BUCKET, fleet.prefix + "/"))
 
 
 def _cli_status(node: Node) -> dict[str, dict[str, int]]:

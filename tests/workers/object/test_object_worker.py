@@ -31,7 +31,7 @@ from kvoffload.memory.pool import HostPool  # noqa: E402
 from kvoffload.memory.slottable import SlotTable  # noqa: E402
 from kvoffload.runtime.runspec import RunSpec  # noqa: E402
 from kvoffload.testing.helpers import REPO_ROOT, random_kv_cache, wait_until  # noqa: E402
-from kvoffload.testing.s3server import S3Server, object_section  # noqa: E402
+from kvoffload.testing.s3server import S3Server, block_object_names, object_section  # noqa: E402
 from kvoffload.testing.service import shm_names_containing, to_toml  # noqa: E402
 from kvoffload.tiering import LookupResult  # noqa: E402
 from kvoffload.wire.protocol import FaultSpec, Job, JobKind  # noqa: E402
@@ -549,7 +549,7 @@ def test_blocks_come_back_from_s3_after_reset(
         c.finish_request("writer")
 
         def cascaded() -> bool:
-            listed = raw.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("KeyCount", 0)
+            listed = len(block_object_names(raw, bucket, prefix + "/"))
             tiering = service.status().tiering
             return listed == len(keys) and tiering.jobs_in_flight == 0 and tiering.pinned_slots == 0
 
