@@ -34,6 +34,7 @@ from kvoffload.integrations.vllm.settings import ConnectorSettings
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
 from kvoffload.runtime.discovery import ENDPOINT_ENV, find_endpoint
 from kvoffload.wire.events import FINGERPRINT_BYTES
+from kvoffload.wire.tenant_ids import tenant_key
 from kvoffload.wire.protocol import Connected
 
 log = integration_logger(__name__)
@@ -99,6 +100,7 @@ class KVOffloadSpec(OffloadingSpec):
         if self._manager is not None:
             return self._manager
         settings = self.settings
+        tenant_key()  # an unusable KVOFFLOAD_TENANT_KEY_FILE stops the engine here, not later
 
         def on_connect(info: Connected) -> None:
             self._check_service(info)
