@@ -34,8 +34,8 @@ from kvoffload.integrations.vllm.settings import ConnectorSettings
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
 from kvoffload.runtime.discovery import ENDPOINT_ENV, find_endpoint
 from kvoffload.wire.events import FINGERPRINT_BYTES
-from kvoffload.wire.tenant_ids import tenant_key
 from kvoffload.wire.protocol import Connected
+from kvoffload.wire.tenant_ids import tenant_key
 
 log = integration_logger(__name__)
 
