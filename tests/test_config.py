@@ -54,6 +54,8 @@ def test_example_file_lists_every_key_with_its_default() -> None:
     del defaults["engines"]
     assert example == defaults
     assert load_config(EXAMPLE, env={}) == Config()
+    planted = EXAMPLE.read_text().replace("metrics_host = ", "# metrics_host = ", 1)
+    assert tomllib.loads(planted) != defaults  # the check sees a key the reference leaves out
 
 
 def test_file_overrides(tmp_path: Path) -> None:
