@@ -26,6 +26,7 @@ from kvoffload.server.eventstream import NodeStream
 from kvoffload.tiering import TieringLedger
 from kvoffload.wire import protocol as p
 from kvoffload.wire.events import TierEvent
+from kvoffload.wire.status import EventsStatus
 from kvoffload.wire.tenant_ids import NO_TENANT
 from kvoffload.wire.vocab import PRIMARY
 
@@ -118,6 +119,18 @@ class EventFeed:
         if reader.snapshot:
             return self._snapshot_page(reader, msg, resync=False, complete=[])
         return self._events_after(msg, tenants)
+
+    def status(self) -> EventsStatus:
+        stream = self._stream
+        return EventsStatus(
+            active=self._tiering.events.active,
+            feed_events=len(self._ring),
+            feed_keys=self._ring_keys,
+            client_resyncs=self.resyncs,
+            stream_batches=stream.sent_batches if stream is not None else 0,
+            stream_dropped_batches=stream.dropped_batches if stream is not None else 0,
+            stream_resends=stream.snapshots if stream is not None else 0,
+        )
 
     def _oldest(self) -> int:
         return self._ring[0][0] if self._ring else self._last + 1

@@ -39,6 +39,7 @@ from kvoffload.server.health import Health, serve_http
 from kvoffload.tiering.types import CascadeDrop
 from kvoffload.wire import protocol as p
 from kvoffload.wire.status import (
+    EventsStatus,
     ManagerStatus,
     TenantStatus,
     TierCounters,
@@ -284,6 +285,27 @@ def _manager_families(status: ManagerStatus) -> Iterator[Metric]:
         )
     yield _counter(
         "worker_restarts", "Worker restarts the manager has seen.", status.worker_restarts_seen
+    )
+    if status.events is not None:
+        yield from _events_families(status.events)
+
+
+def _events_families(events: EventsStatus) -> Iterator[Metric]:
+    yield _gauge("events_active", "1 once the tiers' events are recorded.", int(events.active))
+    yield _gauge("events_feed_keys", "Keys of events the feed keeps for clients.", events.feed_keys)
+    yield _counter(
+        "events_client_resyncs", "Snapshots sent to clients taking events.", events.client_resyncs
+    )
+    yield _counter("events_stream_batches", "Batches the node stream sent.", events.stream_batches)
+    yield _counter(
+        "events_stream_dropped_batches",
+        "Batches the node stream dropped (its queue full).",
+        events.stream_dropped_batches,
+    )
+    yield _counter(
+        "events_stream_resends",
+        "Clears and full resends of the node stream after a loss.",
+        events.stream_resends,
     )
 
 

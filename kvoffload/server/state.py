@@ -274,5 +274,6 @@ class ManagerState:
             clients=len(self.sessions),
             warm_restart=self.warm.snapshot() if self.warm is not None else None,
             tiers_down=[t.name for t in self.tiering.tiers if not t.online],
+            events=self.events.status(),
             client_handshakes_refused=self.auth.counts() if self.auth is not None else {},
         )

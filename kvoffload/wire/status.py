@@ -244,6 +244,19 @@ class WarmRestartStatus(_Status):
     unverified: int
 
 
+class EventsStatus(_Status):
+    """The tiers' events (``server.events``): whether they are recorded, the feed clients take
+    them from, and the node stream's batches (zero without one)."""
+
+    active: bool
+    feed_events: int
+    feed_keys: int
+    client_resyncs: int
+    stream_batches: int = 0
+    stream_dropped_batches: int = 0
+    stream_resends: int = 0
+
+
 class ManagerStatus(_Status):
     pid: int
     uptime_s: float
@@ -255,6 +268,7 @@ class ManagerStatus(_Status):
     worker_restarts_seen: int
     clients: int
     warm_restart: WarmRestartStatus | None
+    events: EventsStatus | None = None
     tiers_down: list[str] = []
     """Configured tiers not serving now (worker down, or its index not yet complete): the
     service is degraded while any is."""

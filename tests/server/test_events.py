@@ -210,6 +210,9 @@ def test_the_node_stream_tells_a_router_what_the_service_holds_and_replays_what_
     truth = snapshot_of(service)
     assert len(truth["primary"]) <= SLOTS and len(truth["disk"]) <= DISK_RECORDS
     assert index == truth
+    events = service.status().events
+    assert events is not None and events.active and events.stream_dropped_batches == 0
+    assert events.stream_batches == next_seq  # every batch sent was seen, live or replayed
 
 
 _probes = itertools.count()
