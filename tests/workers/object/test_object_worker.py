@@ -349,10 +349,9 @@ def test_outage_opens_breaker_and_recovers(make_backend, s3_server: S3Server) ->
 # --- the worker process ----------------------------------------------------------------------
 
 
-def run_object_worker(
-    tmp_path: Path, cfg: Config
-) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """``python -m workers.object`` with a spec for ``cfg`` whose pool and manager do not exist."""
+def object_worker_command(tmp_path: Path, cfg: Config) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of ``python -m workers.object`` with a spec for ``cfg`` whose
+    pool and manager do not exist."""
     spec = RunSpec(
         run_id="objtest",
         job_endpoint=f"ipc://{tmp_path}/no-manager.sock",
@@ -363,14 +362,23 @@ def run_object_worker(
     path = tmp_path / "runspec.json"
     path.write_bytes(msgspec.json.encode(spec))
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "workers.object", "--spec", str(path), "--hello-timeout", "2"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    return [
+        sys.executable,
+        "-m",
+        "workers.object",
+        "--spec",
+        str(path),
+        "--hello-timeout",
+        "2",
+    ], env
+
+
+def run_object_worker(
+    tmp_path: Path, cfg: Config
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """The object worker run to its end (``object_worker_command``)."""
+    argv, env = object_worker_command(tmp_path, cfg)
+    proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=30)
     events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
     return proc, events
 
@@ -415,23 +423,8 @@ def test_a_worker_whose_store_is_not_ready_tries_again_until_it_is_stopped(
 
 
 def start_object_worker(tmp_path: Path, cfg: Config, log_file: IO[str]) -> subprocess.Popen:
-    spec = RunSpec(
-        run_id="objtest",
-        job_endpoint=f"ipc://{tmp_path}/no-manager.sock",
-        client_endpoint=f"ipc://{tmp_path}/no-client.sock",
-        pool_name=f"/kvoffload-test-absent-{uuid.uuid4().hex[:8]}",
-        config=cfg.to_toml_dict(redact_secrets=False),
-    )
-    path = tmp_path / "runspec.json"
-    path.write_bytes(msgspec.json.encode(spec))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    return subprocess.Popen(
-        [sys.executable, "-m", "workers.object", "--spec", str(path), "--hello-timeout", "2"],
-        cwd=REPO_ROOT,
-        env=env,
-        stderr=log_file,
-        text=True,
-    )
+    argv, env = object_worker_command(tmp_path, cfg)
+    return subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stderr=log_file, text=True)
 
 
 def log_events(path: Path) -> list[dict]:
