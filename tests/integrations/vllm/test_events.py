@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
+from kvoffload.memory.blockformat import disk_record_bytes  # noqa: E402
 from kvoffload.testing.helpers import wait_until  # noqa: E402
 from kvoffload.testing.service import ServiceHarness, serve_harness, to_toml  # noqa: E402
 from kvoffload.testing.vllm_engine import (  # noqa: E402
@@ -52,7 +53,7 @@ def service(work: Path, case: ModelCase) -> Iterator[ServiceHarness]:
         num_slots=POOL_SLOTS,
         block_bytes=case.block_bytes,
         extra_config=to_toml(
-            {"disk": {"capacity_bytes": DISK_RECORDS * (case.block_bytes + 4096)}}
+            {"disk": {"capacity_bytes": DISK_RECORDS * disk_record_bytes(case.block_bytes)}}
         ),
     )
     try:

@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvoffload.memory.blockformat import disk_record_bytes  # noqa: E402
 from kvoffload.testing.service import ServiceHarness, serve_harness, to_toml  # noqa: E402
 from kvoffload.testing.vllm_engine import (  # noqa: E402
     BLOCK_TOKENS,
@@ -39,7 +40,7 @@ A, B, C = "tenant-a", "tenant-b", "tenant-c"
 @pytest.fixture(scope="module")
 def service(work: Path, case: ModelCase) -> Iterator[ServiceHarness]:
     """A small pool and disk; tenant A's share holds one prompt's blocks on each."""
-    record = case.block_bytes + 4096  # a disk record: a header page and the block
+    record = disk_record_bytes(case.block_bytes)
     home = work / "service"
     home.mkdir()
     svc = serve_harness(
