@@ -240,6 +240,28 @@ def disk_limits(directory: Path, block: int, total: int) -> dict[str, Any]:
     return out
 
 
+def disk_read_limits(directory: Path, block: int, total: int) -> dict[str, Any]:
+    """Only the read figures of ``disk_limits`` (``disk_read_direct_gbps`` with its depth,
+    ``disk_read_one_us``), for benchmarks that read back what they wrote; {} where the block
+    size cannot be read with ``O_DIRECT``."""
+    if not (O_DIRECT and block % PAGE == 0):
+        return {}
+    n = max(QUEUE_DEPTHS[-1], total // block)
+    figures = {}
+    with scratch_file(directory, n * block, written=True) as path:
+        for depth in QUEUE_DEPTHS:
+            figures[depth] = max(
+                _io_gbps(path, block, n, depth, O_DIRECT, False, False) for _ in range(REPEATS)
+            )
+        one = _one_read_us(path, block, n)
+    depth = max(figures, key=lambda d: figures[d])
+    return {
+        "disk_read_direct_gbps": figures[depth],
+        "disk_read_direct_depth": depth,
+        "disk_read_one_us": one,
+    }
+
+
 def _one_read_us(path: str, block: int, n: int, samples: int = 32) -> float:
     buf = aligned(block)
     fd = os.open(path, os.O_RDONLY | O_DIRECT)

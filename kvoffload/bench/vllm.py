@@ -22,7 +22,8 @@ must equal the resident run's (vLLM's prefix hit of the same tokens).
 
 Model (``--model``): a random-weight Llama (4 layers, hidden 1024, SwiGLU 2816, 16 query / 8 KV
 heads x 64, vocab 1024, about 48 M parameters, bf16: one 32-token vLLM block is 256 KiB of KV,
-one KV cache group), or ``gemma3``, a random-weight Gemma 3 of the same size whose first three
+one KV cache group; ``--dtype float32``, the default on a CPU without native bf16, has 4 KV heads
+so its blocks have the same bytes), or ``gemma3``, a random-weight Gemma 3 of the same size whose first three
 layers are sliding-window attention (512-token window) and the last full attention: four KV
 cache groups of 64 KiB blocks, of which a prompt stores the whole prefix of the full group and
 the last window of each sliding one. The report gives the bytes offloaded per prompt token,
@@ -54,6 +55,7 @@ from typing import Any
 
 import msgspec
 
+from kvoffload.bench.limits import disk_read_limits, memory_limits, zmq_rtt_us
 from kvoffload.client import KVOffloadClient
 from kvoffload.memory.blockformat import disk_record_bytes
 from kvoffload.testing.helpers import REPO_ROOT
@@ -87,16 +89,37 @@ DISK_VS_RECOMPUTE_MAX = 1.0
 SLIDING_WINDOW = 512
 """Tokens of the hybrid bench model's sliding window (Gemma 3 1B's)."""
 LAYER_BYTES = 2 * MODEL["kv_heads"] * MODEL["head_dim"] * 2 * BLOCK_TOKENS
-"""K and V of one layer of one vLLM block of either bench model, bf16."""
+"""K and V of one layer of one vLLM block of either bench model (bf16; in float32 the model has
+half the KV heads, so a block has the same bytes)."""
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""CPU flags of a native bf16 matrix multiply. Without one, torch's bf16 GEMMs on the CPU ran
+about 60x slower than float32 (AVX2: 14.7 s against 0.24 s for 2048x1024 @ 1024x2816): a
+recompute of an 8k prompt would take minutes."""
+
+
+def auto_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """bfloat16 where the CPU multiplies bf16 natively, else float32."""
+    try:
+        flags = set(cpuinfo.read_text().split())
+    except OSError:
+        return "bfloat16"
+    return "bfloat16" if flags.intersection(NATIVE_BF16_FLAGS) else "float32"
 
 
 @dataclass(frozen=True)
 class BenchModel:
     """A bench model: ``llama`` (``MODEL``, every layer full attention: one KV cache group) or
     ``gemma3`` (the same size, three sliding-window layers and a full-attention one: four
-    groups of one layer, as vLLM groups Gemma 3)."""
+    groups of one layer, as vLLM groups Gemma 3), in ``dtype``; its KV blocks have the same
+    bytes in either dtype (``kv_heads``)."""
 
     kind: str
+    dtype: str = "bfloat16"
+
+    @property
+    def kv_heads(self) -> int:
+        return MODEL["kv_heads"] * 2 // DTYPE_BYTES[self.dtype]
 
     @property
     def groups(self) -> int:
@@ -114,15 +137,16 @@ class BenchModel:
     def spec(self, max_positions: int) -> TinyLlama | TinyGemma3:
         """The model (bf16) for prompts of up to ``max_positions`` tokens."""
         sizes = {k: v for k, v in MODEL.items() if k != "layers"}
+        sizes["kv_heads"] = self.kv_heads
         if self.kind == "llama":
             return TinyLlama(
-                layers=MODEL["layers"], max_positions=max_positions, dtype="bfloat16", **sizes
+                layers=MODEL["layers"], max_positions=max_positions, dtype=self.dtype, **sizes
             )
         return TinyGemma3(
             layer_types=("sliding_attention",) * 3 + ("full_attention",),
             sliding_window=SLIDING_WINDOW,
             max_positions=max_positions,
-            dtype="bfloat16",
+            dtype=self.dtype,
             **sizes,
         )
 
@@ -278,12 +302,15 @@ def run_kvoffload(
             runs["kvoffload_resident"][length].append(resident)
     wait_settled(client, 0, stored)
     for length, triples in prompts.items():
-        for _, hit_prompt, _ in triples:
+        for _, hit_prompt, resident_prompt in triples:
             client.reset_cache()
             reset_prefix_cache(engine)
             hit = ttft_run(engine, hit_prompt)
             expect_cached(hit, length, f"kvoffload disk {length}", problems)
+            resident = ttft_run(engine, resident_prompt)
+            expect_cached(resident, length, f"resident after the disk hit {length}", problems)
             runs["kvoffload_disk"][length].append(hit)
+            runs["kvoffload_disk_resident"][length].append(resident)
     return {"stored_keys": stored - first, "prompt_tokens": tokens}
 
 
@@ -308,6 +335,7 @@ def read_probe(directory: Path) -> list[dict[str, Any]]:
 BREAKDOWN_FIELDS = (
     ("first_lookup_ms", "request reaches the scheduler and its first lookup starts"),
     ("hit_known_ms", "the lookup answer that makes vLLM schedule the load is known"),
+    ("forward_step_ms", "the worker starts the step that computes the request's first token"),
     ("load_submitted_ms", "the worker starts the step that copies the blocks"),
     (
         "load_worker_ms",
@@ -317,6 +345,7 @@ BREAKDOWN_FIELDS = (
     ("done_ms", "generate() returns with the first token"),
     ("steps", "scheduler steps the request lived through"),
     ("match_ms", "time in the connector's get_num_new_matched_tokens (lookups answered at once)"),
+    ("ask_now_ms", "of which in the round trip that asks kvoffload for the whole prefix"),
     ("lookup_rtt_ms", "time in the step-end lookup batches (round trips to kvoffload)"),
     ("step_interval_ms", "mean time between two scheduler steps in the request's life"),
 )
@@ -332,18 +361,21 @@ def _request_breakdown(events: list[dict[str, Any]], run: dict[str, Any]) -> dic
 
     matches = [e for e in window if e["ev"] == "match"]
     hit = next((e for e in matches if e["hit"]), None)
-    transfers = [e for e in window if e["ev"] == "transfers" and e["loads"]]
+    steps_started = [e for e in window if e["ev"] == "transfers"]
+    transfers = [e for e in steps_started if e["loads"]]
     reported = next((e for e in window if e["ev"] == "output" and e["recving"]), None)
     steps = [e for e in window if e["ev"] == "step"]
     return {
         "first_lookup_ms": ms(matches[0]["t"]) if matches else None,
         "hit_known_ms": ms(hit["t"] + hit["d"]) if hit else None,
+        "forward_step_ms": ms(steps_started[-1]["t"]) if steps_started else None,
         "load_submitted_ms": ms(transfers[0]["t"]) if transfers else None,
         "load_worker_ms": sum(e["d"] for e in transfers) * 1e3,
         "load_reported_ms": ms(reported["t"]) if reported else None,
         "done_ms": ms(t1),
         "steps": len(steps),
         "match_ms": sum(e["d"] for e in matches) * 1e3,
+        "ask_now_ms": sum(e["d"] for e in window if e["ev"] == "ask_now") * 1e3,
         "lookup_rtt_ms": sum(e["d"] for e in window if e["ev"] == "schedule_end") * 1e3,
         "step_interval_ms": ((steps[-1]["t"] - steps[0]["t"]) / (len(steps) - 1) * 1e3)
         if len(steps) > 1
@@ -381,9 +413,44 @@ def print_breakdown(profile: dict[str, Any]) -> None:
             print(f"{mode.removeprefix('kvoffload_'):>9}{length:>7}{cells}")
 
 
+def hit_limits(block_bytes: int, nbytes: int, directory: Path) -> dict[str, Any]:
+    """The machine's limits a hit's overhead is held to (``kvoffload.bench.limits``:
+    ``copy_hash_gbps``, ``disk_read_direct_gbps``, ``zmq_rtt_us``) for blocks of ``block_bytes`` over ``nbytes``, the disk's
+    measured in ``directory`` (where the disk tier lives); every core counts for the copies,
+    as the connector's copies use every core vLLM leaves free and the engine waits for them."""
+    figures: dict[str, Any] = {"block_bytes": block_bytes, "bytes": nbytes}
+    memory = memory_limits(block_bytes, nbytes)
+    figures["copy_hash_gbps"] = memory["copy_hash_gbps"]
+    figures.update(disk_read_limits(directory, block_bytes, nbytes))
+    figures["zmq_rtt_us"] = zmq_rtt_us()
+    return figures
+
+
+def overhead_limits_ms(nbytes: int, limits: dict[str, Any]) -> tuple[float, float]:
+    """The least a hit of ``nbytes`` can cost beyond the resident hit, in ms: from the pool,
+    one pass of copy + xxh3 over the bytes plus one bare round trip; from the disk, that plus
+    the bytes at the disk's best ``O_DIRECT`` read rate."""
+    pool = nbytes / (limits["copy_hash_gbps"] * 1e9) * 1e3 + limits["zmq_rtt_us"] / 1e3
+    disk = pool + nbytes / (limits["disk_read_direct_gbps"] * 1e9) * 1e3
+    return pool, disk
+
+
+def paired_overhead_ms(hits: list[dict[str, Any]], floors: list[dict[str, Any]]) -> float:
+    """The median over the prompts of a hit's TTFT minus the resident TTFT of the same prefix
+    in the same engine, a few seconds apart, in ms (the two move together with the machine's
+    load; their medians taken apart do not)."""
+    return statistics.median((h["s"] - f["s"]) * 1e3 for h, f in zip(hits, floors, strict=True))
+
+
 def summarize(
-    lengths: list[int], runs: dict, native_ran: bool, model: BenchModel
+    lengths: list[int],
+    runs: dict,
+    native_ran: bool,
+    model: BenchModel,
+    limits: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
+    """One row per length; with ``limits`` (``hit_limits``), each hit's overhead over the
+    resident hit, its limit and their ratio (limit / overhead: 1 is the machine's best)."""
     rows = []
     for length in lengths:
         med = {
@@ -391,13 +458,21 @@ def summarize(
             for mode, by_len in runs.items()
             if by_len[length]
         }
+        if not runs["resident"][length]:  # --no-plain: the connector's engine's own runs
+            med["recompute"] = med["kvoffload_cold"]
+            med["resident"] = med["kvoffload_resident"]
         reference = runs["resident"][length]
         hit_modes = ("kvoffload_pool", "kvoffload_disk", *(("vllm_native",) if native_ran else ()))
-        same = all(
-            run["token"] == ref["token"]
-            for mode in hit_modes
-            for run, ref in zip(runs[mode][length], reference, strict=True)
-            if run["cached"] == ref["cached"] == length
+        # None without the plain engine: no run computed P + s1 without kvoffload's blocks
+        same = (
+            all(
+                run["token"] == ref["token"]
+                for mode in hit_modes
+                for run, ref in zip(runs[mode][length], reference, strict=True)
+                if run["cached"] == ref["cached"] == length
+            )
+            if reference
+            else None
         )
         row = {
             "prefix_tokens": length,
@@ -419,8 +494,35 @@ def summarize(
             "disk_vs_recompute": med["kvoffload_disk"] / med["recompute"],
             "cold_vs_recompute": med["kvoffload_cold"] / med["recompute"],
         }
+        if limits is not None:
+            row.update(overhead_fields(row["prefix_bytes"], runs, length, limits))
         rows.append(row)
     return rows
+
+
+def overhead_fields(
+    nbytes: int, runs: dict, length: int, limits: dict[str, Any]
+) -> dict[str, float]:
+    """``overhead_ms``, ``overhead_limit_ms``, ``overhead_ratio_to_limit`` of the pool hit and
+    the same with ``disk_`` of the disk hit, each against the resident hit that follows it."""
+    pool_limit, disk_limit = overhead_limits_ms(nbytes, limits)
+    out: dict[str, float] = {}
+    for prefix, mode, floor, limit in (
+        ("", "kvoffload_pool", "kvoffload_resident", pool_limit),
+        ("disk_", "kvoffload_disk", "kvoffload_disk_resident", disk_limit),
+    ):
+        overhead = paired_overhead_ms(runs[mode][length], runs[floor][length])
+        out[f"{prefix}overhead_ms"] = overhead
+        out[f"{prefix}overhead_limit_ms"] = limit
+        out[f"{prefix}overhead_ratio_to_limit"] = limit / max(overhead, limit / OVERHEAD_RATIO_CAP)
+    return out
+
+
+OVERHEAD_RATIO_CAP = 10.0
+"""The largest ``overhead_ratio_to_limit`` reported: an overhead below a tenth of its limit (or
+below zero) is within the noise of the resident hit it is measured against."""
+HIT_OVERHEAD_RATIO_MIN = 0.5
+"""Each hit's overhead at most twice its limit."""
 
 
 def targets(rows: list[dict[str, Any]], problems: list[str]) -> dict[str, Any]:
@@ -434,10 +536,21 @@ def targets(rows: list[dict[str, Any]], problems: list[str]) -> dict[str, Any]:
         "disk_never_slower_than_recompute": all(
             r["disk_vs_recompute"] <= DISK_VS_RECOMPUTE_MAX for r in rows
         ),
-        "same_first_token": all(r["first_token_same_as_resident"] for r in rows),
         "every_hit_run_hit": not problems,
     }
+    if all(r["first_token_same_as_resident"] is not None for r in rows):
+        met["same_first_token"] = all(r["first_token_same_as_resident"] for r in rows)
+    if all("overhead_ratio_to_limit" in r for r in rows):
+        met["pool_overhead_within_2x_of_limit"] = all(
+            r["overhead_ratio_to_limit"] >= HIT_OVERHEAD_RATIO_MIN for r in rows
+        )
+        met["disk_overhead_within_2x_of_limit"] = all(
+            r["disk_overhead_ratio_to_limit"] >= HIT_OVERHEAD_RATIO_MIN for r in rows
+        )
     return {"met": met, "all_met": all(met.values())}
+
+
+SAME_TOKEN = {True: "yes", False: "NO", None: "not checked (--no-plain)"}
 
 
 def print_table(rows: list[dict[str, Any]], native: dict[str, Any]) -> None:
@@ -459,10 +572,24 @@ def print_table(rows: list[dict[str, Any]], native: dict[str, Any]) -> None:
             f"{ms(r, 'kvoffload_resident'):>9}{ms(r, 'kvoffload_disk'):>10}{ms(r, 'vllm_native'):>8}"
             f"{r['pool_vs_resident']:>10.2f}{r['pool_vs_resident_same_engine']:>11.2f}"
             f"{r['recompute_vs_pool']:>10.1f}{r['disk_vs_recompute']:>10.2f}"
-            f"  {'yes' if r['first_token_same_as_resident'] else 'NO'}"
+            f"  {SAME_TOKEN[r['first_token_same_as_resident']]}"
         )
     if native.get("skipped"):
         print(f"vllm native CPU offloading: skipped: {native['reason']}")
+    if rows and "overhead_ms" in rows[0]:
+        print(
+            "hit overhead over the resident hit, ms (median of the paired runs), its limit and limit / overhead"
+        )
+        print(
+            f"{'prefix':>7}{'MiB':>5}{'pool':>9}{'limit':>8}{'ratio':>7}{'disk':>9}{'limit':>8}{'ratio':>7}"
+        )
+        for r in rows:
+            print(
+                f"{r['prefix_tokens']:>7}{r['prefix_bytes'] / 2**20:>5.0f}"
+                f"{r['overhead_ms']:>9.1f}{r['overhead_limit_ms']:>8.1f}"
+                f"{r['overhead_ratio_to_limit']:>7.2f}{r['disk_overhead_ms']:>9.1f}"
+                f"{r['disk_overhead_limit_ms']:>8.1f}{r['disk_overhead_ratio_to_limit']:>7.2f}"
+            )
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -470,7 +597,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     longest = max(lengths)
     max_model_len = longest + SUFFIX_TOKENS + BLOCK_TOKENS
     longest_blocks = longest // BLOCK_TOKENS
-    bench_model = BenchModel(args.model)
+    dtype = auto_dtype() if args.dtype == "auto" else args.dtype
+    bench_model = BenchModel(args.model, dtype)
     block_bytes = bench_model.block_bytes
     prompt_keys = bench_model.stored_keys(longest + SUFFIX_TOKENS)
     total_keys = args.prompts * sum(bench_model.stored_keys(n + SUFFIX_TOKENS) for n in lengths)
@@ -485,6 +613,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "kvoffload_pool",
         "kvoffload_resident",
         "kvoffload_disk",
+        "kvoffload_disk_resident",
         "vllm_native",
     )
     runs: dict[str, dict[int, list]] = {mode: {n: [] for n in lengths} for mode in modes}
@@ -498,6 +627,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     profile: dict[str, Any] = {}
     problems: list[str] = []
     link_downs = 0
+    limits: dict[str, Any] = {}
 
     def step(what: str) -> None:
         print(f"  {what} ({time.monotonic() - started:.0f} s)", flush=True)
@@ -505,11 +635,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     try:
         model = make_model(home / "model", bench_model.spec(max_model_len))
         step("model written")
-        sizes = {"max_model_len": max_model_len, "kvcache_gib": kvcache_gib}
-        with VllmEngineProcess(model, logs / "engine-vllm.log", None, **sizes) as engine:
-            engines["vllm"] = {"start_s": engine.start_s}
-            run_vllm(engine, prompts, runs, problems)
-        step("vLLM without connector done")
+        sizes = {"max_model_len": max_model_len, "kvcache_gib": kvcache_gib, "dtype": dtype}
+        if args.no_plain:
+            step("vLLM without connector skipped (--no-plain)")
+        else:
+            with VllmEngineProcess(model, logs / "engine-vllm.log", None, **sizes) as engine:
+                engines["vllm"] = {"start_s": engine.start_s}
+                run_vllm(engine, prompts, runs, problems)
+            step("vLLM without connector done")
         with (
             bench_service(
                 home / "service",
@@ -527,8 +660,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     kv_connector="ProbeConnector",
                     kv_connector_module_path="kvoffload.bench.vllm_probe",
                 )
-                probe_dir = home / "probe"
-                probe_dir.mkdir()
+                probe_dir = logs / "probe"
+                probe_dir.mkdir(exist_ok=True)
                 probe_env = {"KVO_BENCH_PROBE_DIR": str(probe_dir)}
             with VllmEngineProcess(
                 model, logs / "engine-kvoffload.log", connector, extra_env=probe_env, **sizes
@@ -538,11 +671,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     "connector": connector["kv_connector"],
                 }
                 offloaded = run_kvoffload(engine, client, bench_model, prompts, runs, problems)
-            link_downs = engine.log_path.read_text(errors="replace").count("kvoffload_link_down")
+            engine_log = engine.log_path.read_text(errors="replace")
+            link_downs = engine_log.count("kvoffload_link_down")
+            engines["kvoffload"]["kv_prefault"] = prefault_report(engine_log)
             if args.profile:
                 profile = breakdown(read_probe(probe_dir), runs)
             service_status = msgspec.to_builtins(client.status())
         step("vLLM with kvoffload done")
+        limits = hit_limits(block_bytes, bench_model.stored_keys(longest) * block_bytes, home)
+        step("the machine's limits measured")
         native_cfg = {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
@@ -566,7 +703,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(home, ignore_errors=True)
     native_ran = not native["skipped"]
-    rows = summarize(lengths, runs, native_ran, bench_model)
+    rows = summarize(lengths, runs, native_ran, bench_model, limits or None)
     import torch
     import vllm
 
@@ -574,8 +711,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": {
             **MODEL,
+            "kv_heads": bench_model.kv_heads,
             "vocab": VOCAB,
-            "dtype": "bfloat16",
+            "dtype": dtype,
             "block_tokens": BLOCK_TOKENS,
             "kind": bench_model.kind,
             "kv_cache_groups": bench_model.groups,
@@ -617,6 +755,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "disk_vs_recompute_max": DISK_VS_RECOMPUTE_MAX,
             **targets(rows, problems),
         },
+        "limits": limits,
         "results": rows,
         "kvoffload_extra_config": args.extra,
         "problems": problems,
@@ -625,6 +764,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "runs": {mode: {str(n): v for n, v in by_len.items()} for mode, by_len in runs.items()},
         "seconds": time.monotonic() - started,
     }
+
+
+def prefault_report(engine_log: str) -> dict[str, Any] | None:
+    """What the connector's KV prefault logged in the engine (``kvoffload_kv_prefaulted``):
+    bytes and seconds, or the error; None when it logged nothing."""
+    for line in engine_log.splitlines():
+        for event in ("kvoffload_kv_prefaulted", "kvoffload_kv_prefault_incomplete"):
+            if event in line:
+                fields = dict(
+                    part.split("=", 1) for part in line.split(event, 1)[1].split() if "=" in part
+                )
+                return {"event": event, **fields}
+    return None
 
 
 def _git_commit() -> str:
@@ -661,6 +813,13 @@ def main(argv: list[str] | None = None) -> int:
         "layers beside a full-attention one (four groups)",
     )
     parser.add_argument(
+        "--dtype",
+        choices=("auto", *DTYPE_BYTES),
+        default="auto",
+        help="the models' dtype; auto: bfloat16 where the CPU multiplies bf16 natively "
+        "(avx512_bf16, amx_bf16), else float32 (half the KV heads: the same KV bytes)",
+    )
+    parser.add_argument(
         "--prompts", type=int, default=5, help="prefixes per length (medians over them)"
     )
     parser.add_argument("--out", default="results/bench_vllm.json")
@@ -675,6 +834,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--no-native", action="store_true", help="do not try vLLM's own CPU offloading"
+    )
+    parser.add_argument(
+        "--no-plain",
+        action="store_true",
+        help="no engine without a connector: recompute is then kvoffload's cold run, resident "
+        "the connector engine's own resident hit (the overheads need only those)",
     )
     parser.add_argument(
         "--extra",

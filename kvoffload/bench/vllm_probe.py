@@ -33,7 +33,8 @@ def _emit(ev: str, start: float, **fields: Any) -> None:
 
 
 def _time_schedule_end(manager: KVOffloadManager) -> None:
-    """Time the manager's step-end batch: its kvoffload lookups (one round trip per request)."""
+    """Time the manager's step-end batch (its kvoffload lookups, one round trip per request)
+    and its lookups of a request's whole prefix as it arrives (``ask_now``)."""
     inner = manager.on_schedule_end
 
     def on_schedule_end(context) -> None:
@@ -42,6 +43,14 @@ def _time_schedule_end(manager: KVOffloadManager) -> None:
         _emit("schedule_end", start)
 
     manager.on_schedule_end = on_schedule_end  # type: ignore[method-assign]  # the probe wraps it
+    inner_ask = manager.ask_now
+
+    def ask_now(req_context, keys) -> None:
+        start = time.monotonic()
+        inner_ask(req_context, keys)
+        _emit("ask_now", start)
+
+    manager.ask_now = ask_now  # type: ignore[method-assign]  # the probe wraps it
 
 
 class ProbeConnector(KVOffloadConnector):

@@ -49,6 +49,7 @@ from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks
 from kvoffload.integrations.vllm.layout import BlockLayout, CopyRow, transfer_rows
 from kvoffload.memory.cudacopy import Part, SlotRegion, StageBuffer, copy_slots
 from kvoffload.memory.pool import HostPool
+from kvoffload.memory.prefault import Prefaulter
 from kvoffload.memory.slotcopy import (
     MAX_COPY_THREADS,
     HashedPart,
@@ -151,6 +152,16 @@ class KVOffloadWorker(OffloadingWorker):
         self._verify_loads = verify_loads
         self._rng = random.Random(faults.seed)
         self._copier = worker_copier()
+        self._prefault = self._start_prefault()
+
+    def _start_prefault(self) -> Prefaulter | None:
+        """CPU KV tensors are backed with pages in the background (``kvoffload.memory.
+        prefault``): vLLM does not touch them before use, and a first copy into a page pays
+        its fault. The engine starts serving meanwhile; the log says when it is done."""
+        if self._device.type != "cpu":
+            return None
+        ranges = [(t.data_ptr(), t.numel() * t.element_size()) for t in self._tensors]
+        return Prefaulter(ranges, _log_prefault).start()
 
     # ---- pool -----------------------------------------------------------------------------
 
@@ -188,6 +199,7 @@ class KVOffloadWorker(OffloadingWorker):
     def unregister(self) -> None:
         """Wait for every copy in flight, then refuse copies until ``restore`` (the KV
         tensors' memory is released while vLLM sleeps). Idempotent."""
+        self._stop_prefault()
         self._sync_streams()
         self._registered = False
 
@@ -196,6 +208,7 @@ class KVOffloadWorker(OffloadingWorker):
         CPU views are rebuilt all the same). Idempotent."""
         if self._device.type == "cpu":
             self._arrays = [t.numpy() for t in self._tensors]
+            self._prefault = self._start_prefault()
         self._registered = True
 
     def _sync_streams(self) -> None:
@@ -341,7 +354,12 @@ class KVOffloadWorker(OffloadingWorker):
             if pending.event is not None and pending.result.job_id in job_ids:
                 pending.event.synchronize()
 
+    def _stop_prefault(self) -> None:
+        if self._prefault is not None:
+            self._prefault.stop()
+
     def shutdown(self) -> None:
+        self._stop_prefault()
         self._sync_streams()
         self._pool_views.clear()
         for pool in self._pools.values():
@@ -490,6 +508,22 @@ class KVOffloadWorker(OffloadingWorker):
         )
         with torch.cuda.stream(stream):
             return copy_slots(pool, used_slots, region, parts, to_pool, self._stages[expedited])
+
+
+def _log_prefault(prefault: Prefaulter) -> None:
+    if prefault.error:
+        log.warning(
+            "kvoffload_kv_prefault_incomplete bytes=%d of=%d error=%s",
+            prefault.populated_bytes,
+            prefault.total_bytes,
+            prefault.error,
+        )
+    else:
+        log.info(
+            "kvoffload_kv_prefaulted bytes=%d seconds=%.3f",
+            prefault.populated_bytes,
+            prefault.seconds,
+        )
 
 
 def worker_copier() -> SlotCopier:
