@@ -9,12 +9,19 @@ Finished device jobs are delivered once each, by ``poll``/``wait``.
 A restarted manager answers ``not_connected``: ``reconnect`` starts a new session with what
 this client had set up (KV handles, open requests); with ``auto_reconnect`` that happens by
 itself and the call is sent once more.
+
+With ``landing`` (an ipc:// endpoint), the client also binds a PULL socket beside the
+manager's, where tier workers tell it of the keys its ``lookup(..., landing=True)`` calls are
+promoting as they land (``take_landed``): a cold load then waits for the disk, not for the
+manager to hear of the disk and answer (docs/design/cold-loads.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import secrets
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -49,6 +56,8 @@ R = TypeVar("R")
 """The reply type a call expects."""
 
 LOST_JOB_ERROR = "lost: the manager restarted or dropped this client's session"
+MAX_IPC_PATH = 100
+"""The longest ipc:// socket path bound (the kernel's limit is 107 bytes)."""
 DEFERRED_ERRORS_KEPT = 64
 
 
@@ -62,6 +71,9 @@ class LookupOutcome:
         self.ready_prefix = reply.ready_prefix
         self.slots = reply.slots
         self.checksums = reply.checksums
+        self.landing_slots = reply.landing_slots
+        self.ticket = reply.rid if reply.landing_slots else 0
+        """The ``Landed.ticket`` of the notices that tell the keys of ``landing_slots``."""
 
     @property
     def results(self) -> list[LookupResult]:
@@ -89,10 +101,13 @@ class KVOffloadClient:
         name: str = "",
         curve_keys: tuple[bytes, bytes, bytes] | None = None,
         auto_reconnect: bool = False,
+        landing: bool = False,
     ) -> None:
         """``curve_keys`` = (client public, client secret, server public) for tcp:// endpoints.
         ``auto_reconnect``: a call answered ``not_connected`` calls ``reconnect`` and is sent
-        once more. Raises ServiceUnavailable when the manager does not answer."""
+        once more. ``landing``: take ``Landed`` notices (``take_landed``), for an ipc://
+        endpoint only (ignored otherwise: ``landing_endpoint`` stays ""). Raises
+        ServiceUnavailable when the manager does not answer."""
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.name = name
@@ -110,11 +125,17 @@ class KVOffloadClient:
         self._unawaited: dict[int, str] = {}  # rid -> call name, sent with wait=False
         self.deferred_errors: deque[KVOffloadError] = deque(maxlen=DEFERRED_ERRORS_KEPT)
         """Errors answered to calls sent with ``wait=False``, newest last (the last 64)."""
+        self._landing: zmq.Socket[bytes] | None = None
+        self.landing_endpoint = ""
+        """Where tier workers send this client's ``Landed`` notices ("" for none)."""
+        if landing:
+            self._open_landing()
         self._sock = self._open_socket()
         try:
             self.info = self._exchange(p.Connect, p.Connected, None, self._connect_fields())
         except BaseException:
             self._sock.close(linger=0)
+            self._close_landing()
             raise
 
     # ---- plumbing -------------------------------------------------------------------------
@@ -127,8 +148,40 @@ class KVOffloadClient:
         sock.connect(self.endpoint)
         return sock
 
+    def _open_landing(self) -> None:
+        """Bind the landing socket beside an ipc:// endpoint's socket file (the run's
+        directory, which only the service's user can enter)."""
+        if not self.endpoint.startswith("ipc://"):
+            return
+        directory = os.path.dirname(self.endpoint.removeprefix("ipc://"))
+        path = os.path.join(directory, f"landing-{os.getpid()}-{secrets.token_hex(4)}.sock")
+        if len(path) > MAX_IPC_PATH:
+            return
+        sock = self._zctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        try:
+            sock.bind(f"ipc://{path}")
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            return
+        self._landing = sock
+        self.landing_endpoint = f"ipc://{path}"
+
+    def _close_landing(self) -> None:
+        if self._landing is None:
+            return
+        self._landing.close(linger=0)
+        self._landing = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.landing_endpoint.removeprefix("ipc://"))
+
     def _connect_fields(self) -> dict[str, Any]:
-        return {"version": p.PROTOCOL_VERSION, "client_name": self.name}
+        return {
+            "version": p.PROTOCOL_VERSION,
+            "client_name": self.name,
+            "landing_endpoint": self.landing_endpoint,
+        }
 
     def _call(
         self, kind: type, reply_type: type[R], timeout_s: float | None = None, **fields: Any
@@ -233,6 +286,7 @@ class KVOffloadClient:
             with contextlib.suppress(TimeoutError, KVOffloadError, zmq.ZMQError):
                 self._call(p.Disconnect, p.Ok, timeout_s=1.0)
             self._sock.close(linger=0)
+        self._close_landing()
 
     def abandon(self, linger_ms: int = 200) -> None:
         """Leave without waiting (for a manager that stopped answering): queue a Disconnect,
@@ -243,6 +297,7 @@ class KVOffloadClient:
         with contextlib.suppress(zmq.ZMQError):
             self._sock.send(p.encode(p.Disconnect(rid=next(self._rids))), zmq.NOBLOCK)
         self._sock.close(linger=linger_ms)
+        self._close_landing()
 
     def __enter__(self) -> KVOffloadClient:
         return self
@@ -274,13 +329,24 @@ class KVOffloadClient:
         return reply.request_level
 
     def lookup(
-        self, req_id: str, keys: list[bytes], pin: bool = False, wait_ms: int = 0
+        self,
+        req_id: str,
+        keys: list[bytes],
+        pin: bool = False,
+        wait_ms: int = 0,
+        landing: bool = False,
     ) -> LookupOutcome:
         """Evaluate the prefix ``keys``. With ``pin``, every HIT key is pinned for this client
         in the same round trip and ``slots`` holds its slot (-1 for the other results); release
         each pin with ``complete_load``. With ``wait_ms`` > 0 the manager holds the reply while
         no key is HIT and some are still pending, up to ``wait_ms`` (``protocol.Lookup``): a
-        cold load then takes one call per batch of landed keys instead of polling."""
+        cold load then takes one call per batch of landed keys instead of polling.
+
+        ``landing`` (with ``pin``, on a client with a ``landing_endpoint``): the promotions the
+        lookup starts go to their tiers at once; their keys come back HIT_PENDING with a slot
+        in ``landing_slots``, and ``take_landed`` tells each as it lands (``ticket``), pinned
+        for this client as a HIT: copy it, verify it against the notice's checksums, release it
+        with ``complete_load``. A key given up on is released with ``complete_load`` too."""
         return LookupOutcome(
             self._call(
                 p.Lookup,
@@ -290,8 +356,26 @@ class KVOffloadClient:
                 keys=keys,
                 pin=pin,
                 wait_ms=wait_ms,
+                landing=landing and pin and bool(self.landing_endpoint),
             )
         )
+
+    def take_landed(self, timeout_ms: int = 0) -> list[p.Landed]:
+        """The ``Landed`` notices received, waiting up to ``timeout_ms`` for the first (0: none
+        waited for). Each notice arrives once; a frame that is not one is dropped."""
+        sock = self._landing
+        if sock is None:
+            return []
+        out: list[p.Landed] = []
+        if timeout_ms > 0 and not sock.poll(timeout_ms):
+            return out
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            with contextlib.suppress(p.ProtocolError):
+                out.append(p.decode_landing(frame))
 
     def store(
         self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str

@@ -78,6 +78,7 @@ from workers.backend import (
 )
 from workers.faults import FaultInjector
 from workers.jobs import JobRunner
+from workers.landing import LandingNotifier
 from workers.slotheaders import SlotHeaders
 
 log = get_logger()
@@ -143,8 +144,16 @@ class _Worker:
         self._draining = False
         self._shutdown_deadline: float | None = None
         self._loop_stats = WorkerLoopStats()
+        self._notifier = LandingNotifier(self._ctx)
         self._jobs = JobRunner(
-            backend, pool.num_slots, faults, threads, self._loop_stats, self._send, self._wake
+            backend,
+            pool.num_slots,
+            faults,
+            threads,
+            self._loop_stats,
+            self._send,
+            self._wake,
+            self._notifier,
         )
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -183,6 +192,8 @@ class _Worker:
         ``abandoned`` jobs the backend stays open: a job thread may still be using it."""
         self._jobs.stop(join=not self.abandoned)
         self._flush()
+        if not self.abandoned:
+            self._notifier.close()
         self._sock.close(linger=CLOSE_LINGER_MS)
         self._ctx.term()
         wake_fd, self._wake_fd = self._wake_fd, -1
@@ -458,6 +469,8 @@ class _Worker:
             medium = None
         self._loop_stats.queued = self._jobs.queued()
         self._loop_stats.releasing = self._jobs.releasing
+        self._loop_stats.landing_notices = self._notifier.sent
+        self._loop_stats.landing_notices_dropped = self._notifier.dropped
         stats = WorkerStats(loop=msgspec.structs.replace(self._loop_stats), medium=medium)
         self._send(
             Heartbeat(

@@ -6,13 +6,16 @@ cascades); an invalid one, or any job while the worker drains, is refused at onc
 main thread, which calls its ``release``: only after that returned is the job's one ``JobDone``
 queued (a result is never early, docs/design/tiering.md). A release that raises keeps the job
 tracked (logged as ``job_release_failed``) and is retried at the next turn; secondary
-``cleanup`` then runs best effort. Job threads never touch the socket: results, and the keys a
-promotion reports landed (``report_landed``), go through deques, and ``wake`` rouses the main
-loop.
+``cleanup`` then runs best effort. Job threads never touch the manager's socket: results, and
+the keys a promotion reports landed (``report_landed``), go through deques, and ``wake``
+rouses the main loop. A promotion with a ``LandingTarget`` also tells its client of each
+landed key straight from the job thread (``workers.landing``), and, once the backend's work is
+over, which of its keys failed (``Landed.final``).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import threading
@@ -24,10 +27,11 @@ from dataclasses import dataclass
 import msgspec
 
 from kvoffload.logs import get_logger
-from kvoffload.wire.protocol import Job, JobDone, JobProgress
+from kvoffload.wire.protocol import Job, JobDone, JobProgress, LandingTarget
 from kvoffload.wire.status import WorkerLoopStats
 from workers.backend import DEVICE_KINDS, SLOT_KINDS, URGENT_KINDS, Backend, BackendOutcome
 from workers.faults import FaultInjector, InjectedFault
+from workers.landing import LandingNotifier
 
 log = get_logger()
 
@@ -35,15 +39,43 @@ _STOP_PRIORITY = 2  # after every queued job (priorities 0 and 1)
 _job_context = threading.local()
 
 
-def report_landed(keys: list[bytes]) -> None:
+def report_landed(keys: list[bytes], checksums: list[list[int]] | None = None) -> None:
     """Called by a backend from the job thread running a promotion: the slots of ``keys`` are
-    complete (bytes verified, header stamped) and the job will not touch them again. The
-    worker sends them in a ``JobProgress`` before the job's result, so the manager serves them
-    while the rest of the job is still running. The job's outcome still lists them as ok.
+    complete (bytes verified, header stamped) and the job will not touch them again.
+    ``checksums``: co-indexed, each block's digests as a reader verifies them
+    (``BlockChecksum.digests``). The worker sends the keys in a ``JobProgress`` before the
+    job's result (unless the result is sent in the same turn), so the manager serves them
+    while the rest of the job is still running, and, with ``checksums``, tells the job's
+    waiting client (``LandingTarget``) at once. The job's outcome still lists them as ok.
     Does nothing outside a job thread."""
     report = getattr(_job_context, "report", None)
     if report is not None and keys:
-        report(keys)
+        report(keys, checksums)
+
+
+class _JobLanding:
+    """What a promotion's waiting client was told: keys landed so far, then the failed ones."""
+
+    def __init__(self, job: Job, target: LandingTarget, notifier: LandingNotifier) -> None:
+        self._target = target
+        self._notifier = notifier
+        self._slot_of = dict(zip(job.keys, job.slots, strict=True))
+        self._keys = job.keys
+        self._told: set[bytes] = set()
+
+    def landed(self, keys: list[bytes], checksums: list[list[int]] | None) -> None:
+        if checksums is None:
+            return  # a block its reader cannot verify is not told: the client asks the manager
+        self._told.update(keys)
+        self._notifier.landed(self._target, keys, [self._slot_of[k] for k in keys], checksums)
+
+    def over(self, outcome: BackendOutcome) -> None:
+        """The backend's work is over: the keys neither landed nor told are failed; landed
+        keys not told (no checksums) are left to the client's next lookup."""
+        ok = set(outcome.ok_keys)
+        self._notifier.over(
+            self._target, [k for k in self._keys if k not in ok and k not in self._told]
+        )
 
 
 def validate_job(job: Job, num_slots: int, kinds: Iterable[str]) -> str:
@@ -113,10 +145,13 @@ class JobRunner:
         stats: WorkerLoopStats,
         send: Callable[[msgspec.Struct], None],
         wake: Callable[[], None],
+        notifier: LandingNotifier | None = None,
     ) -> None:
         """``stats``: the worker's loop counters (jobs done, failed, refused, release and
         cleanup failures); ``send`` queues a message for the manager; ``wake`` rouses the
-        worker's main loop from a job thread."""
+        worker's main loop from a job thread; ``notifier`` tells waiting clients of landed
+        keys (None: jobs' ``landing`` is ignored)."""
+        self._notifier = notifier
         self._backend = backend
         self._num_slots = num_slots
         self._faults = faults
@@ -172,8 +207,12 @@ class JobRunner:
             self._send(JobDone(job_id=job.job_id, success=False, error=error))
             return
         self._inflight.add(job.job_id)
-        priority = 0 if job.kind in URGENT_KINDS else 1
-        self._queue.put((priority, next(self._seq), job))
+        urgent = job.kind in URGENT_KINDS
+        self._queue.put((0 if urgent else 1, next(self._seq), job))
+        if urgent:
+            # Let a job thread take it now instead of after this turn of the main loop (which
+            # holds the GIL until it polls): a cold load waits on this hand-off.
+            time.sleep(0)
 
     def _run_jobs(self) -> None:
         while True:
@@ -181,7 +220,12 @@ class JobRunner:
             if job is None:
                 return
             start = time.perf_counter()
-            _job_context.report = lambda keys, job_id=job.job_id: self._note_progress(job_id, keys)
+            landing = (
+                _JobLanding(job, job.landing, self._notifier)
+                if job.landing is not None and self._notifier is not None
+                else None
+            )
+            _job_context.report = functools.partial(self._note_progress, job.job_id, landing)
             try:
                 outcome = self._backend.run_job(job)
             except Exception as exc:
@@ -189,21 +233,36 @@ class JobRunner:
                 outcome = BackendOutcome(ok_keys=[], error=f"internal_error: {exc!r}")
             finally:
                 _job_context.report = None
+            if landing is not None:
+                landing.over(outcome)
             self._finished.append(PendingRelease(job, outcome, time.perf_counter() - start))
             self._wake()
 
-    def _note_progress(self, job_id: int, keys: list[bytes]) -> None:
+    def _note_progress(
+        self,
+        job_id: int,
+        landing: _JobLanding | None,
+        keys: list[bytes],
+        checksums: list[list[int]] | None,
+    ) -> None:
+        if landing is not None:
+            landing.landed(keys, checksums)
         self._progress.append((job_id, list(keys)))
         self._wake()
 
     def send_progress(self) -> None:
-        """One ``JobProgress`` per job with the keys reported since the last turn. Runs after
-        ``collect_finished``, so a job's progress always leaves before its result."""
+        """One ``JobProgress`` per job with the keys reported since the last turn, but for
+        jobs whose result is about to be published (finished, nothing to release): their
+        result carries those keys. Runs after ``collect_finished``, so a job's progress
+        always leaves before its result."""
         landed: dict[int, list[bytes]] = {}
         while self._progress:
             job_id, keys = self._progress.popleft()
             landed.setdefault(job_id, []).extend(keys)
         for job_id, keys in landed.items():
+            finished = self._releasing.get(job_id)
+            if finished is not None and finished.outcome.release is None:
+                continue
             self._send(JobProgress(job_id=job_id, keys=keys))
 
     def collect_finished(self) -> None:

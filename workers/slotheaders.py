@@ -41,11 +41,12 @@ class SlotHeaders:
 
     def stamp(
         self, slot: int, key: bytes, generation: int, checksum: BlockChecksum | None = None
-    ) -> None:
+    ) -> list[int]:
         """Describe ``slot`` as holding ``key``. ``checksum``: the slot's checksum when the
         caller already verified it against a stored header; the xxh3 of the slot computed now
         if None. A block of several slices also gets its slices' digests, taken from the slot
-        (ValueError if they do not make ``checksum``: the bytes changed since)."""
+        (ValueError if they do not make ``checksum``: the bytes changed since). Returns the
+        block's digests as a reader verifies them (``BlockChecksum.digests``)."""
         data = self._pool.slot_array(slot)
         if checksum is None:
             checksum = BlockChecksum(payload_checksum(data))
@@ -54,6 +55,7 @@ class SlotHeaders:
             digests = slice_checksums(data, checksum.slices, checksum.slice_bytes)
         header = checksum.header(key, self._pool.block_bytes, self._fingerprint, generation)
         self._table.write(slot, header, digests)
+        return digests or [checksum.value]
 
     def checksum_of(self, slot: int, key: bytes) -> BlockChecksum | None:
         """The checksum stamped for ``key`` in ``slot``'s header: the one its writers took of

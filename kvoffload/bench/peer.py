@@ -166,7 +166,7 @@ def peer_service(
     }
     with (
         ServiceHarness(None, sections, defaults={}, watch=False) as service,
-        service.client("peer", timeout_s=60.0) as client,
+        service.client("peer", timeout_s=60.0, landing=True) as client,
     ):
         yield client
 

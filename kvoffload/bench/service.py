@@ -242,21 +242,15 @@ def engine_load(
     xxh3 taken of the bytes just copied, ``Hashed.DESTINATION``, over the process's shared
     copier threads), complete_load (without waiting for its reply unless ``wait``); keys not
     ready yet are looked up again (held by the manager up to ``wait_ms`` until some of them
-    land, when ``wait_ms`` > 0). Returns the number of lookups it took; RuntimeError if a key
-    missed or a copy did not match its checksum."""
+    land, when ``wait_ms`` > 0). With ``wait_ms`` > 0 and a client with a landing endpoint,
+    the lookup asks for ``landing``: the keys it promotes are copied as the tier's worker
+    tells of them (``take_landed``), without another lookup. Returns the number of lookups it
+    took; RuntimeError if a key missed or a copy did not match its checksum."""
     position = {key: i for i, key in enumerate(keys)}
     remaining = list(keys)
     lookups = 0
-    while remaining:
-        outcome = client.lookup(req, remaining, pin=True, wait_ms=wait_ms)
-        lookups += 1
-        if LookupResult.MISS in outcome.results:
-            raise RuntimeError(f"cold load missed: {outcome}")
-        hits = [
-            (key, slot, digests)
-            for key, slot, digests in zip(remaining, outcome.slots, outcome.checksums, strict=False)
-            if slot >= 0
-        ]
+
+    def copy(hits: list[tuple[bytes, int, list[int]]]) -> set[bytes]:
         sums = shared_copier().copy_blocks(
             [[(out[position[key]], pool.slot_array(slot))] for key, slot, _ in hits],
             Hashed.DESTINATION,
@@ -267,9 +261,69 @@ def engine_load(
         bad = [key for (key, _, digests), got in zip(hits, sums, strict=True) if digests != [got]]
         if bad:
             raise RuntimeError(f"{len(bad)} loaded blocks do not match their checksums")
-        done = set(copied)
+        return set(copied)
+
+    while remaining:
+        outcome = client.lookup(req, remaining, pin=True, wait_ms=wait_ms, landing=wait_ms > 0)
+        lookups += 1
+        if LookupResult.MISS in outcome.results:
+            raise RuntimeError(f"cold load missed: {outcome}")
+        done = copy(
+            [
+                (key, slot, digests)
+                for key, slot, digests in zip(
+                    remaining, outcome.slots, outcome.checksums, strict=False
+                )
+                if slot >= 0
+            ]
+        )
+        if outcome.ticket:
+            expected = {
+                key
+                for key, slot in zip(remaining, outcome.landing_slots, strict=False)
+                if slot >= 0
+            }
+            done |= take_landings(client, req, outcome.ticket, expected, copy, wait_ms)
         remaining = [key for key in remaining if key not in done]
     return lookups
+
+
+def take_landings(
+    client: KVOffloadClient,
+    req: str,
+    ticket: int,
+    expected: set[bytes],
+    copy: Callable[[list[tuple[bytes, int, list[int]]]], set[bytes]],
+    wait_ms: int,
+) -> set[bytes]:
+    """Copy (``copy``) each of ``expected`` as its ``Landed`` notice of ``ticket`` arrives,
+    until every one was told, the job is over, or ``wait_ms`` passed; returns the keys copied.
+    The keys given up on are released (their landing wait cancelled) and left to the next
+    lookup; a key told failed raises RuntimeError (a miss)."""
+    done: set[bytes] = set()
+    waiting = set(expected)
+    deadline = time.monotonic() + wait_ms / 1000
+    over = False
+    while waiting and not over:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        if left_ms <= 0:
+            break
+        hits: list[tuple[bytes, int, list[int]]] = []
+        for notice in client.take_landed(left_ms):
+            if notice.ticket != ticket:
+                continue
+            failed = waiting.intersection(notice.failed)
+            if failed:
+                raise RuntimeError(f"cold load missed: {len(failed)} keys failed to land")
+            for key, slot, digests in zip(notice.keys, notice.slots, notice.checksums, strict=True):
+                if key in waiting:
+                    waiting.discard(key)
+                    hits.append((key, slot, digests))
+            over = over or notice.final
+        done |= copy(hits)
+    if waiting:
+        client.complete_load(req, sorted(waiting), wait=False)
+    return done
 
 
 def latency(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
@@ -71,6 +72,14 @@ class BlockChecksum:
     value: int
     slices: int = 1
     slice_bytes: int = 0
+
+    def digests(self, payload: Any) -> list[int]:
+        """The digests a reader verifies the block by, slice by slice (as a lookup reply's
+        ``checksums`` gives them): ``[value]`` for one slice, else each slice's xxh3 of
+        ``payload``."""
+        if self.slices <= 1:
+            return [self.value]
+        return slice_checksums(payload, self.slices, self.slice_bytes)
 
     def header(
         self, key: bytes, payload_len: int, fingerprint: bytes, generation: int = 0

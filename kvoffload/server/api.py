@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar, cast
 
@@ -23,7 +24,7 @@ from kvoffload.server.jobs import WorkerChannel
 from kvoffload.server.sessions import ClientSession, PendingPoll
 from kvoffload.server.state import CPU_WORKER, ManagerState, RequestError, WaitingLookup
 from kvoffload.tiering import LookupResult, ReqContext
-from kvoffload.tiering.types import PrefixResult, TieringError
+from kvoffload.tiering.types import LandingTag, PrefixResult, TieringError
 from kvoffload.wire import protocol as p
 from kvoffload.wire.protocol import ErrorCode
 from kvoffload.wire.tenant_ids import TENANT_ID_CHARS, is_tenant_id
@@ -185,6 +186,7 @@ class ClientApi:
             session = ClientSession(identity, client_id, msg.client_name, time.monotonic())
             self.state.sessions[identity] = session
             log.info("client_connected", client_id=client_id, client_name=msg.client_name)
+        session.landing_endpoint = msg.landing_endpoint if is_landing_endpoint(msg) else ""
         pool = self.state.cfg.pool
         return p.Connected(
             msg.rid,
@@ -225,11 +227,54 @@ class ClientApi:
         self._check_keys(msg.keys)
         scoped = self._scoped(session, msg.req_id)
         reply = self.tiering.lookup(scoped, msg.keys)
-        if msg.wait_ms > 0 and _worth_waiting(reply.results):
+        landing_slots = (
+            self._start_landings(identity, session, scoped, msg, reply)
+            if msg.landing and msg.pin and session.landing_endpoint
+            else []
+        )
+        if msg.wait_ms > 0 and not landing_slots and _worth_waiting(reply.results):
             deadline = time.monotonic() + msg.wait_ms / 1000
             self.state.waiting_lookups[identity] = WaitingLookup(msg, deadline)
             return None
-        return self._lookup_reply(session, scoped, msg, reply)
+        out = self._lookup_reply(session, scoped, msg, reply)
+        out.landing_slots = landing_slots
+        return out
+
+    def _start_landings(
+        self,
+        identity: bytes,
+        session: ClientSession,
+        scoped: str,
+        msg: p.Lookup,
+        reply: PrefixResult,
+    ) -> list[int]:
+        """Send the promotions this lookup queued for the request to their tiers now, each
+        telling the client of its keys as they land; the client waits for the keys of
+        ``msg`` among them (``landings``). Returns ``LookupReply.landing_slots`` (empty when
+        none)."""
+        jobs = self.tiering.promote_now(scoped, LandingTag(session.landing_endpoint, msg.rid))
+        if not jobs:
+            return []
+        pending = {
+            k
+            for k, r in zip(msg.keys, reply.results, strict=False)
+            if r is LookupResult.HIT_PENDING
+        }
+        for job in jobs:
+            mine = [(k, s) for k, s in zip(job.keys, job.slots, strict=True) if k in pending]
+            if mine:
+                keys, slots = (list(x) for x in zip(*mine, strict=True))
+                self.state.landings.expect(job.job_id, identity, scoped, keys, slots)
+        self.state.dispatch_tier_jobs()  # a job that cannot be sent fails here: no wait left
+        slot_of: dict[bytes, int] = {}
+        for job in jobs:
+            for key in job.keys:
+                slot = self.state.landings.waiting_slot(job.job_id, key)
+                if slot >= 0:
+                    slot_of[key] = slot
+        if not slot_of:
+            return []
+        return [slot_of.get(k, -1) for k in msg.keys[: len(reply.results)]]
 
     def serve_waiting_lookups(self, now: float, force: bool = False) -> None:
         """Evaluate the held lookups again; answer those with a HIT, with nothing pending any
@@ -368,12 +413,51 @@ class ClientApi:
     def _on_complete_load(
         self, identity: bytes, session: ClientSession, msg: p.CompleteLoad
     ) -> p.Ok:
+        """Release pins; a key this client still waits for (``Lookup.landing``) releases its
+        wait instead, and one whose wait was lost is accepted without effect."""
         self._check_keys(msg.keys)
-        if not session.owns_pins(msg.keys):
+        keys = msg.keys
+        if session.landing_endpoint:
+            keys = self._release_landings(identity, session, msg)
+        if not session.owns_pins(keys):
             raise RequestError(ErrorCode.NOT_PINNED, "these keys are not pinned by this client")
-        self.tiering.complete_load(msg.keys)
-        session.drop_pins(msg.keys)
+        self.tiering.complete_load(keys)
+        session.drop_pins(keys)
         return p.Ok(msg.rid)
+
+    def _release_landings(
+        self, identity: bytes, session: ClientSession, msg: p.CompleteLoad
+    ) -> list[bytes]:
+        """The keys of ``msg`` left to unpin, once each key took, in this order, a pin the
+        client holds, else its open landing wait for the request (released), else a lost
+        wait (forgotten). Nothing changes when some key has none of them (NOT_PINNED)."""
+        scoped = session.scoped(msg.req_id)
+        waits = self.state.landings
+        pins = Counter(session.pinned)
+        lost = session.landing_lost.get(scoped, set())
+        lost_left = set(lost)
+        opened: Counter[bytes] = Counter()
+        unpin: list[bytes] = []
+        release: list[bytes] = []
+        forget: list[bytes] = []
+        for key in msg.keys:
+            if pins[key] > 0:
+                pins[key] -= 1
+                unpin.append(key)
+                continue
+            if key not in opened:
+                opened[key] = waits.open_count(identity, scoped, key)
+            if opened[key] > 0:
+                opened[key] -= 1
+                release.append(key)
+            elif key in lost_left:
+                lost_left.discard(key)
+                forget.append(key)
+            else:
+                raise RequestError(ErrorCode.NOT_PINNED, "these keys are not pinned by this client")
+        waits.release(identity, scoped, release)
+        lost.difference_update(forget)
+        return unpin
 
     def _on_touch(self, identity: bytes, session: ClientSession, msg: p.Touch) -> p.Ok:
         self._check_keys(msg.keys)
@@ -384,6 +468,8 @@ class ClientApi:
         self, identity: bytes, session: ClientSession, msg: p.FinishRequest
     ) -> p.Ok:
         scoped = self._scoped(session, msg.req_id)
+        self.state.landings.drop_request(identity, scoped)
+        session.landing_lost.pop(scoped, None)
         self.tiering.on_request_finished(scoped)
         session.requests.discard(scoped)
         self.state.dispatch_tier_jobs()
@@ -438,6 +524,7 @@ class ClientApi:
         released, its requests finish; its device jobs still complete but deliver no event."""
         del self.state.sessions[session.identity]
         self.state.waiting_lookups.pop(session.identity, None)
+        self.state.landings.drop_client(session.identity)
         for scoped, stores in session.open_stores.items():
             for keys in stores:
                 self.tiering.complete_store(scoped, keys, success=False)
@@ -456,6 +543,12 @@ class ClientApi:
             requests=len(session.requests),
             pins=sum(session.pinned.values()),
         )
+
+
+def is_landing_endpoint(msg: p.Connect) -> bool:
+    """Only ipc:// endpoints take ``Landed`` notices: a client that maps the pool runs on this
+    machine, and the workers connect to nothing else."""
+    return msg.landing_endpoint.startswith("ipc://")
 
 
 def check_tenant(tenant: str, required: bool = False) -> None:

@@ -102,7 +102,7 @@ class WorkerChannel:
                 state.warm.verify_lost()
         else:
             state.tiering.set_tier_online(name, False)
-            failed_tier_jobs = state.tiering.fail_worker_jobs(name)
+            failed_tier_jobs = state.fail_tier_jobs(name)
         log.error("worker_jobs_failed", worker=name, reason=reason, tier_jobs=len(failed_tier_jobs))
 
     def _on_hello(self, name: str, hello: p.WorkerHello, now: float) -> None:
@@ -157,7 +157,7 @@ class WorkerChannel:
             state.warm.verify_done(done.job_id, done.success, done.successful_keys)
             return
         try:
-            state.tiering.apply_result(
+            state.apply_tier_result(
                 worker.name,
                 TransferResult(
                     done.job_id,
@@ -181,7 +181,7 @@ class WorkerChannel:
     def _on_job_progress(self, worker: WorkerState, progress: p.JobProgress) -> None:
         """Keys of a running promotion that landed: HIT before the job's result."""
         try:
-            self.state.tiering.apply_progress(worker.name, progress.job_id, progress.keys)
+            self.state.apply_tier_progress(worker.name, progress.job_id, progress.keys)
         except TieringError as exc:
             log.warning(
                 "job_progress_rejected", worker=worker.name, job_id=progress.job_id, error=str(exc)

@@ -37,6 +37,12 @@ class ClientSession:
     tenants: set[str] = field(default_factory=set)
     """The tenants this client named in its requests: it takes their blocks' events."""
     event_reader: EventReader = field(default_factory=EventReader)
+    landing_endpoint: str = ""
+    """Where this client takes ``Landed`` notices ("" for none)."""
+    landing_lost: dict[str, set[bytes]] = field(default_factory=dict)
+    """Per request, keys this client waited for whose promotion did not land them: its
+    release of one is accepted without effect (a ``Landed`` notice may have raced the
+    failure). Forgotten when the request finishes."""
 
     def scoped(self, req_id: str) -> str:
         return f"{self.client_id}/{req_id}"

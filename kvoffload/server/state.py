@@ -18,13 +18,23 @@ from kvoffload.config import Config
 from kvoffload.runtime.runspec import RunSpec
 from kvoffload.server.events import EventFeed
 from kvoffload.server.eventstream import NodeStream
+from kvoffload.server.landings import Landings, LandingWait
 from kvoffload.server.metrics import MetricsEndpoint
 from kvoffload.server.sessions import ClientSession
 from kvoffload.server.sockets import bind_client_socket, bind_job_socket
 from kvoffload.server.tenants import DropReplies, disk_capacity_keys, tenant_policy, with_bytes
 from kvoffload.server.warmstart import WarmRestart
 from kvoffload.server.workers import WorkerRegistry
-from kvoffload.tiering import Locality, Medium, TieringLedger, TierSpec, TransferResult, WriteBack
+from kvoffload.tiering import (
+    Locality,
+    LookupResult,
+    Medium,
+    TieringLedger,
+    TierSpec,
+    TransferResult,
+    WriteBack,
+)
+from kvoffload.tiering.types import TieringError, TransferJob
 from kvoffload.wire import protocol as p
 from kvoffload.wire.status import ManagerStatus, PoolStatus
 
@@ -141,6 +151,7 @@ class ManagerState:
         self.pending_resets: list[tuple[bytes, int, float]] = []
         self.drop_replies = DropReplies()
         self.waiting_lookups: dict[bytes, WaitingLookup] = {}
+        self.landings = Landings()
         self.draining = False
         self.started_at = time.monotonic()
         self.supervisor_pid = os.getppid()
@@ -194,7 +205,7 @@ class ManagerState:
             worker = self.registry.live(tier)
             if worker is None:
                 log.warning("tier_job_failed_no_worker", tier=tier, job_id=job.job_id)
-                self.tiering.apply_result(tier, TransferResult(job.job_id, False))
+                self.apply_tier_result(tier, TransferResult(job.job_id, False))
                 continue
             msg = p.Job(
                 job.job_id,
@@ -203,16 +214,64 @@ class ManagerState:
                 job.slots,
                 tenants=job.tenants,
                 purge_tenant=job.purge_tenant,
+                landing=p.LandingTarget(job.landing.endpoint, job.landing.ticket)
+                if job.landing is not None
+                else None,
             )
             if self.send_worker(tier, msg):
                 worker.jobs.add(job.job_id)
             else:
-                self.tiering.apply_result(tier, TransferResult(job.job_id, False))
+                self.apply_tier_result(tier, TransferResult(job.job_id, False))
         for secondary in self.tiering.tiers:
             touched = self.tiering.take_touched(secondary.name)
             if touched and self.registry.live(secondary.name) is not None:
                 self.send_worker(secondary.name, p.TouchKeys(touched))
         self.settle_drops()
+
+    def apply_tier_result(self, tier: str, result: TransferResult) -> TransferJob:
+        """Hand a tier job's result to the tiering library, then settle the landing waits of
+        its keys (TieringError, changing nothing, for a result the library refuses)."""
+        job = self.tiering.apply_result(tier, result)
+        self.settle_landings(self.landings.over(job.job_id))
+        return job
+
+    def apply_tier_progress(self, tier: str, job_id: int, keys: list[bytes]) -> None:
+        """Keys of a running promotion that landed: ready now, and pinned for the clients
+        that wait for them."""
+        landed = self.tiering.apply_progress(tier, job_id, keys)
+        self.settle_landings(self.landings.landed(job_id, landed))
+
+    def fail_tier_jobs(self, tier: str) -> list[int]:
+        """Every job in flight on the tier's worker fails (it died); returns their ids."""
+        failed = self.tiering.fail_worker_jobs(tier)
+        for job_id in failed:
+            self.settle_landings(self.landings.over(job_id))
+        return failed
+
+    def settle_landings(self, waits: list[LandingWait]) -> None:
+        """Waits whose promotion reported their key: a key that landed in the awaited slot
+        is pinned for the client (``landings``), or pinned and released at once when the
+        client already released it; any other is lost, and the client's later release of it
+        is accepted without effect."""
+        primary = self.tiering.primary
+        for wait in waits:
+            session = self.sessions.get(wait.identity)
+            if session is None:
+                continue
+            key = wait.key
+            landed = primary.lookup(key) is LookupResult.HIT and primary.slot_of(key) == wait.slot
+            if landed:
+                try:
+                    self.tiering.prepare_load(wait.scoped, [key])
+                except TieringError:
+                    landed = False  # its request finished meanwhile
+            if not landed:
+                if not wait.released:
+                    session.landing_lost.setdefault(wait.scoped, set()).add(key)
+            elif wait.released:
+                self.tiering.complete_load([key])
+            else:
+                session.add_pins([key])
 
     def settle_drops(self) -> None:
         """Answer the ``TenantDrop`` calls whose drop has finished."""

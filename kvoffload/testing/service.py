@@ -293,14 +293,23 @@ class ServiceHarness:
     # ---- clients and status ---------------------------------------------------------------
 
     def client(
-        self, name: str = "harness", timeout_s: float = 5.0, connect_within_s: float = 30.0
+        self,
+        name: str = "harness",
+        timeout_s: float = 5.0,
+        connect_within_s: float = 30.0,
+        landing: bool = False,
     ) -> KVOffloadClient:
-        """A connected client; retries while the manager does not answer."""
+        """A connected client (taking ``Landed`` notices with ``landing``); retries while the
+        manager does not answer."""
         deadline = time.monotonic() + connect_within_s
         while True:
             try:
                 return KVOffloadClient(
-                    self.endpoint, timeout_s=timeout_s, name=name, curve_keys=self.curve_keys
+                    self.endpoint,
+                    timeout_s=timeout_s,
+                    name=name,
+                    curve_keys=self.curve_keys,
+                    landing=landing,
                 )
             except TimeoutError:
                 if time.monotonic() > deadline:

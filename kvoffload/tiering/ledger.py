@@ -50,6 +50,7 @@ from kvoffload.tiering.tenants.room import TenantRoom
 from kvoffload.tiering.types import (
     JobsInFlight,
     Key,
+    LandingTag,
     OffloadPolicy,
     PrefixResult,
     PrepareStoreOutput,
@@ -204,6 +205,11 @@ class TieringLedger:
         result = self._lookup.evaluate(state, keys)
         self.tenancy.looked_up(state.ctx.tenant, result)
         return result
+
+    def promote_now(self, req_id: str, landing: LandingTag | None = None) -> list[TransferJob]:
+        """Submit the request's queued promotions now instead of at the step's end (one job
+        per tier), each carrying ``landing``; returns them (also in ``take_submissions``)."""
+        return self.promotions.flush(req_id, landing)
 
     def _start_promotion(
         self, tier_idx: int, state: RequestState, key: Key, protected: Collection[Key]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from kvoffload.tiering.primary import PrimaryIndex
 from kvoffload.tiering.secondary import SecondaryTier
 from kvoffload.tiering.stats import TieringStats
-from kvoffload.tiering.types import Key, RequestState, TransferJob
+from kvoffload.tiering.types import Key, LandingTag, RequestState, TransferJob
 from kvoffload.wire.vocab import JobKind
 
 
@@ -53,18 +53,30 @@ class Promotions:
     def has_queued(self) -> bool:
         return any(self._queued)
 
-    def flush(self, only_req: str | None = None) -> None:
+    def flush(
+        self, only_req: str | None = None, landing: LandingTag | None = None
+    ) -> list[TransferJob]:
         """Submit the queued promotions (of one request only, if given): one job per
-        (tier, request)."""
+        (tier, request), each carrying ``landing``. Returns the jobs submitted."""
+        jobs = []
         for tier_idx, by_request in enumerate(self._queued):
             req_ids = [only_req] if only_req is not None else list(by_request)
             for req_id in req_ids:
                 queued = by_request.pop(req_id, None)
                 if queued is None:
                     continue
-                self._submit(
-                    TransferJob(0, tier_idx, JobKind.PROMOTION, queued.keys, queued.slots, req_id)
+                job = TransferJob(
+                    0,
+                    tier_idx,
+                    JobKind.PROMOTION,
+                    queued.keys,
+                    queued.slots,
+                    req_id,
+                    landing=landing,
                 )
+                self._submit(job)
+                jobs.append(job)
+        return jobs
 
     def complete(
         self,

@@ -134,6 +134,18 @@ class TransferJob:
     purge_tenant: str = ""
     """A ``DELETE`` job of a tenant drop: the tier also removes every block it holds under
     this tenant's name, known to this manager or not (the shared bucket)."""
+    landing: LandingTag | None = None
+    """A promotion whose keys a client waits for as they land (``TieringLedger.promote_now``);
+    the library only carries it to the transport."""
+
+
+@dataclass(frozen=True, slots=True)
+class LandingTag:
+    """Who is told of a promotion's keys as they land: an endpoint and a ticket, opaque to the
+    library (the transport's landing channel)."""
+
+    endpoint: str
+    ticket: int
 
 
 @dataclass(frozen=True, slots=True)

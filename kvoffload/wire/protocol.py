@@ -1,13 +1,16 @@
-"""Every message of kvoffload's two ZeroMQ channels, as typed msgspec Structs on msgpack.
+"""Every message of kvoffload's three ZeroMQ channels, as typed msgspec Structs on msgpack.
 
 Client channel (engine DEALER <-> manager ROUTER): each request carries ``rid`` (the caller's
 call id) and gets exactly one reply with the same ``rid``: its typed reply or an ``Error``.
 Job channel (worker DEALER <-> manager ROUTER): hello/ack with the protocol version, jobs
 carrying keys and slot numbers (never block bytes), results, heartbeats, control.
+Landing channel (tier worker PUSH -> client PULL, ipc only): ``Landed`` notices of a
+promotion's keys, sent to the client that waits for them as they land, beside the job's
+progress to the manager (docs/design/cold-loads.md).
 
 Decoding is strict (``decode_client_request``, ``decode_client_reply``,
-``decode_worker_message`` and ``decode_manager_message`` accept only their channel's union) and
-bounded by ``MAX_MESSAGE_BYTES``. Nothing is ever unpickled. What a status reply and a heartbeat
+``decode_worker_message``, ``decode_manager_message`` and ``decode_landing`` accept only their
+channel's union) and bounded by ``MAX_MESSAGE_BYTES``. Nothing is ever unpickled. What a status reply and a heartbeat
 carry is defined in ``kvoffload.wire.status``.
 
 Each frame is one msgpack map, the ``rid`` among its fields. A request that cannot be decoded is
@@ -33,7 +36,7 @@ from kvoffload.wire.vocab import LookupResult as LookupResult
 from kvoffload.wire.vocab import MissReason as MissReason
 from kvoffload.wire.vocab import must_wait as must_wait
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
@@ -110,9 +113,13 @@ class KVHandle(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Connect(_Msg, tag="connect"):
+    """``landing_endpoint``: the ipc:// endpoint of the client's PULL socket for ``Landed``
+    notices ("" for none: its lookups never get landing tickets)."""
+
     rid: int
     version: int
     client_name: str = ""
+    landing_endpoint: str = ""
 
 
 class RegisterKV(_Msg, tag="register_kv"):
@@ -138,13 +145,22 @@ class Lookup(_Msg, tag="lookup"):
     ``wait_ms`` > 0: while no key of the answer is HIT and some key is HIT_PENDING or RETRY,
     the manager holds the reply (up to ``wait_ms``) and evaluates the prefix again each time a
     tier job lands keys; it answers as soon as some key is HIT or none is pending any more, and
-    at the deadline with what it then finds. 0 answers at once."""
+    at the deadline with what it then finds. 0 answers at once.
+
+    ``landing`` (with ``pin``, from a client with a landing endpoint): the promotions this
+    lookup starts are sent to their tier at once, and their keys are answered HIT_PENDING with
+    their reserved slot in ``LookupReply.landing_slots``; the tier's worker tells the client of
+    each such key as it lands (``Landed``, ticket = this call's ``rid``), and the key is then
+    pinned for the client as if this lookup had found it HIT. The reply is not held for them:
+    with ``wait_ms`` it is held only while no key is HIT and some pending key has no landing
+    slot."""
 
     rid: int
     req_id: str
     keys: list[bytes]
     pin: bool = False
     wait_ms: int = 0
+    landing: bool = False
 
 
 class Load(_Msg, tag="load"):
@@ -327,7 +343,10 @@ class LookupReply(_Msg, tag="lookup_reply"):
     ``pin``; then co-indexed with ``results``, the pinned slot of each HIT key and -1 for the
     others. ``checksums``: with ``slots``, the digests of each pinned slot's block as recorded
     when it was written (see ``CompleteStore``; empty: none recorded), so a reader can verify
-    what it copies, slice by slice."""
+    what it copies, slice by slice. ``landing_slots``: empty unless the lookup asked for
+    ``landing`` and started promotions; then co-indexed with ``results``, the reserved slot of
+    each HIT_PENDING key whose landing will be told to the client (``Landed``), -1 for the
+    others."""
 
     rid: int
     results: bytes
@@ -336,6 +355,7 @@ class LookupReply(_Msg, tag="lookup_reply"):
     ready_prefix: int
     slots: list[int] = []
     checksums: list[list[int]] = []
+    landing_slots: list[int] = []
 
 
 class JobAccepted(_Msg, tag="job_accepted"):
@@ -490,12 +510,21 @@ class HelloAck(_Msg, tag="hello_ack"):
     reason: str = ""
 
 
+class LandingTarget(msgspec.Struct, forbid_unknown_fields=True):
+    """Where a promotion's keys are told as they land: the client's landing endpoint and the
+    ticket (the rid of the lookup that started the promotion)."""
+
+    endpoint: str
+    ticket: int
+
+
 class Job(_Msg, tag="job"):
     """``device_*`` and ``verify`` jobs go to the cpu worker, the others to tier workers.
     ``tenants``: co-indexed with ``keys``, the tenant id each block is named under (a tier
     that names blocks by tenant: the object tier); empty when none has a tenant.
     ``purge_tenant``: a ``delete`` job of a tenant drop: also remove every block the tier
-    holds under that tenant's name."""
+    holds under that tenant's name. ``landing``: a promotion whose keys the worker also tells
+    a waiting client as they land (``Landed``); None for none."""
 
     job_id: int
     kind: JobKind
@@ -505,6 +534,7 @@ class Job(_Msg, tag="job"):
     handle_id: str = ""
     tenants: list[str] = []
     purge_tenant: str = ""
+    landing: LandingTarget | None = None
 
 
 class TouchKeys(_Msg, tag="touch_keys"):
@@ -545,6 +575,34 @@ class Control(_Msg, tag="control"):
 ManagerMessage = HelloAck | Job | TouchKeys | AttachKV | DetachKV | Control
 
 
+# ---- landing channel: tier worker -> client -------------------------------------------------
+
+
+class Landed(_Msg, tag="landed"):
+    """Keys of a promotion with a ``LandingTarget``, told to the waiting client by the worker
+    that runs it. ``keys`` landed: their slots (``slots``, co-indexed) hold the verified block,
+    whose digests (as ``LookupReply.checksums`` gives them) are ``checksums``; the client may
+    copy them at once and releases each with ``CompleteLoad``, as a pinned HIT. ``failed``:
+    keys that will not land (a MISS for this request). ``final``: the job is over; every key
+    of it not told landed before has failed. A client that stops waiting for a ticket's keys
+    sends ``CompleteLoad`` for them, which cancels their pins. The manager hears of the same
+    keys from the job's progress: until then their slots stay being written, which nothing
+    evicts or reuses, and then they are pinned for the client, so a slot told landed stays
+    the key's until the client's ``CompleteLoad``. Only a worker that dies before its progress
+    reached the manager lets the manager free such a slot; a client therefore verifies what it
+    copied against ``checksums`` (a slot rewritten under the copy fails that check)."""
+
+    ticket: int
+    keys: list[bytes] = []
+    slots: list[int] = []
+    checksums: list[list[int]] = []
+    failed: list[bytes] = []
+    final: bool = False
+
+
+LandingMessage = Landed
+
+
 # ---- encoding ----------------------------------------------------------------------------------
 
 _encoder = msgspec.msgpack.Encoder()
@@ -554,6 +612,7 @@ _client_request_decoder: msgspec.msgpack.Decoder[ClientRequest] = msgspec.msgpac
 _client_reply_decoder: msgspec.msgpack.Decoder[ClientReply] = msgspec.msgpack.Decoder(ClientReply)
 _worker_decoder: msgspec.msgpack.Decoder[WorkerMessage] = msgspec.msgpack.Decoder(WorkerMessage)
 _manager_decoder: msgspec.msgpack.Decoder[ManagerMessage] = msgspec.msgpack.Decoder(ManagerMessage)
+_landing_decoder: msgspec.msgpack.Decoder[LandingMessage] = msgspec.msgpack.Decoder(LandingMessage)
 _M = TypeVar("_M")
 
 
@@ -590,6 +649,10 @@ def decode_worker_message(frame: bytes) -> WorkerMessage:
 
 def decode_manager_message(frame: bytes) -> ManagerMessage:
     return _decode(_manager_decoder, frame)
+
+
+def decode_landing(frame: bytes) -> LandingMessage:
+    return _decode(_landing_decoder, frame)
 
 
 def request_id_of(frame: bytes) -> int:

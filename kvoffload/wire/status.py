@@ -132,6 +132,10 @@ class WorkerLoopStats(_Status):
     bad_messages: int = 0
     queued: int = 0
     releasing: int = 0
+    landing_notices: int = 0
+    """``Landed`` notices sent to waiting clients."""
+    landing_notices_dropped: int = 0
+    """Notices a client's socket could not take (gone, or far behind)."""
 
 
 class _MediumStats(_Status, tag_field="backend"):

@@ -5,9 +5,10 @@ Jobs (``slots[i]`` co-indexed with ``keys[i]``):
 - ``promotion``: ``store.get(key, slot)``. Bytes land only in the job's own slots (reserved by
   the manager, not readable until the result arrives); a failed key may leave garbage there,
   which the manager never serves since it frees that slot. A key that landed has its slot
-  header stamped (when slot headers are on) with the checksum the store just verified; every
-  key but the job's last is then reported landed (``report_landed``), so the manager serves
-  it while the rest of the job is still being read. A job's keys are read in parallel, on its
+  header stamped (when slot headers are on) with the checksum the store just verified; each
+  key is then reported landed with its digests (``report_landed``), so the manager serves it,
+  and a waiting client hears of it (a ``LandingTarget``), while the rest of the job is still
+  being read. A job's keys are read in parallel, on its
   job thread and the backend's ``disk.read_threads`` reader threads, and reported in job order.
 - ``delete``: ``store.delete(key)`` (no slots): room the manager makes for a tenant's share,
   or a tenant drop.
@@ -209,9 +210,9 @@ class DiskBackend:
             written = [] if promote else self._cascade_all(job, changed, evicted)
             for index, key in enumerate(job.keys):
                 if promote:
-                    failure = next(landed)
-                    if not failure and index < len(job.keys) - 1:
-                        report_landed([key])  # the last one goes with the result
+                    failure, digests = next(landed)
+                    if not failure:
+                        report_landed([key], [digests])
                 else:
                     failure = written[index]
                 if failure:
@@ -264,36 +265,46 @@ class DiskBackend:
             ok_keys=list(job.keys), removed=removed, cleanup=lambda: self._note_changed(changed)
         )
 
-    def _promote_one(self, key: bytes, slot: int, generation: int, changed: list[bytes]) -> str:
-        """Read ``key`` into pool slot ``slot`` and stamp its header; "" on success, else
-        "<reason>: <detail>"."""
+    def _promote_one(
+        self, key: bytes, slot: int, generation: int, changed: list[bytes]
+    ) -> tuple[str, list[int]]:
+        """Read ``key`` into pool slot ``slot`` and stamp its header; ("", the block's digests
+        as a reader checks them) on success, else ("<reason>: <detail>", [])."""
         store = self._require_store()
+        pool = self._require_pool()
         try:
-            header = store.get(key, self._require_pool().slot(slot))
+            header = store.get(key, pool.slot(slot))
         except CorruptBlock as exc:
             self._count("corrupt_blocks")
             changed.append(key)
-            return f"corrupt: {exc}"
+            return f"corrupt: {exc}", []
         except KeyError:
             self._count("absent_keys")
             changed.append(key)
-            return "absent: not stored"
+            return "absent: not stored", []
         except TransientIOError as exc:
             self._count("transient_errors")
-            return f"transient: {exc}"
+            return f"transient: {exc}", []
         if self._headers is not None:
-            self._headers.stamp(slot, key, generation, header.block_checksum)
-        return ""
+            return "", self._headers.stamp(slot, key, generation, header.block_checksum)
+        return "", header.block_checksum.digests(pool.slot(slot))
 
-    def _promote_all(self, job: Job, changed: list[bytes]) -> Generator[str, None, None]:
+    def _promote_all(
+        self, job: Job, changed: list[bytes]
+    ) -> Generator[tuple[str, list[int]], None, None]:
         """Read the job's keys in parallel, on this thread and up to ``disk.read_threads``
         reader threads (shared by every job), and yield each key's ``_promote_one`` outcome in
         job order, each as soon as it and the keys before it have landed; ``changed`` receives
         the keys in job order. Every read of the job has returned before the generator ends,
         raises or is closed; an exception of one read is raised in its turn."""
         per_key: list[list[bytes]] = [[] for _ in job.keys]
+        if len(job.keys) == 1:  # nothing to read in parallel: no hand-off to a reader thread
+            outcome = self._promote_one(job.keys[0], job.slots[0], job.job_id, per_key[0])
+            changed.extend(per_key[0])
+            yield outcome
+            return
 
-        def read(index: int) -> str:
+        def read(index: int) -> tuple[str, list[int]]:
             return self._promote_one(job.keys[index], job.slots[index], job.job_id, per_key[index])
 
         readers = self._require_readers()

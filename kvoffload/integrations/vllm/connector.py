@@ -97,6 +97,9 @@ class KVOffloadWorkerMetadata(OffloadingWorkerMetadata):
         )
 
 
+IDLE_LANDING_WAIT_MS = 2
+"""The longest an idle step waits for a landing notice (a request that arrives meanwhile waits
+as long at most)."""
 DEFAULT_SYNC_LOAD_BUDGET_BYTES = 256 << 20
 """``sync_load_budget_bytes`` the connector sets when the user did not (vLLM 0.33, models with
 one KV cache group): hits of up to this many KV bytes per worker and step are loaded before the
@@ -306,14 +309,30 @@ class KVOffloadConnector(OffloadingConnector):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if not self._sync.enabled:
-            return super().build_connector_meta(scheduler_output)
-        self._sync.hide(self.scheduler)
-        try:
             meta = super().build_connector_meta(scheduler_output)
-        finally:
-            self._sync.restore(self.scheduler)
-        assert isinstance(meta, OffloadingConnectorMetadata)
-        return self._sync.end_step(meta)
+        else:
+            self._sync.hide(self.scheduler)
+            try:
+                meta = super().build_connector_meta(scheduler_output)
+            finally:
+                self._sync.restore(self.scheduler)
+            assert isinstance(meta, OffloadingConnectorMetadata)
+            meta = self._sync.end_step(meta)
+        self._wait_if_idle(scheduler_output)
+        return meta
+
+    def _wait_if_idle(self, scheduler_output: SchedulerOutput) -> None:
+        """A step that computes nothing while requests wait for promoted blocks: wait for a
+        landing notice (at most ``IDLE_LANDING_WAIT_MS``) rather than step again at once, so
+        the idle engine leaves the cores to the reads it waits for."""
+        manager = self.scheduler.manager
+        if (
+            scheduler_output.total_num_scheduled_tokens == 0
+            and isinstance(manager, KVOffloadManager)
+            and manager.awaiting_landings()
+        ):
+            with compat.short_region(self.scheduler):
+                manager.wait_for_landings(IDLE_LANDING_WAIT_MS)
 
     def _keys_from(self, request: Request, num_computed_tokens: int) -> list[OffloadKey]:
         """The request's offload keys of every KV cache group from ``num_computed_tokens`` on,

@@ -46,12 +46,15 @@ class ServiceLink:
         connect_timeout_s: float,
         max_backoff_s: float,
         on_connect: Callable[[Connected], None] | None = None,
+        landing: bool = False,
     ) -> None:
         """``resolve_endpoint`` is asked again before every connection attempt (a restarted
         service may listen elsewhere; LookupError: none found). ``on_connect`` runs in the
         calling thread for each new session before it is used (it may raise to refuse the
-        service, e.g. on a geometry mismatch)."""
+        service, e.g. on a geometry mismatch). ``landing``: its clients take ``Landed``
+        notices (``KVOffloadClient``'s ``landing``)."""
         self._resolve_endpoint = resolve_endpoint
+        self._landing = landing
         self.endpoint = ""
         self.name = name
         self.call_timeout_s = call_timeout_s
@@ -92,7 +95,12 @@ class ServiceLink:
 
     def _new_client(self) -> KVOffloadClient:
         self.endpoint = self._resolve_endpoint()
-        return KVOffloadClient(self.endpoint, timeout_s=self.connect_timeout_s, name=self.name)
+        return KVOffloadClient(
+            self.endpoint,
+            timeout_s=self.connect_timeout_s,
+            name=self.name,
+            landing=self._landing,
+        )
 
     def _adopt(self, client: KVOffloadClient) -> None:
         if self._on_connect is not None:

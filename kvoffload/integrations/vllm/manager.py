@@ -11,6 +11,14 @@ it, when its request finishes; the release is sent without waiting for its reply
 service handles this engine's calls in order). ``reset_cache`` and a lost service session
 drop every pin at the service, so the tables are cleared with them.
 
+Landings. With ``landing`` (loads are verified), the lookups ask the service to tell this
+engine of the keys they promote as they land: the tier's worker sends each to the scheduler's
+landing socket (``KVOffloadClient.take_landed``), and the key is pinned then, so no lookup is
+sent for it again. The manager takes the notices before the step's first lookup of a waiting
+request (``take_landings``), and the connector waits for them while a step schedules nothing
+(``wait_for_landings``), instead of stepping idle. A key not told within ``LANDING_WAIT_S`` is
+released and asked again by lookup.
+
 Failed loads. A worker that could not load a key reports it (``note_failed_loads``); that key
 is a MISS for that request from then on, so vLLM recomputes it once and never loops.
 
@@ -34,6 +42,7 @@ raises into vLLM's scheduler loop; requests are registered again with a restarte
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
@@ -63,12 +72,15 @@ from kvoffload.integrations.vllm.keys import namespaced, offload_key_of
 from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
 from kvoffload.integrations.vllm.metrics import ConfigInfo, Counter, StatsAccumulator
 from kvoffload.integrations.vllm.requests import EngineRequest, TenantNames, lookup_queued
-from kvoffload.wire.protocol import Slots
+from kvoffload.wire.protocol import Landed, Slots
 
 log = integration_logger(__name__)
 
 RESET_TIMEOUT_S = 5.0
 """Bound of ``reset_cache`` (the service drains its jobs first, which takes milliseconds)."""
+LANDING_WAIT_S = 5.0
+"""How long keys wait for their landing notice before they are asked again by lookup (a
+worker that died tells nothing)."""
 
 
 class KVOffloadManager(OffloadingManager):
@@ -84,6 +96,7 @@ class KVOffloadManager(OffloadingManager):
         slice_bytes: int = 0,
         namespace: str = "",
         events: ServiceEvents | None = None,
+        landing: bool = False,
     ) -> None:
         """``secondary_source``: how vLLM's hit-source metrics label blocks that kvoffload
         promoted from one of its secondary tiers (blocks already in its host pool are HOST).
@@ -92,7 +105,8 @@ class KVOffloadManager(OffloadingManager):
         stored block needs (one per tensor-parallel rank's slice of ``slice_bytes``, or one for
         a block one rank writes whole): a block stamped with fewer is never served.
         ``namespace``: the tenant of this engine's requests that carry no ``cache_salt``.
-        ``events``: the service's tier events (``take_events``), when vLLM's are on."""
+        ``events``: the service's tier events (``take_events``), when vLLM's are on.
+        ``landing``: ask for landing notices (the link's clients take them; loads verify)."""
         self._link = link
         self._fingerprint = fingerprint
         self._secondary_source = secondary_source
@@ -111,6 +125,10 @@ class KVOffloadManager(OffloadingManager):
         self._config_info = ConfigInfo(engine_info or {}, endpoint_setting)
         self.tenants = TenantNames(namespace)
         self._events = events
+        self._landing = landing
+        self._tickets: dict[int, tuple[str, float]] = {}
+        """Tickets of lookups whose promotions tell their landings: (request, asked at)."""
+        self._landings_taken = False
 
     def set_sliding_windows(self, windows: dict[int, int | None]) -> None:
         """vLLM's KV cache group index -> the chunks of it a resumed request reads (None: full
@@ -137,6 +155,7 @@ class KVOffloadManager(OffloadingManager):
         state.pinned.clear()
         state.uncertain.clear()
         state.promoted.clear()
+        state.landing.clear()
 
     def _sync_generation(self) -> None:
         """After a reconnect every pin and registration of the old session is gone."""
@@ -144,6 +163,7 @@ class KVOffloadManager(OffloadingManager):
         if generation == self._generation_seen:
             return
         self._generation_seen = generation
+        self._tickets.clear()
         for state in self._requests.values():
             if state.generation not in (-1, generation):
                 self._forget_session_state(state)
@@ -185,6 +205,7 @@ class KVOffloadManager(OffloadingManager):
             return
         state.finished = True
         state.queued.clear()
+        state.landing.clear()  # the service drops the request's landing waits at its finish
         self._release_unloaded_pins(state)
         if state.generation == self._link.generation and self._link.up:
             try:
@@ -203,11 +224,15 @@ class KVOffloadManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._sync_generation()
         state = self._state(req_context)
+        if state.landing and not self._landings_taken:
+            self.take_landings()
         nkey = self._key(key)
         if nkey in state.pinned:
             return LookupResult.HIT
         if nkey in state.missed or nkey in state.failed or self._fenced:
             return LookupResult.MISS
+        if nkey in state.landing:
+            return LookupResult.HIT_PENDING
         if not self._link.ready():
             state.missed.add(nkey)
             self.stats.add(Counter.MISS_BLOCKS)
@@ -243,6 +268,7 @@ class KVOffloadManager(OffloadingManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._sync_generation()
+        self._landings_taken = False
         for state in list(self._requests.values()):
             if state.queued and not state.finished:
                 self._lookup_batch(state)
@@ -255,9 +281,73 @@ class KVOffloadManager(OffloadingManager):
     def _lookup_batch(self, state: EngineRequest) -> None:
         def ask(client: KVOffloadClient, keys: list[bytes]) -> LookupOutcome:
             self._ensure_registered(client, state)
-            return client.lookup(state.ctx.req_id, keys, pin=True)
+            outcome = client.lookup(state.ctx.req_id, keys, pin=True, landing=self._landing)
+            if outcome.ticket:
+                self._tickets[outcome.ticket] = (state.ctx.req_id, time.monotonic())
+            return outcome
 
         lookup_queued(state, self._link, ask, self._windows, self.stats, self._sync_generation)
+
+    # ---- landings -------------------------------------------------------------------------
+
+    def awaiting_landings(self) -> bool:
+        """Some request waits for keys whose landing the service will tell."""
+        return bool(self._tickets)
+
+    def take_landings(self, timeout_ms: int = 0) -> None:
+        """Take the landing notices received (waiting up to ``timeout_ms`` for the first): a
+        key told landed is pinned for its request (a HIT from a secondary tier), one told
+        failed is a MISS; keys of a job that ended without telling them, or whose ticket is
+        older than ``LANDING_WAIT_S``, are released and asked again by lookup."""
+        self._landings_taken = True
+        if not self._tickets:
+            return
+        try:
+            notices = self._link.call(lambda c: c.take_landed(timeout_ms))
+        except (ServiceDown, KVOffloadError):
+            notices = []
+        self._count_outage()
+        now = time.monotonic()
+        for notice in notices:
+            entry = self._tickets.get(notice.ticket)
+            state = self._requests.get(entry[0]) if entry is not None else None
+            if state is not None and not state.finished:
+                self._apply_landed(state, notice)
+            if notice.final:
+                self._tickets.pop(notice.ticket, None)
+        for ticket, (req_id, asked_at) in list(self._tickets.items()):
+            if now - asked_at > LANDING_WAIT_S:
+                del self._tickets[ticket]
+                log.warning("kvoffload_landing_timeout req_id=%s ticket=%d", req_id, ticket)
+        for state in self._requests.values():
+            untold = [k for k, t in state.landing.items() if t not in self._tickets]
+            if untold:
+                for key in untold:
+                    del state.landing[key]
+                    state.uncertain.pop(key, None)
+                self._unpin(state.ctx.req_id, untold, state.generation)
+
+    def _apply_landed(self, state: EngineRequest, notice: Landed) -> None:
+        landing = state.landing
+        for key, slot, digests in zip(notice.keys, notice.slots, notice.checksums, strict=True):
+            if landing.get(key) == notice.ticket:
+                del landing[key]
+                state.uncertain.pop(key, None)
+                state.pinned[key] = (slot, digests)
+                state.promoted.add(key)
+                self.stats.add(Counter.HIT_BLOCKS, 1, "secondary")
+        for key in notice.failed:
+            if landing.get(key) == notice.ticket:
+                del landing[key]
+                state.uncertain.pop(key, None)
+                state.missed.add(key)
+                self.stats.add(Counter.MISS_BLOCKS)
+
+    def wait_for_landings(self, timeout_ms: int) -> None:
+        """A step that schedules nothing: wait up to ``timeout_ms`` for a landing notice
+        (then take every one received), instead of stepping idle."""
+        if self._tickets:
+            self.take_landings(timeout_ms)
 
     # ---- loads ----------------------------------------------------------------------------
 
@@ -422,8 +512,10 @@ class KVOffloadManager(OffloadingManager):
     def reset_cache(self) -> None:
         """Empty kvoffload's host pool (its disk and object tiers keep their blocks), behind
         the reset fence (module docstring). Every pin of this engine goes with it."""
+        self._tickets.clear()
         for state in list(self._requests.values()):
             state.pinned.clear()
+            state.landing.clear()
             state.uncertain.clear()
             state.missed.clear()
             state.queued.clear()

@@ -4,7 +4,9 @@ asked of the service and recorded (the manager's lookup path, ``manager`` uses i
 A request's keys are namespaced kvoffload keys. Every HIT the service answers is pinned for
 this engine in the same round trip (``pinned``: slot and the block's digests), so a later
 ``prepare_load`` only hands the slots over; a MISS stays a MISS for the request; HIT_PENDING
-and RETRY are asked again at a later step's end.
+and RETRY are asked again at a later step's end, but for keys whose landing the tier's worker
+will tell (``landing``: key -> ticket), which the manager takes from its landing socket
+instead (``KVOffloadManager.take_landings``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class EngineRequest:
     missed: set[bytes] = field(default_factory=set)
     failed: set[bytes] = field(default_factory=set)  # loads that failed: MISS for good
     promoted: set[bytes] = field(default_factory=set)  # became HIT after waiting on a tier
+    landing: dict[bytes, int] = field(default_factory=dict)  # being promoted: its ticket
     queued: dict[bytes, None] = field(default_factory=dict)  # to ask at the step's end
     loading: Multiset[bytes] = field(default_factory=Multiset)  # pinned, handed to a load
     load_generation: int = -1
@@ -128,6 +131,9 @@ def record_lookup(
         state.missed.update(keys)
         return [LookupResult.MISS] * len(keys)
     results = [LookupResult[code.name] for code in outcome.results]
+    for key, slot in zip(keys, outcome.landing_slots, strict=False):
+        if slot >= 0:
+            state.landing[key] = outcome.ticket
     for i, (key, result) in enumerate(zip(keys, results, strict=False)):
         if result is LookupResult.HIT:
             digests = outcome.checksums[i] if i < len(outcome.checksums) else []

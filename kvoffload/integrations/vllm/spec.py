@@ -114,6 +114,7 @@ class KVOffloadSpec(OffloadingSpec):
             connect_timeout_s=settings.connect_timeout_s,
             max_backoff_s=settings.max_backoff_s,
             on_connect=on_connect,
+            landing=settings.verify_loads,  # copies told by a worker alone must be verified
         )
         self._manager = KVOffloadManager(
             link,
@@ -126,6 +127,7 @@ class KVOffloadSpec(OffloadingSpec):
             events=ServiceEvents(link, self.fingerprint)
             if self.config.enable_kv_cache_events
             else None,
+            landing=settings.verify_loads,
         )
         if link.connect_now() and link.info is not None:
             self._manager.set_secondary_source(_secondary_source(link.info.tiers))
