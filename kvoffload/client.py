@@ -25,7 +25,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import zmq
 
@@ -252,6 +252,40 @@ class KVOffloadClient:
                 )
             return reply
 
+    def _exchange_many(
+        self, kind: type, reply_type: type[R], calls: list[dict[str, Any]]
+    ) -> list[R | p.Error]:
+        """Send every call of ``calls`` at once and return their replies in order, each a
+        ``reply_type`` or an Error; one of another type raises KVOffloadError once all are
+        in, ServiceUnavailable when some reply does not come in time."""
+        rids = [self._send_request(kind, fields) for fields in calls]
+        order = {rid: i for i, rid in enumerate(rids)}
+        replies: list[Any] = [None] * len(rids)
+        deadline = time.monotonic() + self.timeout_s
+        missing = len(rids)
+        while missing:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not self._sock.poll(remaining_ms):
+                raise ServiceUnavailable(
+                    f"no reply to {missing} of {len(rids)} {kind.__name__} calls from "
+                    f"{self.endpoint} in time"
+                )
+            reply = p.decode_client_reply(self._sock.recv())
+            index = order.get(reply.rid)
+            if index is None or replies[index] is not None:
+                self._settle_unawaited(reply)  # or a late reply to a call that timed out
+                continue
+            replies[index] = reply
+            missing -= 1
+        for reply in replies:
+            if not isinstance(reply, (reply_type, p.Error)):
+                raise KVOffloadError(
+                    ErrorCode.BAD_MESSAGE,
+                    f"{kind.__name__} was answered by a {type(reply).__name__}, "
+                    f"not a {reply_type.__name__}",
+                )
+        return cast(list[R | p.Error], replies)
+
     def reconnect(self, timeout_s: float | None = None) -> None:
         """Start a new session, for a manager that restarted (calls answered
         ``not_connected``) or was unreachable (``ServiceUnavailable``): a fresh socket (requests
@@ -313,15 +347,23 @@ class KVOffloadClient:
         self._handles[handle.handle_id] = handle
 
     def new_request(
-        self, req_id: str, params: dict[str, Any] | None = None, tenant: str = ""
+        self,
+        req_id: str,
+        params: dict[str, Any] | None = None,
+        tenant: str = "",
+        *,
+        tid: str | None = None,
     ) -> bool:
         """Returns True when some tier wants every block of the request (request level). The
         request stays open (``reconnect`` opens it again) until ``finish_request``.
         ``tenant``: the name of the request's tenant ("" for none; sent as its
         ``tenants.tenant_id`` only): the blocks it stores are that tenant's, and it sees no
         other tenant's. Two tenants' keys for one content should differ (vLLM's ``cache_salt``
-        does that): a key another tenant holds is a miss and is not stored again."""
-        tid = tenant_id(tenant)
+        does that): a key another tenant holds is a miss and is not stored again. ``tid``:
+        the tenant's id instead of its name, for a caller that knows only the id (a peer
+        node's fetch)."""
+        if tid is None:
+            tid = tenant_id(tenant)
         reply = self._call(
             p.NewRequest, p.NewRequestReply, req_id=req_id, params=params or {}, tenant=tid
         )
@@ -359,6 +401,45 @@ class KVOffloadClient:
                 landing=landing and pin and bool(self.landing_endpoint),
             )
         )
+
+    def lookup_many(
+        self, req_id: str, batches: list[list[bytes]], pin: bool = False, landing: bool = False
+    ) -> list[LookupOutcome]:
+        """``lookup`` of each batch, all in one round trip: the calls are sent together and
+        the manager answers them in order, each batch evaluated on its own (each stops after
+        its own first MISS), as if looked up one after the other. Raises for the first batch
+        answered with an error, once every reply is in, having released the pins the other
+        batches took."""
+        fields = [
+            {
+                "req_id": req_id,
+                "keys": keys,
+                "pin": pin,
+                "wait_ms": 0,
+                "landing": landing and pin and bool(self.landing_endpoint),
+            }
+            for keys in batches
+        ]
+        replies = self._exchange_many(p.Lookup, p.LookupReply, fields)
+        errors = [reply for reply in replies if isinstance(reply, p.Error)]
+        if errors and self.auto_reconnect and errors[0].code is ErrorCode.NOT_CONNECTED:
+            self.reconnect()
+            replies = self._exchange_many(p.Lookup, p.LookupReply, fields)
+            errors = [reply for reply in replies if isinstance(reply, p.Error)]
+        outcomes = [LookupOutcome(r) for r in replies if isinstance(r, p.LookupReply)]
+        if errors:
+            taken = [  # pinned, or waited for as they land
+                key
+                for batch, reply in zip(batches, replies, strict=True)
+                if isinstance(reply, p.LookupReply)
+                for i, key in enumerate(batch[: len(reply.results)])
+                if (i < len(reply.slots) and reply.slots[i] >= 0)
+                or (i < len(reply.landing_slots) and reply.landing_slots[i] >= 0)
+            ]
+            if taken:
+                self.complete_load(req_id, taken, wait=False)
+            raise KVOffloadError(errors[0].code, errors[0].message)
+        return outcomes
 
     def take_landed(self, timeout_ms: int = 0) -> list[p.Landed]:
         """The ``Landed`` notices received, waiting up to ``timeout_ms`` for the first (0: none

@@ -27,6 +27,10 @@ from kvoffload.server.state import ManagerState
 log = structlog.get_logger()
 
 HOUSEKEEPING_PERIOD_S = 0.02
+TURN_MESSAGES = 32
+"""Messages taken from one socket before the other gets its turn."""
+MAX_MESSAGES_PER_POLL = 2000
+"""Messages taken between two steps of the tiering library and housekeeping."""
 
 
 class ManagerServer:
@@ -59,10 +63,7 @@ class ManagerServer:
                 or state.waiting_lookups
             )
             events = dict(poller.poll(5 if busy else 50))
-            if state.job_sock in events:
-                self._drain_socket(state.job_sock, self.workers.on_frames, "jobs")
-            if state.client_sock in events:
-                self._drain_socket(state.client_sock, self.api.on_frames, "clients")
+            self._serve_sockets(state.job_sock in events, state.client_sock in events)
             now = time.monotonic()
             if state.waiting_lookups and state.job_sock in events:
                 self.api.serve_waiting_lookups(now)
@@ -84,21 +85,39 @@ class ManagerServer:
             log.info("manager_draining", signal=signal.Signals(signum).name)
         self.state.draining = True
 
+    def _serve_sockets(self, jobs: bool, clients: bool) -> None:
+        """Take the waiting messages of both sockets in turns of at most ``TURN_MESSAGES``
+        each, up to ``MAX_MESSAGES_PER_POLL`` in all: a burst of a worker's progress reports
+        never holds a client's call back for long, nor the reverse."""
+        state = self.state
+        taken = 0
+        while (jobs or clients) and taken < MAX_MESSAGES_PER_POLL:
+            if jobs:
+                got = self._drain_socket(state.job_sock, self.workers.on_frames, "jobs")
+                jobs = got == TURN_MESSAGES
+                taken += got
+            if clients:
+                got = self._drain_socket(state.client_sock, self.api.on_frames, "clients")
+                clients = got == TURN_MESSAGES
+                taken += got
+
     @staticmethod
     def _drain_socket(
         sock: zmq.Socket[bytes], handler: Callable[[list[bytes]], None], channel: str
-    ) -> None:
-        for _ in range(1000):
+    ) -> int:
+        """Handle up to ``TURN_MESSAGES`` waiting messages; returns how many."""
+        for done in range(TURN_MESSAGES):
             if not cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
-                return  # cheaper than the zmq.Again a non-blocking receive raises
+                return done  # cheaper than the zmq.Again a non-blocking receive raises
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return done
             try:
                 handler(frames)
             except Exception:
                 log.exception("message_handling_crashed", channel=channel)
+        return TURN_MESSAGES
 
     def _housekeeping(self, now: float) -> None:
         if not self.state.draining and not self.state.supervisor_alive():

@@ -60,7 +60,7 @@ from workers.disk.errors import LayoutError, StoreFull, TransientIOError
 from workers.disk.fanout import fan_out
 from workers.disk.slab import DiskStore
 from workers.faults import FaultInjector
-from workers.jobs import report_landed
+from workers.jobs import REPORT_BYTES, LandedBatch
 from workers.slotheaders import SlotHeaders
 
 log = get_logger(tier="disk")
@@ -206,13 +206,14 @@ class DiskBackend:
         failures: Counter[str] = Counter()
         first_error = ""
         landed = self._promote_all(job, changed)  # started by a promotion only
+        report = LandedBatch(max(1, REPORT_BYTES // pool.block_bytes))
         try:
             written = [] if promote else self._cascade_all(job, changed, evicted)
             for index, key in enumerate(job.keys):
                 if promote:
                     failure, digests = next(landed)
                     if not failure:
-                        report_landed([key], [digests])
+                        report.add(key, digests)
                 else:
                     failure = written[index]
                 if failure:
@@ -225,6 +226,7 @@ class DiskBackend:
                         full.append(key)
                 else:
                     ok.append(key)
+            report.flush()
         except BaseException:
             landed.close()  # waits for the job's reads
             self._note_changed(changed)  # the job fails as a whole; still report what it changed

@@ -15,9 +15,16 @@ order each group is read:
   group's window ends above another group's, it searches again below the lower end, as vLLM's
   scheduler will.
 
-So the hits of every group arrive in one step, and no key is asked that the request could not
-read at the boundary found so far. Keys left unasked stay unanswered (vLLM asks them again if it
-needs them).
+Calls are batched into rounds, one round trip each (``Ask`` takes several batches): the first
+round asks every full-attention group together with the top window of every sliding-window
+group (so a prefix that hits whole costs one round trip); each later round asks the next window
+of every sliding group still searching. A window asked in the first round may lie past a full
+group's first MISS found in the same round: its keys may then be promoted (they are never
+loaded, and their pins go when vLLM picks what it loads).
+
+So the hits of every group arrive in one step, and past the first round no key is asked that the
+request could not read at the boundary found so far. Keys left unasked stay unanswered (vLLM asks
+them again if it needs them).
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 from vllm.v1.kv_offload.base import LookupResult
 
-Ask = Callable[[list[bytes]], Sequence[LookupResult]]
-"""Ask the service for keys in this order: the results of a prefix of them (stopping after the
-first MISS)."""
+Ask = Callable[[list[list[bytes]]], Sequence[Sequence[LookupResult]]]
+"""Ask the service for each batch of keys, in this order, all in one round trip: per batch, the
+results of a prefix of it (stopping after its first MISS)."""
 
 
 def ask_by_group(
@@ -55,64 +62,104 @@ def ask_by_group(
         found = position_of(key)
         return order[key] if found is None else found
 
+    full = [sorted(ks, key=position) for g, ks in by_group.items() if windows.get(g) is None]
+    sliding = {
+        g: _WindowSearch(sorted(ks, key=position, reverse=True), max(1, windows[g] or 1), position)
+        for g, ks in by_group.items()
+        if windows.get(g) is not None
+    }
+    answers: dict[bytes, LookupResult] = {}
+    # The first round: the full groups, and the top window of each sliding group.
+    searching = {g: search.next_keys(full_miss_position, answers) for g, search in sliding.items()}
+    searching = {g: batch for g, batch in searching.items() if batch}
+    first = full + list(searching.values())
+    results = ask(first) if first else []
     not_asked: set[bytes] = set()
     limit = full_miss_position
-    for group, group_keys in by_group.items():
-        if windows.get(group) is not None:
-            continue
-        ordered = sorted(group_keys, key=position)
-        results = ask(ordered)
-        for key, result in zip(ordered, results, strict=False):
+    for ordered, answered in zip(full, results, strict=False):
+        for key, result in zip(ordered, answered, strict=False):
             if result is LookupResult.MISS:
                 limit = min(limit, position(key))
-        not_asked.update(ordered[len(results) :])
-
-    sliding = {g: ks for g, ks in by_group.items() if windows.get(g) is not None}
+        not_asked.update(ordered[len(answered) :])
+    _record(searching, results[len(full) :], answers, sliding)
     if not sliding:
         return not_asked
-    answers: dict[bytes, LookupResult] = {}
+
     ends: dict[int, float] = {}
     bound = limit  # a window must end below it
     while True:
-        for group, group_keys in sliding.items():
-            window = max(1, windows[group] or 1)
-            if group in ends and ends[group] < bound:
-                continue
-            ends[group] = _window_end(group_keys, window, bound, position, answers, ask)
+        todo = {g for g in sliding if g not in ends or ends[g] >= bound}
+        while todo:
+            searching = {}
+            for group in todo:
+                end = sliding[group].end(bound, answers)
+                if end is None:
+                    searching[group] = sliding[group].next_keys(bound, answers)
+                else:
+                    ends[group] = end
+            todo = set(searching)
+            if searching:
+                _record(searching, ask(list(searching.values())), answers, sliding)
         lowest = min(ends.values())
         if all(end <= lowest for end in ends.values()) or lowest <= 0:
             break
         bound = lowest + 1e-9  # positions are whole tokens: a window ending at ``lowest`` fits
-    for group_keys in sliding.values():
-        not_asked.update(k for k in group_keys if position(k) >= limit)
+    for search in sliding.values():
+        not_asked.update(k for k in search.descending if position(k) >= limit and k not in answers)
     return not_asked
 
 
-def _window_end(
-    keys: list[bytes],
-    window: int,
-    bound: float,
-    position: Callable[[bytes], float],
-    answers: dict[bytes, LookupResult],
-    ask: Ask,
-) -> float:
-    """The end position of the highest run of ``window`` hits below ``bound`` among ``keys``
-    (asking the unanswered ones from the end down, ``window`` per call), 0 if there is none."""
-    descending = [k for k in sorted(keys, key=position, reverse=True) if position(k) < bound]
-    run, i = 0, 0
-    while i < len(descending):
-        unknown = [k for k in descending[i : i + window] if k not in answers]
-        if unknown:
-            for key, result in zip(unknown, ask(unknown), strict=False):
-                answers[key] = result
-        progressed = False
-        while i < len(descending) and descending[i] in answers:
-            progressed = True
-            result = answers[descending[i]]
+class _WindowSearch:
+    """One sliding-window group's search, from the end down, for ``window`` hits in a row."""
+
+    def __init__(
+        self, descending: list[bytes], window: int, position: Callable[[bytes], float]
+    ) -> None:
+        self.descending = descending
+        self.window = window
+        self._position = position
+        self.exhausted = False
+        """The service answered none of a batch: nothing more to learn now."""
+
+    def _below(self, bound: float) -> list[bytes]:
+        return [k for k in self.descending if self._position(k) < bound]
+
+    def end(self, bound: float, answers: Mapping[bytes, LookupResult]) -> float | None:
+        """The end position of the highest run of ``window`` hits below ``bound``; 0 if there
+        is none (or nothing more can be learnt now), None while keys must be asked first."""
+        if self.exhausted:
+            return 0
+        below = self._below(bound)
+        run = 0
+        for i, key in enumerate(below):
+            result = answers.get(key)
+            if result is None:
+                return None
             run = run + 1 if result in (LookupResult.HIT, LookupResult.HIT_PENDING) else 0
-            i += 1
-            if run == window:
-                return position(descending[i - window])
-        if not progressed:
-            return 0  # the service answered none of them: nothing more to learn now
-    return 0
+            if run == self.window:
+                return self._position(below[i - self.window + 1])
+        return 0
+
+    def next_keys(self, bound: float, answers: Mapping[bytes, LookupResult]) -> list[bytes]:
+        """The keys to ask next: the unanswered ones among the ``window`` keys below ``bound``
+        from the highest unanswered one down (empty when every key is answered)."""
+        below = self._below(bound)
+        for i, key in enumerate(below):
+            if key not in answers:
+                return [k for k in below[i : i + self.window] if k not in answers]
+        return []
+
+
+def _record(
+    searching: Mapping[int, list[bytes]],
+    results: Sequence[Sequence[LookupResult]],
+    answers: dict[bytes, LookupResult],
+    sliding: Mapping[int, _WindowSearch],
+) -> None:
+    """Record the answers to the batches of ``searching`` (group -> keys asked)."""
+    for i, (group, batch) in enumerate(searching.items()):
+        answered = results[i] if i < len(results) else []
+        if not answered:
+            sliding[group].exhausted = True
+        for key, result in zip(batch, answered, strict=False):
+            answers[key] = result

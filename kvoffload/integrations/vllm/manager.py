@@ -232,6 +232,7 @@ class KVOffloadManager(OffloadingManager):
         if nkey in state.missed or nkey in state.failed or self._fenced:
             return LookupResult.MISS
         if nkey in state.landing:
+            state.queued[nkey] = None  # answered at the step's end without asking (requests)
             return LookupResult.HIT_PENDING
         if not self._link.ready():
             state.missed.add(nkey)
@@ -251,7 +252,7 @@ class KVOffloadManager(OffloadingManager):
             return
         for key in keys:
             nkey = self._key(key)
-            if nkey in state.uncertain:
+            if nkey in state.uncertain and nkey not in state.landing:
                 # Asked before and still pending: vLLM's lookups queue it for the step's end.
                 continue
             if nkey not in state.pinned and nkey not in state.missed and nkey not in state.failed:
@@ -279,12 +280,15 @@ class KVOffloadManager(OffloadingManager):
         self._count_outage()
 
     def _lookup_batch(self, state: EngineRequest) -> None:
-        def ask(client: KVOffloadClient, keys: list[bytes]) -> LookupOutcome:
+        def ask(client: KVOffloadClient, batches: list[list[bytes]]) -> list[LookupOutcome]:
             self._ensure_registered(client, state)
-            outcome = client.lookup(state.ctx.req_id, keys, pin=True, landing=self._landing)
-            if outcome.ticket:
-                self._tickets[outcome.ticket] = (state.ctx.req_id, time.monotonic())
-            return outcome
+            outcomes = client.lookup_many(
+                state.ctx.req_id, batches, pin=True, landing=self._landing
+            )
+            for outcome in outcomes:
+                if outcome.ticket:
+                    self._tickets[outcome.ticket] = (state.ctx.req_id, time.monotonic())
+            return outcomes
 
         lookup_queued(state, self._link, ask, self._windows, self.stats, self._sync_generation)
 

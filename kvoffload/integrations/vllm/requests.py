@@ -81,7 +81,7 @@ class TenantNames:
 def lookup_queued(
     state: EngineRequest,
     link: ServiceLink,
-    ask: Callable[[KVOffloadClient, list[bytes]], LookupOutcome],
+    ask: Callable[[KVOffloadClient, list[list[bytes]]], list[LookupOutcome]],
     windows: Mapping[int, int | None],
     stats: StatsAccumulator,
     after_call: Callable[[], None],
@@ -90,17 +90,45 @@ def lookup_queued(
     ``ask`` (a pinned lookup) over ``link``; ``after_call`` runs after each call, before its
     answers are recorded (the link may have reconnected). Keys the service could not be asked
     (it is down) are MISS for the request."""
-    keys = list(state.queued)
+    queued = list(state.queued)
     state.queued.clear()
-    unanswered = dict.fromkeys(keys)
+    unanswered = dict.fromkeys(queued)
+    # The request's pinned keys take part as HITs, so a sliding window that holds one of them
+    # is found without asking below it; like keys whose landing will be told (HIT_PENDING),
+    # they are answered without asking.
+    keys = queued + [key for key in state.pinned if key not in unanswered]
 
-    def call(batch: list[bytes]) -> list[LookupResult]:
-        outcome = link.call(lambda client: ask(client, batch))
-        after_call()
-        results = record_lookup(state, batch, outcome, stats)
+    def answer(
+        batch: list[bytes], known: dict[bytes, LookupResult], told: list[LookupResult]
+    ) -> list[LookupResult]:
+        """``batch``'s answers: the ``known`` keys' and, in order, the service's (``told``)."""
+        answers = iter(told)
+        results = []
+        for key in batch:
+            result = known[key] if key in known else next(answers, None)
+            if result is None:
+                break  # the service's answer ended (after a MISS)
+            results.append(result)
         for key in batch[: len(results)]:
             unanswered.pop(key, None)
         return results
+
+    def call(batches: list[list[bytes]]) -> list[list[LookupResult]]:
+        known = {
+            key: LookupResult.HIT if key in state.pinned else LookupResult.HIT_PENDING
+            for batch in batches
+            for key in batch
+            if key in state.pinned or key in state.landing
+        }
+        asked = [[key for key in batch if key not in known] for batch in batches]
+        sent = [keys for keys in asked if keys]
+        outcomes = iter(link.call(lambda client: ask(client, sent)) if sent else [])
+        if sent:
+            after_call()
+        return [
+            answer(batch, known, record_lookup(state, keys, next(outcomes), stats) if keys else [])
+            for batch, keys in zip(batches, asked, strict=True)
+        ]
 
     try:
         not_asked = ask_by_group(

@@ -32,10 +32,14 @@ class StoredKeys:
 
     def __init__(self, stored: set[bytes]) -> None:
         self.stored = stored
-        self.calls: list[list[bytes]] = []
+        self.rounds: list[list[list[bytes]]] = []
+        """The batches asked, round trip by round trip."""
 
-    def ask(self, keys: list[bytes]) -> list[LookupResult]:
-        self.calls.append(list(keys))
+    def ask(self, batches: list[list[bytes]]) -> list[list[LookupResult]]:
+        self.rounds.append([list(keys) for keys in batches])
+        return [self._answer(keys) for keys in batches]
+
+    def _answer(self, keys: list[bytes]) -> list[LookupResult]:
         out = []
         for k in keys:
             out.append(HIT if k in self.stored else MISS)
@@ -44,7 +48,7 @@ class StoredKeys:
         return out
 
     def asked(self) -> set[bytes]:
-        return {k for call in self.calls for k in call}
+        return {k for batches in self.rounds for keys in batches for k in keys}
 
 
 def run(keys, windows, service, **kw):
@@ -55,7 +59,7 @@ def test_a_full_attention_group_is_asked_once_in_token_order():
     keys = [key(0, c) for c in range(1, 10)]
     service = StoredKeys({key(0, c) for c in range(1, 5)})
     not_asked = run(list(reversed(keys)), {}, service)
-    assert service.calls == [keys]  # token order, whatever order vLLM asked in
+    assert service.rounds == [[keys]]  # token order, whatever order vLLM asked in
     assert not_asked == set(keys[5:])  # past the first MISS (chunk 5)
 
 
@@ -70,8 +74,12 @@ def test_a_sliding_window_is_searched_below_the_full_groups_first_miss():
 
     asked = service.asked()
     assert {key(0, 6), key(0, 5)} <= asked
-    assert not asked & {key(0, c) for c in (7, 8, 9)}  # could never be read: never promoted
-    assert {key(0, c) for c in (7, 8, 9)} <= not_asked
+    # the first round asked the top window beside the full group; past it, nothing that could
+    # never be read (at or past chunk 7) is asked
+    assert service.rounds[0] == [full, [key(0, 9), key(0, 8)]]
+    assert key(0, 7) not in asked
+    assert key(0, 7) in not_asked
+    assert not not_asked & {key(0, 8), key(0, 9)}  # answered
     assert not asked & {key(0, c) for c in (1, 2, 3, 4)}  # below the window found
     assert not (not_asked & {key(0, c) for c in (1, 2, 3, 4)})  # left for vLLM to ask
 
@@ -93,7 +101,7 @@ def test_a_known_full_miss_bounds_the_window_search():
     sliding = [key(0, c) for c in range(9, 0, -1)]
     service = StoredKeys({key(0, c) for c in range(1, 10)})
     not_asked = run(sliding, {0: 2}, service, full_miss_position=4 * TPC)
-    assert service.calls == [[key(0, 3), key(0, 2)]]
+    assert service.rounds == [[[key(0, 3), key(0, 2)]]]
     assert not_asked == {key(0, c) for c in range(4, 10)}
 
 
@@ -103,3 +111,30 @@ def test_no_window_means_nothing_is_claimed_and_nothing_is_lost():
     not_asked = run(sliding, {0: 2}, service)
     assert service.asked() == set(sliding)  # every gap was looked at
     assert not_asked == set()
+
+
+def test_a_prefix_that_hits_whole_costs_one_round_trip_for_every_group():
+    """Gemma 3's shape: one full-attention group and three sliding ones, all stored."""
+    full = [key(0, c) for c in range(1, 17)]
+    slidings = [[key(g, c) for c in range(16, 0, -1)] for g in (1, 2, 3)]
+    stored = set(full).union(*slidings)
+    service = StoredKeys(stored)
+
+    not_asked = run(full + [k for keys in slidings for k in keys], {1: 4, 2: 4, 3: 4}, service)
+
+    assert len(service.rounds) == 1
+    assert service.rounds[0] == [full] + [keys[:4] for keys in slidings]
+    assert not_asked == set()
+
+
+def test_sliding_groups_search_together_one_round_per_window():
+    """Each later round asks the next window of every group still searching."""
+    slidings = [[key(g, c) for c in range(8, 0, -1)] for g in (1, 2)]
+    stored = {key(g, c) for g in (1, 2) for c in (5, 4)}
+    service = StoredKeys(stored)
+
+    run([k for keys in slidings for k in keys], {1: 2, 2: 2}, service)
+
+    # chunks 8-7, 7-6, 6-5 (each MISS ends its batch), then 5-4 hit: both groups in each round
+    assert [len(batches) for batches in service.rounds] == [2, 2, 2, 2]
+    assert service.rounds[-1] == [[key(1, 5), key(1, 4)], [key(2, 5), key(2, 4)]]
