@@ -17,7 +17,7 @@ from kvoffload.extras import MissingExtra
 from kvoffload.logs import configure_logging
 from kvoffload.runtime.discovery import NoServiceFound, find_endpoint
 from kvoffload.runtime.runspec import EXIT_REFUSED
-from kvoffload.wire.status import ManagerStatus, TenantStatus
+from kvoffload.wire.status import ManagerStatus, PeerWorkerStats, TenantStatus
 from kvoffload.wire.tenant_ids import tenant_id
 
 if TYPE_CHECKING:
@@ -191,6 +191,8 @@ def format_status(status: ManagerStatus) -> str:
     )
     for name, tier in t.tiers.items():
         c = t.per_tier[name]
+        if name == "peer":
+            continue  # the peer tier stores nothing of this node's
         lines.append(
             f"{name:<10}{c.cascaded_keys_ok:>10}{tier.cascade_backlog:>10}"
             f"{c.cascade_keys_resubmitted:>10}{c.cascade_dropped_evicted:>18}"
@@ -212,7 +214,26 @@ def format_status(status: ManagerStatus) -> str:
             f"{name:<10}{w.pid:>8}{w.last_heartbeat_s:>10.2f}s{w.inflight:>10}"
             f"{str(w.degraded):>10}{w.incarnation - 1:>10}"
         )
+    peer = status.workers.get("peer")
+    if peer is not None and isinstance(peer.stats.medium, PeerWorkerStats):
+        lines.extend(format_peer(peer.stats.medium))
     return "\n".join(lines)
+
+
+def format_peer(s: PeerWorkerStats) -> list[str]:
+    """The peer row: the nodes followed, what they announce, the fetches made and served."""
+    refused = sum(s.refused.values()) + sum(s.handshakes_refused.values())
+    return [
+        "",
+        f"peer: {s.nodes_followed} nodes followed ({s.nodes_silent} silent, "
+        f"{s.breakers_open} breakers open), {s.keys_indexed} keys indexed "
+        f"({s.keys_not_indexed} left out)",
+        f"  fetched {s.fetch_keys} keys ({s.fetch_bytes / 2**20:.1f} MiB) in {s.fetches} "
+        f"fetches, {s.fetch_failures} failed, {s.fetch_bad_blocks} bad blocks dropped, "
+        f"{s.fallbacks} keys fell through",
+        f"  served {s.served_keys} keys ({s.served_bytes / 2**20:.1f} MiB) in "
+        f"{s.served_fetches} fetches, {refused} refused",
+    ]
 
 
 def format_tenants(tenants: dict[str, TenantStatus]) -> list[str]:

@@ -63,13 +63,15 @@ RULES = (
     ),
     Rule(
         "workers",
-        (
-            "kvoffload.server",
-            "kvoffload.tiering",
-            "kvoffload.client",
-            "kvoffload.runtime.supervisor",
-        ),
+        ("kvoffload.server", "kvoffload.tiering", "kvoffload.runtime.supervisor"),
         "workers talk to the manager only by messages",
+    ),
+    Rule(
+        "workers",
+        ("kvoffload.client",),
+        "workers talk to the manager on the job channel; only the peer worker, which serves "
+        "other nodes' fetches as a client of its own manager, uses the client",
+        exempt=("workers.peer",),
     ),
     Rule(
         "kvoffload.client",

@@ -521,7 +521,7 @@ class CpuBackend(NoIndexBackend):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return worker_main(CpuBackend, argv)
+    return worker_main(lambda cfg, _spec: CpuBackend(cfg), argv)
 
 
 if __name__ == "__main__":

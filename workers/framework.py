@@ -551,10 +551,11 @@ def run_worker(
 
 
 def worker_main(
-    build_backend: Callable[[Config], Backend], argv: Sequence[str] | None = None
+    build_backend: Callable[[Config, RunSpec], Backend], argv: Sequence[str] | None = None
 ) -> int:
     """``python -m workers.<name> --spec RUNSPEC_JSON [--hello-timeout S]``: load the run spec,
-    build the backend from its config, ``run_worker``. Returns the exit code."""
+    build the backend from its config and the run spec, ``run_worker``. Returns the exit
+    code."""
     parser = argparse.ArgumentParser(description="kvoffload tier worker")
     parser.add_argument(
         "--spec", required=True, help="run spec JSON file written by the supervisor"
@@ -571,4 +572,6 @@ def worker_main(
         log.error("runspec_invalid", path=args.spec, error=str(exc))
         return EXIT_REFUSED
     configure_logging(proc="worker", level=cfg.service.log_level)  # until the backend is named
-    return run_worker(build_backend(cfg), spec, config=cfg, hello_timeout_s=args.hello_timeout)
+    return run_worker(
+        build_backend(cfg, spec), spec, config=cfg, hello_timeout_s=args.hello_timeout
+    )

@@ -454,6 +454,11 @@ def peer_cells(outputs: dict[str, Any]) -> list[Cell]:
     return [Cell.from_json(c) for c in outputs["peer"]["cells"]]
 
 
+def peer_tier_cells(outputs: dict[str, Any]) -> list[Cell]:
+    """The peer-tier suite writes its cells itself."""
+    return [Cell.from_json(c) for c in outputs["peer_tier"]["cells"]]
+
+
 EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Cell]]] = {
     "tiering": tiering_cells,
     "cpu": cpu_cells,
@@ -463,5 +468,6 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], list[Cell]]] = {
     "ttft": ttft_cells,
     "vllm": vllm_cells,
     "peer": peer_cells,
+    "peer-tier": peer_tier_cells,
     "gpu": gpu_cells,
 }

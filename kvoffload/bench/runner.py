@@ -47,6 +47,7 @@ class Suite(enum.StrEnum):
     TTFT = "ttft"
     VLLM = "vllm"
     PEER = "peer"
+    PEER_TIER = "peer-tier"
     GPU = "gpu"
 
 
@@ -207,6 +208,20 @@ SUITES = {
                 ),
             ),
             _peer_missing,
+        ),
+        SuiteSpec(
+            Suite.PEER_TIER,
+            "peer tier on loopback with CURVE: a prefix from a peer's pool and disk vs the "
+            "object tier (SeaweedFS) and a local disk promotion; one block's p50/p99",
+            (
+                Step(
+                    "peer_tier",
+                    "kvoffload.bench.peer_tier",
+                    "--sizes 256K,1M --rounds 3 --samples 30",
+                    "--sizes 256K --blocks 4 --rounds 1 --samples 3",
+                ),
+            ),
+            _object_missing,
         ),
         SuiteSpec(
             Suite.GPU,

@@ -20,7 +20,7 @@ import re
 import tomllib
 import typing
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -290,6 +290,8 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
             f"got {obj.breaker_max_cooldown_s}",
         )
 
+    _validate_peer(cfg, fail)
+
     sup = cfg.supervisor
     if sup.restart_backoff_max_s < sup.restart_backoff_initial_s:
         fail(
@@ -304,6 +306,54 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
 
     disk_bytes = cfg.disk.capacity_bytes if cfg.disk.enabled else None
     tenant_settings.validate(cfg.tenants, pool.num_slots, disk_bytes, fail)
+
+
+def _validate_peer(cfg: Config, fail: Callable[[str, str], None]) -> None:
+    """``[peer]``: endpoints on tcp:// only (nodes meet over the network, with CURVE), the key
+    files they need, distinct node names."""
+    peer, svc = cfg.peer, cfg.service
+    if peer.fetch_endpoint:
+        if not peer.fetch_endpoint.startswith("tcp://"):
+            fail("peer.fetch_endpoint", f"must start with tcp://, got {peer.fetch_endpoint!r}")
+        if not svc.curve_server_secret_file or not Path(svc.curve_server_secret_file).is_file():
+            fail(
+                "service.curve_server_secret_file",
+                "peer.fetch_endpoint needs an existing CURVE server secret key file, got "
+                f"{svc.curve_server_secret_file!r}",
+            )
+        if not svc.curve_authorized_dir or not Path(svc.curve_authorized_dir).is_dir():
+            fail(
+                "service.curve_authorized_dir",
+                "peer.fetch_endpoint needs an existing directory of the following nodes' "
+                f"public keys, got {svc.curve_authorized_dir!r}",
+            )
+    if peer.nodes and not Path(peer.curve_client_secret_file or "/nonexistent").is_file():
+        fail(
+            "peer.curve_client_secret_file",
+            "peer.nodes needs this node's existing CURVE key pair file, got "
+            f"{peer.curve_client_secret_file!r}",
+        )
+    names: set[str] = set()
+    for i, node in enumerate(peer.nodes):
+        if node.name in names:
+            fail(f"peer.nodes[{i}].name", f"names another node already: {node.name!r}")
+        names.add(node.name)
+        for field in ("events_endpoint", "replay_endpoint", "fetch_endpoint"):
+            endpoint = getattr(node, field)
+            if not endpoint.startswith("tcp://"):
+                fail(f"peer.nodes[{i}].{field}", f"must start with tcp://, got {endpoint!r}")
+        if not Path(node.server_key_file or "/nonexistent").is_file():
+            fail(
+                f"peer.nodes[{i}].server_key_file",
+                f"must name the node's existing CURVE public key file, got "
+                f"{node.server_key_file!r}",
+            )
+    if peer.breaker_max_cooldown_s < peer.breaker_cooldown_s:
+        fail(
+            "peer.breaker_max_cooldown_s",
+            f"must be >= peer.breaker_cooldown_s ({peer.breaker_cooldown_s}), "
+            f"got {peer.breaker_max_cooldown_s}",
+        )
 
 
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:

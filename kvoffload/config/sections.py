@@ -119,6 +119,55 @@ class ObjectConfig(_Section, frozen=True):
     cpu_affinity: Cores = ()
 
 
+class PeerNodeConfig(_Section, frozen=True):
+    """One node the peer tier follows: its node stream (``events_endpoint``, and its
+    ``replay_endpoint``: catch-up and snapshots), its peer worker's ``fetch_endpoint``, and
+    the file of its service's CURVE public key (``server_key_file``, ZeroMQ's certificate
+    format), with which every tcp:// connection to it is made."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+    events_endpoint: Annotated[str, Meta(min_length=1)]
+    replay_endpoint: Annotated[str, Meta(min_length=1)]
+    fetch_endpoint: Annotated[str, Meta(min_length=1)]
+    server_key_file: str = ""
+
+
+class PeerConfig(_Section, frozen=True):
+    """The peer tier: blocks other nodes of the fleet hold, found through their node streams
+    and fetched from their peer workers (docs/fleet.md, "Peers"). On when ``nodes`` names a
+    node to follow or ``fetch_endpoint`` serves this node's blocks to others.
+
+    ``fetch_endpoint``: where this node's peer worker serves fetches (tcp:// with the
+    ``service.curve_*`` keys: the service's secret key, and the authorized keys of the nodes
+    that follow it). ``curve_client_secret_file``: this node's key pair (ZeroMQ's certificate
+    format) for the nodes it follows, whose ``authorized`` directories must hold its public
+    key. ``fetch_deadline_s``: the most one fetch may take before its keys fall through to the
+    next tier; ``holder_wait_s``: how long a holder may take to bring blocks from its disk
+    into its pool for a fetch. ``max_fetch_keys``: the most keys one fetch asks for.
+    ``max_served_fetches``: fetches this node serves at once (more are refused ``busy``), so
+    the fleet never starves its own engines. ``max_indexed_keys``: the index's bound (keys
+    beyond it are not indexed, counted). ``breaker_*``: a node whose fetches fail this many
+    times in a row is not asked for ``breaker_cooldown_s`` (doubling, up to the max)."""
+
+    nodes: tuple[PeerNodeConfig, ...] = ()
+    fetch_endpoint: str = ""
+    curve_client_secret_file: str = ""
+    fetch_deadline_s: PositiveSeconds = 2.0
+    holder_wait_s: Annotated[float, Meta(ge=0)] = 1.0
+    max_fetch_keys: Positive = 64
+    max_served_fetches: Positive = 4
+    max_indexed_keys: Positive = 1 << 20
+    io_threads: Positive = 4
+    breaker_failure_threshold: Positive = 3
+    breaker_cooldown_s: PositiveSeconds = 1.0
+    breaker_max_cooldown_s: PositiveSeconds = 30.0
+    cpu_affinity: Cores = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.nodes or self.fetch_endpoint)
+
+
 class SupervisorConfig(_Section, frozen=True):
     """Process supervision: restart backoff, drain and grace period on shutdown."""
 
@@ -166,6 +215,7 @@ class Config(_Section, frozen=True):
     cpu: CpuConfig = msgspec.field(default_factory=CpuConfig)
     disk: DiskConfig = msgspec.field(default_factory=DiskConfig)
     object: ObjectConfig = msgspec.field(default_factory=ObjectConfig)
+    peer: PeerConfig = msgspec.field(default_factory=PeerConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     events: EventsConfig = msgspec.field(default_factory=EventsConfig)
     engines: tuple[EngineConfig, ...] = ()

@@ -1,11 +1,12 @@
-"""The CURVE gate of a ``tcp://`` client endpoint: a ZAP handler that admits the client keys of
-``service.curve_authorized_dir``, and a watch on the socket's handshakes that logs and counts
-every connection refused.
+"""The CURVE gate of a ``tcp://`` endpoint (the manager's client endpoint, a peer worker's fetch
+endpoint): a ZAP handler that admits the client keys of ``service.curve_authorized_dir``, and a
+watch on the socket's handshakes that logs and counts every connection refused.
 
-Refused get no answer, as before; now each is logged (``client_handshake_refused`` with the
+Refused get no answer; each is logged (``<channel>_handshake_refused``, e.g.
+``client_handshake_refused``, with the
 peer address, the client key's fingerprint when the handshake got as far as the key, and the
 reason), at most ``LOG_BURST`` lines per ``LOG_WINDOW_S`` (the lines left out are counted in
-the next one, or in a ``client_handshakes_not_logged`` line once the window is over), and
+the next one, or in a ``<channel>_handshakes_not_logged`` line once the window is over), and
 counted by reason (``counts``: the manager's status and metrics). Reasons:
 
 - ``unknown_key``: a CURVE client whose public key is not in the authorized directory;
@@ -113,8 +114,15 @@ class CurveGate:
     docstring). Create it before ``sock`` binds; ``stop`` it before the socket is closed."""
 
     def __init__(
-        self, zctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], authorized_dir: str
+        self,
+        zctx: zmq.Context[zmq.Socket[bytes]],
+        sock: zmq.Socket[bytes],
+        authorized_dir: str,
+        channel: str = "client",
     ) -> None:
+        """``channel`` names the log events (``<channel>_handshake_refused``)."""
+        self._refused_event = f"{channel}_handshake_refused"
+        self._left_out_event = f"{channel}_handshakes_not_logged"
         self._dir = Path(authorized_dir)
         self._keys: set[bytes] = set()
         self._dir_mtime: float | None = None
@@ -125,7 +133,7 @@ class CurveGate:
         self._last_failure: str | None = None
         self._limit = _RateLimit(LOG_BURST, LOG_WINDOW_S)
         self._sock = sock
-        self._monitor_endpoint = f"inproc://kvoffload-client-monitor-{id(self):x}"
+        self._monitor_endpoint = f"inproc://kvoffload-{channel}-monitor-{id(self):x}"
         sock.monitor(self._monitor_endpoint, _EVENTS)
         self._zap = zctx.socket(zmq.REP)
         self._zap.linger = 0
@@ -236,7 +244,7 @@ class CurveGate:
         if self._limit.allow(time.monotonic()):
             left_out, self._limit.left_out = self._limit.left_out, 0
             log.warning(
-                "client_handshake_refused",
+                self._refused_event,
                 peer=peer,
                 key_fingerprint=key or None,
                 reason=reason,
@@ -245,7 +253,7 @@ class CurveGate:
 
     def _log_left_out(self, now: float) -> None:
         if self._limit.left_out and self._limit.window_over(now):
-            log.warning("client_handshakes_not_logged", refused=self._limit.left_out)
+            log.warning(self._left_out_event, refused=self._limit.left_out)
             self._limit.left_out = 0
 
 

@@ -44,7 +44,12 @@ from kvoffload.wire.tenant_ids import TENANT_KEY_ENV, tenant_key
 
 log = structlog.get_logger()
 
-WORKER_MODULES = {"cpu": "workers.cpu", "disk": "workers.disk", "object": "workers.object"}
+WORKER_MODULES = {
+    "cpu": "workers.cpu",
+    "disk": "workers.disk",
+    "peer": "workers.peer",
+    "object": "workers.object",
+}
 HEALTHY_AFTER_S = 30.0
 KILL_REAP_S = 5.0
 """How long ``stop`` waits for a SIGKILLed child to be reaped before it removes the segments
@@ -207,6 +212,15 @@ class Supervisor:
                     [py, "-m", WORKER_MODULES["disk"], *spec_arg],
                     True,
                     affinity=cfg.disk.cpu_affinity,
+                )
+            )
+        if cfg.peer.enabled:
+            self._add(
+                Child(
+                    "peer",
+                    [py, "-m", WORKER_MODULES["peer"], *spec_arg],
+                    True,
+                    affinity=cfg.peer.cpu_affinity,
                 )
             )
         if cfg.object.enabled:

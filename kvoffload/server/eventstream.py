@@ -4,8 +4,16 @@ vLLM's KV events so a KV-aware router reads them as it reads a vLLM engine's.
 Wire, as vLLM's ``ZmqEventPublisher``: a PUB socket sends (topic, sequence number as 8 bytes
 big-endian, msgpack ``KVEventBatch``); a ROUTER on ``replay_endpoint`` answers a request of one
 frame, the first sequence number wanted (8 bytes big-endian), with every kept batch from it on as
-(topic, sequence, payload) and then ("", ``END_SEQ``, ""). Sequence numbers start at 0 with each
-manager and have no gaps.
+(topic, sequence, payload) and then ("", ``END_SEQ``, run id). Sequence numbers start at 0 with
+each manager and have no gaps; the run id (the manager's) tells a follower that a restarted
+manager began a new sequence.
+
+A request of the one frame ``STREAM_SNAPSHOT_REQUEST`` is answered with what the stream told so far, as
+a snapshot: batches that start with ``AllBlocksCleared`` and list every block held, each sent as
+(topic, the sequence number the next published batch will carry, payload), then the end frame.
+A subscriber that applies it and then the published batches from that number on holds the
+node's index, however late it joined (the peer tier's followers do; vLLM-format subscribers
+never ask).
 
 It never blocks the manager: the manager hands each turn's events to a bounded queue
 (``publish``) and a thread of its own encodes and sends them, what waits in the queue together
@@ -35,12 +43,22 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvoffload.config import EventsConfig, ServiceConfig
 from kvoffload.runtime.runspec import FatalStartError
-from kvoffload.wire.events import AllBlocksCleared, KVEventBatch, TierEvent, vllm_events
+from kvoffload.wire.events import (
+    STREAM_END_SEQ,
+    STREAM_SNAPSHOT_REQUEST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    TierEvent,
+    vllm_events,
+)
 from kvoffload.wire.tenant_ids import NO_TENANT
+from kvoffload.wire.vocab import Locality, Medium
 
 log = structlog.get_logger()
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
+END_SEQ = STREAM_END_SEQ.to_bytes(8, "big", signed=True)
 SNAPSHOT_EVENTS_PER_BATCH = 16
 POLL_S = 0.05
 HANDOVER_S = 0.005
@@ -58,11 +76,41 @@ _STOP = _Batch(0.0, [])
 """Queued by ``close``: the thread sends what came before it and ends."""
 
 
+class _Told:
+    """What the stream's batches told each tier holds: (tier, medium, locality, tenant) ->
+    keys, in the order told."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[str, Medium, Locality, str], dict[bytes, None]] = {}
+
+    def apply(self, events: list[TierEvent], snapshot: bool) -> None:
+        if snapshot:
+            self.held.clear()
+        for event in events:
+            keys = self.held.setdefault(
+                (event.tier, event.medium, event.locality, event.tenant), {}
+            )
+            if event.removed:
+                for key in event.keys:
+                    keys.pop(key, None)
+            else:
+                keys.update(dict.fromkeys(event.keys))
+
+    def events(self) -> list[TierEvent]:
+        return [
+            TierEvent(tier, medium, locality, False, list(keys), tenant)
+            for (tier, medium, locality, tenant), keys in self.held.items()
+            if keys
+        ]
+
+
 class NodeStream:
-    def __init__(self, cfg: EventsConfig, svc: ServiceConfig) -> None:
+    def __init__(self, cfg: EventsConfig, svc: ServiceConfig, run_id: str = "") -> None:
         """Bind the PUB (and replay ROUTER) sockets and start the publishing thread;
-        FatalStartError when an endpoint cannot be served."""
+        FatalStartError when an endpoint cannot be served. ``run_id``: this manager's (each
+        start has its own), sent at the end of every replay."""
         self._cfg = cfg
+        self._run_id = run_id.encode()
         self._topic = cfg.topic.encode()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
@@ -83,6 +131,9 @@ class NodeStream:
             raise
         self._queue: queue.Queue[_Batch] = queue.Queue(cfg.queue_batches)
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_batches)
+        self._told = _Told()
+        self._seq = 0
+        """The sequence number of the next batch (the publishing thread's)."""
         self._lost = False
         self._outbox: list[TierEvent] = []
         self._handed_over = 0.0
@@ -185,7 +236,6 @@ class NodeStream:
 
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
-        seq = 0
         form = self._cfg.key_form
         held_back: _Batch | None = None
         while True:
@@ -207,34 +257,57 @@ class NodeStream:
                         held_back = follower
                         break
                     batch.events.extend(follower.events)
+            self._told.apply(batch.events, batch.snapshot)
             converted = vllm_events(batch.events, form)
-            if batch.snapshot:
-                step = SNAPSHOT_EVENTS_PER_BATCH
-                parts = [converted[i : i + step] for i in range(0, len(converted), step)]
-                parts = [[AllBlocksCleared(), *(parts[0] if parts else [])], *parts[1:]]
-            else:
-                parts = [converted]
+            parts = _snapshot_parts(converted) if batch.snapshot else [converted]
             for events in parts:
                 payload = encoder.encode(KVEventBatch(ts=batch.ts, events=events))
+                seq = self._seq
                 try:
                     self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
                 except zmq.ZMQError as exc:
                     log.warning("node_events_send_failed", error=str(exc))
                 self._kept.append((seq, payload))
-                seq += 1
+                self._seq += 1
                 self.sent_batches += 1
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
         frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
+        if len(frames) != 3 or not (len(frames[2]) == 8 or frames[2] == STREAM_SNAPSHOT_REQUEST):
             log.warning("node_events_bad_replay_request", frames=len(frames))
             return
-        client, _, start = frames
-        first = int.from_bytes(start, "big")
+        client, _, request = frames
+        if request == STREAM_SNAPSHOT_REQUEST:
+            self._serve_snapshot(client)
+            return
+        first = int.from_bytes(request, "big")
         for seq, payload in list(self._kept):
             if seq >= first:
                 self._replay.send_multipart(
                     (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
                 )
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, self._run_id))
+
+    def _serve_snapshot(self, client: bytes) -> None:
+        """What the batches published so far told, as a snapshot stamped with the sequence
+        number of the next batch."""
+        assert self._replay is not None
+        encoder = msgspec.msgpack.Encoder()
+        at = self._seq.to_bytes(8, "big")
+        converted = vllm_events(self._told.events(), self._cfg.key_form)
+        now = time.time()
+        for events in _snapshot_parts(converted):
+            payload = encoder.encode(KVEventBatch(ts=now, events=events))
+            self._replay.send_multipart((client, b"", self._topic, at, payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, self._run_id))
+
+
+def _snapshot_parts(
+    converted: list[BlockStored | BlockRemoved | AllBlocksCleared],
+) -> list[list[BlockStored | BlockRemoved | AllBlocksCleared]]:
+    """A snapshot's events in batches of ``SNAPSHOT_EVENTS_PER_BATCH``, the first led by
+    ``AllBlocksCleared``."""
+    step = SNAPSHOT_EVENTS_PER_BATCH
+    parts = [converted[i : i + step] for i in range(0, len(converted), step)]
+    return [[AllBlocksCleared(), *(parts[0] if parts else [])], *parts[1:]]

@@ -142,6 +142,10 @@ WORKER_GAUGE_STATS = frozenset(
         "breaker_consecutive_failures",
         "breaker_cooldown_s",
         "breaker_retry_in_s",
+        "nodes_followed",
+        "nodes_silent",
+        "keys_indexed",
+        "breakers_open",
     }
 )
 """Heartbeat stats that are levels; every other numeric stat is a counter."""

@@ -8,8 +8,8 @@ import zmq
 import zmq.auth
 
 from kvoffload.config import ServiceConfig
+from kvoffload.runtime.handshakes import CurveGate
 from kvoffload.runtime.runspec import FatalStartError
-from kvoffload.server.handshakes import CurveGate
 
 # Frames a little over the protocol limit still arrive, so the manager can answer them with a
 # typed "bad_message" error; beyond this, ZeroMQ drops the connection of the sender.

@@ -7,6 +7,7 @@ Single-threaded: only the manager's poll loop touches it.
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -102,6 +103,8 @@ def tier_specs(cfg: Config) -> list[TierSpec]:
                 capacity_keys=disk_capacity_keys(cfg) if cfg.tenants else 0,
             )
         )
+    if cfg.peer.enabled:
+        specs.append(TierSpec("peer", Medium.CPU, Locality.REMOTE, indexed=True, stores=False))
     if cfg.object.enabled:
         inflight = job_keys * CASCADE_JOBS_PER_THREAD * cfg.object.io_threads
         if cfg.object.writeback == "best_effort":
@@ -160,7 +163,12 @@ class ManagerState:
             if svc.metrics_port
             else None
         )
-        self.node_stream = NodeStream(cfg.events, svc) if cfg.events.endpoint else None
+        # a restarted manager numbers its stream from 0 again: its followers tell by the run
+        self.node_stream = (
+            NodeStream(cfg.events, svc, f"{spec.run_id}.{secrets.token_hex(4)}")
+            if cfg.events.endpoint
+            else None
+        )
         self.events = EventFeed(self.tiering, cfg.events.feed_keys, self.node_stream)
 
     def supervisor_alive(self) -> bool:

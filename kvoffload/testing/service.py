@@ -212,6 +212,8 @@ class ServiceHarness:
         names = ["cpu"]
         if self.cfg.disk.enabled:
             names.append("disk")
+        if self.cfg.peer.enabled:
+            names.append("peer")
         if self.cfg.object.enabled:
             names.append("object")
         return names

@@ -141,6 +141,8 @@ class Cascades:
         others into its backlog (all of them when older keys wait there, so the backlog goes
         out in order)."""
         tier, state = self.tiers[tier_idx], self.per_tier[tier_idx]
+        if not tier.spec.stores:
+            return
         keys = [k for k in dict.fromkeys(keys) if not tier.knows(k) and k not in state.backlog]
         if not keys:
             return

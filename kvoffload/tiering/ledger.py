@@ -108,6 +108,8 @@ class TieringLedger:
             SecondaryTier(
                 spec, owners, self.events.sink(i + 1, spec.name, spec.medium, spec.locality)
             )
+            if spec.stores
+            else SecondaryTier(spec)  # holds nothing of this node's: no events, no owners
             for i, spec in enumerate(tiers)
         ]
         self._tier_by_name = {t.name: i for i, t in enumerate(self.tiers)}
@@ -346,7 +348,9 @@ class TieringLedger:
         probed tier's blocks cannot be listed)."""
         held: dict[int, Iterable[Key]] = {POOL: self.primary.ready_keys()}
         held.update(
-            (i + 1, t.announced_index()) for i, t in enumerate(self.tiers) if t.spec.indexed
+            (i + 1, t.announced_index())
+            for i, t in enumerate(self.tiers)
+            if t.spec.indexed and t.spec.stores
         )
         return self.events.snapshot(held)
 

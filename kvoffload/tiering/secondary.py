@@ -35,7 +35,10 @@ class TierSpec:
     last, counted).
     ``request_level``: the tier wants every block of every request, prefix hits included.
     ``capacity_keys``: the blocks the tier holds at most, for a manager that chooses what
-    leaves it (tenant shares, the tenants' room); 0: the tier's worker evicts by itself."""
+    leaves it (tenant shares, the tenants' room); 0: the tier's worker evicts by itself.
+    ``stores``: the tier keeps this node's blocks (cascades go to it, its index is published
+    and counted per tenant). False for a tier that only promotes what others hold (the peer
+    tier: its index is what other nodes announce)."""
 
     name: str
     medium: Medium = Medium.STORAGE
@@ -46,6 +49,7 @@ class TierSpec:
     writeback: WriteBack = WriteBack.BEST_EFFORT
     request_level: bool = False
     capacity_keys: int = 0
+    stores: bool = True
 
 
 class IndexListener(Protocol):

@@ -82,6 +82,11 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+STREAM_END_SEQ = -1
+"""The sequence number of the frame that ends a node stream's replay (signed, 8 bytes)."""
+STREAM_SNAPSHOT_REQUEST = b"snapshot"
+"""The replay request that asks a node stream for a snapshot."""
+
 VLLM_MEDIUM = {Medium.CPU: "CPU", Medium.STORAGE: "STORAGE"}
 VLLM_LOCALITY = {Locality.LOCAL: "LOCAL", Locality.REMOTE: "REMOTE"}
 

@@ -7,10 +7,14 @@ carrying keys and slot numbers (never block bytes), results, heartbeats, control
 Landing channel (tier worker PUSH -> client PULL, ipc only): ``Landed`` notices of a
 promotion's keys, sent to the client that waits for them as they land, beside the job's
 progress to the manager (docs/design/cold-loads.md).
+Peer channel (one node's peer worker DEALER -> another's ROUTER, tcp:// with CURVE): a
+``PeerFetch`` of blocks, answered by ``PeerBlocks`` and the blocks' bytes, one frame each (the
+only channel that carries block bytes: between nodes there is no shared pool), or
+``PeerRefused``.
 
 Decoding is strict (``decode_client_request``, ``decode_client_reply``,
-``decode_worker_message``, ``decode_manager_message`` and ``decode_landing`` accept only their
-channel's union) and bounded by ``MAX_MESSAGE_BYTES``. Nothing is ever unpickled. What a status reply and a heartbeat
+``decode_worker_message``, ``decode_manager_message``, ``decode_landing``, ``decode_peer_fetch``
+and ``decode_peer_reply`` accept only their channel's union) and bounded by ``MAX_MESSAGE_BYTES``. Nothing is ever unpickled. What a status reply and a heartbeat
 carry is defined in ``kvoffload.wire.status``.
 
 Each frame is one msgpack map, the ``rid`` among its fields. A request that cannot be decoded is
@@ -603,6 +607,65 @@ class Landed(_Msg, tag="landed"):
 LandingMessage = Landed
 
 
+# ---- peer channel: a node's peer worker DEALER -> another node's peer worker ROUTER ------------
+
+
+class PeerFetch(_Msg, tag="peer_fetch"):
+    """Ask a holder node for blocks (tcp:// with CURVE; docs/fleet.md, "Peers"). Every fetch
+    carries what the holder checks before it serves anything: the protocol ``version``, the
+    ``deployment`` fingerprint (``blockformat.deployment_fingerprint``: block format,
+    ``block_bytes``, layout) and the ``tenant_check`` of the requester's tenant key
+    (``tenant_ids.key_check``). ``tenant``: the id the blocks are named under ("" for none);
+    the holder serves only that tenant's blocks. ``wait_ms``: how long the holder may take to
+    bring blocks it holds on its disk into its pool first (0: its pool only)."""
+
+    version: int
+    fetch_id: int
+    deployment: bytes
+    tenant_check: str
+    tenant: str
+    keys: list[bytes]
+    wait_ms: int = 0
+
+
+class PeerChecksum(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A block's checksum as its holder's slot header carries it (``BlockChecksum``): the
+    xxh3 of the block, or, for a block written in ``slices`` slices of ``slice_bytes`` (one
+    per tensor-parallel rank), the combination of theirs."""
+
+    value: int
+    slices: int = 1
+    slice_bytes: int = 0
+
+
+class PeerBlocks(_Msg, tag="peer_blocks"):
+    """The holder's answer to a ``PeerFetch``: the first frame of a multipart reply, followed
+    by one frame per key of ``keys`` (the block's bytes, ``block_bytes`` long), in order.
+    ``checksums``: co-indexed with ``keys``, each block's checksum as its writers took it (the
+    holder's slot header; taken when the block is sent where it has none), so the requester
+    verifies every block it receives. ``absent``: keys the holder does not hold for this
+    tenant (evicted, never held, another tenant's). ``failed``: keys it holds but could not
+    send in time (its disk was slow, its pool busy)."""
+
+    fetch_id: int
+    keys: list[bytes] = []
+    checksums: list[PeerChecksum] = []
+    absent: list[bytes] = []
+    failed: list[bytes] = []
+
+
+class PeerRefused(_Msg, tag="peer_refused"):
+    """A ``PeerFetch`` the holder did not serve: ``code`` says why (``VERSION_MISMATCH``,
+    ``DEPLOYMENT_MISMATCH``, ``TENANT_KEY_MISMATCH``, ``BUSY``, ``BAD_MESSAGE``, ...)."""
+
+    fetch_id: int
+    code: ErrorCode
+    message: str = ""
+
+
+PeerReply = PeerBlocks | PeerRefused
+
+
 # ---- encoding ----------------------------------------------------------------------------------
 
 _encoder = msgspec.msgpack.Encoder()
@@ -613,6 +676,8 @@ _client_reply_decoder: msgspec.msgpack.Decoder[ClientReply] = msgspec.msgpack.De
 _worker_decoder: msgspec.msgpack.Decoder[WorkerMessage] = msgspec.msgpack.Decoder(WorkerMessage)
 _manager_decoder: msgspec.msgpack.Decoder[ManagerMessage] = msgspec.msgpack.Decoder(ManagerMessage)
 _landing_decoder: msgspec.msgpack.Decoder[LandingMessage] = msgspec.msgpack.Decoder(LandingMessage)
+_peer_fetch_decoder: msgspec.msgpack.Decoder[PeerFetch] = msgspec.msgpack.Decoder(PeerFetch)
+_peer_reply_decoder: msgspec.msgpack.Decoder[PeerReply] = msgspec.msgpack.Decoder(PeerReply)
 _M = TypeVar("_M")
 
 
@@ -653,6 +718,14 @@ def decode_manager_message(frame: bytes) -> ManagerMessage:
 
 def decode_landing(frame: bytes) -> LandingMessage:
     return _decode(_landing_decoder, frame)
+
+
+def decode_peer_fetch(frame: bytes) -> PeerFetch:
+    return _decode(_peer_fetch_decoder, frame)
+
+
+def decode_peer_reply(frame: bytes) -> PeerReply:
+    return _decode(_peer_reply_decoder, frame)
 
 
 def request_id_of(frame: bytes) -> int:

@@ -212,7 +212,34 @@ class ObjectWorkerStats(_MediumStats, tag="object"):
     breaker: BreakerStats = msgspec.field(default_factory=BreakerStats)
 
 
-MediumStats = CpuWorkerStats | DiskWorkerStats | ObjectWorkerStats
+class PeerWorkerStats(_MediumStats, tag="peer"):
+    """The peer worker's counters: the nodes it follows and the keys they announce, the
+    fetches it made (``fetch_*``: keys landed, absent at the holder, failed, bytes, blocks
+    dropped for a bad checksum, falls to the next tier) and those it served to other nodes
+    (``served_*``; ``refused``: by code)."""
+
+    nodes_followed: int = 0
+    nodes_silent: int = 0
+    keys_indexed: int = 0
+    keys_not_indexed: int = 0
+    stream_snapshots: int = 0
+    stream_catch_ups: int = 0
+    fetches: int = 0
+    fetch_failures: int = 0
+    fetch_keys: int = 0
+    fetch_bytes: int = 0
+    fetch_absent: int = 0
+    fetch_bad_blocks: int = 0
+    fallbacks: int = 0
+    breakers_open: int = 0
+    served_fetches: int = 0
+    served_keys: int = 0
+    served_bytes: int = 0
+    refused: dict[str, int] = {}
+    handshakes_refused: dict[str, int] = {}
+
+
+MediumStats = CpuWorkerStats | DiskWorkerStats | ObjectWorkerStats | PeerWorkerStats
 
 
 class WorkerStats(_Status):
@@ -278,4 +305,4 @@ class ManagerStatus(_Status):
     service is degraded while any is."""
     client_handshakes_refused: dict[str, int] = {}
     """Client connections the CURVE gate of a tcp:// endpoint refused, by reason (empty on
-    an ipc:// endpoint; ``kvoffload.server.handshakes``)."""
+    an ipc:// endpoint; ``kvoffload.runtime.handshakes``)."""

@@ -116,3 +116,7 @@ class ErrorCode(enum.StrEnum):
     # raised by the client without a reply
     UNAVAILABLE = "unavailable"
     MESSAGE_TOO_LARGE = "message_too_large"
+    # a peer node's refusals (peer channel)
+    DEPLOYMENT_MISMATCH = "deployment_mismatch"
+    TENANT_KEY_MISMATCH = "tenant_key_mismatch"
+    BUSY = "busy"

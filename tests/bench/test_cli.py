@@ -114,3 +114,20 @@ def test_cells_merge_to_medians_and_compare_with_a_baseline() -> None:
     latency = Cell("service", "rtt", 1, "keys", 50.0, "us", False, "zmq", 25.0)
     latency.compare(Cell("service", "rtt", 1, "keys", 100.0, "us", False, "zmq", 25.0))
     assert latency.ratio_to_reference == 0.5 and latency.vs_baseline == 2.0
+
+
+def test_quick_peer_tier_measures_a_peer_against_the_object_tier(tmp_path: Path) -> None:
+    skip_without_extra("object")
+    done = bench("peer-tier", "--quick", "--results", str(tmp_path), timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    entry = json.loads((tmp_path / "bench_summary.json").read_text())["suites"]["peer-tier"]
+    assert entry["status"] == "ok", entry
+    cells = {c["metric"]: c for c in entry["cells"]}
+    pool = cells["prefix of 4 from a peer's pool"]
+    assert pool["value"] > 0 and pool["reference_value"] > 0 and pool["ratio_to_reference"] > 0
+    assert pool["others"]["local_disk_gb_s"] > 0
+    assert cells["prefix of 4 from a peer's disk"]["value"] > 0
+    one = cells["one block from a peer's pool, p50"]
+    assert 0 < one["value"] <= one["others"]["p99_us"]
+    raw = json.loads((tmp_path / "bench_peer_tier.json").read_text())
+    assert raw["curve"] is True and "SeaweedFS" in raw["note"]

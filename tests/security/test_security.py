@@ -21,7 +21,7 @@ from zmq.utils import z85
 
 from kvoffload.client import KVOffloadClient, KVOffloadError
 from kvoffload.config import ConfigError, ServiceConfig, load_config
-from kvoffload.server.handshakes import LOG_BURST, fingerprint
+from kvoffload.runtime.handshakes import LOG_BURST, fingerprint
 from kvoffload.server.sockets import bind_client_socket
 from kvoffload.soak.probe import ProbeEngine
 from kvoffload.testing.helpers import free_port, keys_for

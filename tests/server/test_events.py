@@ -20,7 +20,14 @@ from kvoffload.memory.blockformat import disk_record_bytes
 from kvoffload.server.eventstream import END_SEQ, NodeStream
 from kvoffload.testing.helpers import keys_for, wait_until
 from kvoffload.testing.service import BLOCK_BYTES, ServiceHarness, to_toml
-from kvoffload.wire.events import HeldBlocks, TierEvent
+from kvoffload.wire.events import (
+    STREAM_SNAPSHOT_REQUEST,
+    AllBlocksCleared,
+    BlockStored,
+    HeldBlocks,
+    KVEventBatch,
+    TierEvent,
+)
 from kvoffload.wire.protocol import ErrorCode
 from kvoffload.wire.tenant_ids import tenant_id
 from kvoffload.wire.vocab import Locality, Medium
@@ -284,6 +291,51 @@ def test_a_node_stream_that_drops_batches_resends_everything_after_a_clear(tmp_p
                 elif isinstance(event, vllm_events.BlockStored):
                     held.update(event.block_hashes)
         assert cleared and held == set(keys) and stream.snapshots == 1
+    finally:
+        stream.close()
+        zctx.destroy(linger=0)
+
+
+def test_a_late_follower_asks_the_node_stream_for_a_snapshot_stamped_with_its_next_batch(
+    tmp_path,
+):
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    replay = f"ipc://{tmp_path}/replay.sock"
+    stream = NodeStream(
+        EventsConfig(endpoint=endpoint, replay_endpoint=replay, key_form="key"),
+        ServiceConfig(),
+        run_id="run-1",
+    )
+    zctx = zmq.Context()
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    try:
+        pool = TierEvent("primary", Medium.CPU, Locality.LOCAL, False, [b"k1", b"k2"])
+        gone = TierEvent("primary", Medium.CPU, Locality.LOCAL, True, [b"k1"])
+        disk = TierEvent("disk", Medium.STORAGE, Locality.LOCAL, False, [b"k3"])
+        for sent, event in enumerate((pool, gone, disk), start=1):
+            stream.publish([event])
+            stream.flush()
+            wait_until(lambda sent=sent: stream.sent_batches == sent, what="the batch sent")
+
+        dealer = zctx.socket(zmq.DEALER)
+        dealer.connect(replay)
+        dealer.send_multipart([b"", STREAM_SNAPSHOT_REQUEST])
+        frames = []
+        while True:
+            assert dealer.poll(5000)
+            frames.append(dealer.recv_multipart())
+            if frames[-1][2] == END_SEQ:
+                break
+        *batches, end = frames
+        assert end[3] == b"run-1"  # the end frame names the manager's run
+        assert {int.from_bytes(f[2], "big") for f in batches} == {3}  # the next batch's number
+        events = [e for f in batches for e in decoder.decode(f[3]).events]
+        assert isinstance(events[0], AllBlocksCleared)
+        held = {
+            (e.ownership, k) for e in events if isinstance(e, BlockStored) for k in e.block_hashes
+        }
+        assert held == {(None, b"k2"), ("disk", b"k3")}  # what the three batches told
+        dealer.close(linger=0)
     finally:
         stream.close()
         zctx.destroy(linger=0)

@@ -482,7 +482,7 @@ def test_runspec_round_trip_and_config(tmp_path):
     cfg = spec.load_config()
     assert cfg.cpu.threads == 3 and cfg.cpu.cpu_affinity == (0,)
     path.write_text('{"run_id": "r"}')
-    assert worker_main(lambda cfg: EchoBackend(), ["--spec", str(path)]) == EXIT_REFUSED
+    assert worker_main(lambda cfg, spec: EchoBackend(), ["--spec", str(path)]) == EXIT_REFUSED
 
 
 def test_echo_backend_satisfies_the_protocol():
@@ -554,4 +554,4 @@ def test_crash_after_ops_kills_the_process_with_sigkill():
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main(lambda cfg: EchoBackend(), sys.argv[1:]))
+    sys.exit(worker_main(lambda cfg, spec: EchoBackend(), sys.argv[1:]))

@@ -11,7 +11,7 @@ from workers.framework import worker_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return worker_main(DiskBackend, argv)
+    return worker_main(lambda cfg, _spec: DiskBackend(cfg), argv)
 
 
 if __name__ == "__main__":

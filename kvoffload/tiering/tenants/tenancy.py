@@ -115,11 +115,13 @@ class Tenancy:
             self.owners.touch(keys)
 
     def job_created(self, job: TransferJob) -> None:
-        """A tier that names blocks by tenant gets each key's tenant with the job."""
+        """A tier that names blocks by tenant (a probed one), or that asks another node for
+        them (one that stores nothing), gets each key's tenant with the job."""
+        spec = self.tiers[job.tier].spec
         if (
             self.owners.active
             and not job.tenants
-            and not self.tiers[job.tier].spec.indexed
+            and (not spec.indexed or not spec.stores)
             and job.kind in (JobKind.CASCADE, JobKind.PROMOTION, JobKind.PROBE)
         ):
             job.tenants = self.owners.job_tenants(job.tier, job.keys, job.kind)
