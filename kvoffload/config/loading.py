@@ -312,9 +312,13 @@ def _validate_peer(cfg: Config, fail: Callable[[str, str], None]) -> None:
     """``[peer]``: endpoints on tcp:// only (nodes meet over the network, with CURVE), the key
     files they need, distinct node names."""
     peer, svc = cfg.peer, cfg.service
+    if bool(peer.fetch_endpoint) != bool(peer.bulk_endpoint):
+        fail("peer.bulk_endpoint", "peer.fetch_endpoint and peer.bulk_endpoint go together")
     if peer.fetch_endpoint:
-        if not peer.fetch_endpoint.startswith("tcp://"):
-            fail("peer.fetch_endpoint", f"must start with tcp://, got {peer.fetch_endpoint!r}")
+        for key in ("fetch_endpoint", "bulk_endpoint"):
+            endpoint = getattr(peer, key)
+            if not endpoint.startswith("tcp://"):
+                fail(f"peer.{key}", f"must start with tcp://, got {endpoint!r}")
         if not svc.curve_server_secret_file or not Path(svc.curve_server_secret_file).is_file():
             fail(
                 "service.curve_server_secret_file",
@@ -338,7 +342,7 @@ def _validate_peer(cfg: Config, fail: Callable[[str, str], None]) -> None:
         if node.name in names:
             fail(f"peer.nodes[{i}].name", f"names another node already: {node.name!r}")
         names.add(node.name)
-        for field in ("events_endpoint", "replay_endpoint", "fetch_endpoint"):
+        for field in ("events_endpoint", "replay_endpoint", "fetch_endpoint", "bulk_endpoint"):
             endpoint = getattr(node, field)
             if not endpoint.startswith("tcp://"):
                 fail(f"peer.nodes[{i}].{field}", f"must start with tcp://, got {endpoint!r}")

@@ -121,14 +121,15 @@ class ObjectConfig(_Section, frozen=True):
 
 class PeerNodeConfig(_Section, frozen=True):
     """One node the peer tier follows: its node stream (``events_endpoint``, and its
-    ``replay_endpoint``: catch-up and snapshots), its peer worker's ``fetch_endpoint``, and
-    the file of its service's CURVE public key (``server_key_file``, ZeroMQ's certificate
-    format), with which every tcp:// connection to it is made."""
+    ``replay_endpoint``: catch-up and snapshots), its peer worker's ``fetch_endpoint`` and
+    ``bulk_endpoint``, and the file of its service's CURVE public key (``server_key_file``,
+    ZeroMQ's certificate format), with which every CURVE connection to it is made."""
 
     name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
     events_endpoint: Annotated[str, Meta(min_length=1)]
     replay_endpoint: Annotated[str, Meta(min_length=1)]
     fetch_endpoint: Annotated[str, Meta(min_length=1)]
+    bulk_endpoint: Annotated[str, Meta(min_length=1)]
     server_key_file: str = ""
 
 
@@ -137,20 +138,22 @@ class PeerConfig(_Section, frozen=True):
     and fetched from their peer workers (docs/fleet.md, "Peers"). On when ``nodes`` names a
     node to follow or ``fetch_endpoint`` serves this node's blocks to others.
 
-    ``fetch_endpoint``: where this node's peer worker serves fetches (tcp:// with the
+    ``fetch_endpoint``: where this node's peer worker takes fetches (tcp:// with the
     ``service.curve_*`` keys: the service's secret key, and the authorized keys of the nodes
-    that follow it). ``curve_client_secret_file``: this node's key pair (ZeroMQ's certificate
+    that follow it); ``bulk_endpoint``: where it sends their blocks (tcp://, every frame sealed
+    with the fetch's AES-256-GCM key, which travels inside CURVE). ``curve_client_secret_file``: this node's key pair (ZeroMQ's certificate
     format) for the nodes it follows, whose ``authorized`` directories must hold its public
     key. ``fetch_deadline_s``: the most one fetch may take before its keys fall through to the
     next tier; ``holder_wait_s``: how long a holder may take to bring blocks from its disk
     into its pool for a fetch. ``max_fetch_keys``: the most keys one fetch asks for.
-    ``max_served_fetches``: fetches this node serves at once (more are refused ``busy``), so
-    the fleet never starves its own engines. ``max_indexed_keys``: the index's bound (keys
+    ``max_served_fetches``: fetches this node serves at once (four times as many may wait,
+    more are refused ``busy``), so the fleet never starves its own engines. ``max_indexed_keys``: the index's bound (keys
     beyond it are not indexed, counted). ``breaker_*``: a node whose fetches fail this many
     times in a row is not asked for ``breaker_cooldown_s`` (doubling, up to the max)."""
 
     nodes: tuple[PeerNodeConfig, ...] = ()
     fetch_endpoint: str = ""
+    bulk_endpoint: str = ""
     curve_client_secret_file: str = ""
     fetch_deadline_s: PositiveSeconds = 2.0
     holder_wait_s: Annotated[float, Meta(ge=0)] = 1.0

@@ -26,6 +26,7 @@ class PeerNode:
     events_endpoint: str
     replay_endpoint: str
     fetch_endpoint: str
+    bulk_endpoint: str
 
     @property
     def server_public(self) -> Path:
@@ -58,6 +59,7 @@ class PeerNode:
             "events_endpoint": self.events_endpoint,
             "replay_endpoint": self.replay_endpoint,
             "fetch_endpoint": self.fetch_endpoint,
+            "bulk_endpoint": self.bulk_endpoint,
             "server_key_file": str(self.server_public),
         }
 
@@ -78,6 +80,7 @@ class PeerNode:
             },
             "peer": {
                 "fetch_endpoint": self.fetch_endpoint if serve else "",
+                "bulk_endpoint": self.bulk_endpoint if serve else "",
                 "curve_client_secret_file": str(self.client_secret),
                 "nodes": [node.node_entry() for node in follows],
                 **peer,
@@ -90,7 +93,7 @@ def make_node(root: Path, name: str) -> PeerNode:
     (keys / "authorized").mkdir(parents=True, exist_ok=True)
     zmq.auth.create_certificates(str(keys), "server")
     zmq.auth.create_certificates(str(keys), "client")
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(4)]
     return PeerNode(name, keys, *(f"tcp://127.0.0.1:{port}" for port in ports))
 
 

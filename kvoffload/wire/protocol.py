@@ -7,10 +7,10 @@ carrying keys and slot numbers (never block bytes), results, heartbeats, control
 Landing channel (tier worker PUSH -> client PULL, ipc only): ``Landed`` notices of a
 promotion's keys, sent to the client that waits for them as they land, beside the job's
 progress to the manager (docs/design/cold-loads.md).
-Peer channel (one node's peer worker DEALER -> another's ROUTER, tcp:// with CURVE): a
-``PeerFetch`` of blocks, answered by ``PeerBlocks`` and the blocks' bytes, one frame each (the
-only channel that carries block bytes: between nodes there is no shared pool), or
-``PeerRefused``.
+Peer channel (one node's peer worker DEALERs -> another's ROUTERs, tcp://): a ``PeerFetch`` of
+blocks on the fetch endpoint (CURVE), answered by ``PeerRefused`` there, or on the bulk endpoint
+by ``PeerBlocks`` and the blocks' bytes, one frame each, sealed with the fetch's AES-256-GCM key
+(the only channel that carries block bytes: between nodes there is no shared pool).
 
 Decoding is strict (``decode_client_request``, ``decode_client_reply``,
 ``decode_worker_message``, ``decode_manager_message``, ``decode_landing``, ``decode_peer_fetch``
@@ -611,13 +611,17 @@ LandingMessage = Landed
 
 
 class PeerFetch(_Msg, tag="peer_fetch"):
-    """Ask a holder node for blocks (tcp:// with CURVE; docs/fleet.md, "Peers"). Every fetch
-    carries what the holder checks before it serves anything: the protocol ``version``, the
-    ``deployment`` fingerprint (``blockformat.deployment_fingerprint``: block format,
-    ``block_bytes``, layout) and the ``tenant_check`` of the requester's tenant key
-    (``tenant_ids.key_check``). ``tenant``: the id the blocks are named under ("" for none);
-    the holder serves only that tenant's blocks. ``wait_ms``: how long the holder may take to
-    bring blocks it holds on its disk into its pool first (0: its pool only)."""
+    """Ask a holder node for blocks, on its fetch endpoint (tcp:// with CURVE; docs/fleet.md,
+    "Peers"). Every fetch carries what the holder checks before it serves anything: the
+    protocol ``version``, the ``deployment`` fingerprint (``blockformat.deployment_fingerprint``:
+    block format, ``block_bytes``, layout) and the ``tenant_check`` of the requester's tenant
+    key (``tenant_ids.key_check``). ``tenant``: the id the blocks are named under ("" for
+    none); the holder serves only that tenant's blocks. ``wait_ms``: how long the holder may
+    take to bring blocks it holds on its disk into its pool first (0: its pool only).
+
+    The answer goes to the requester's socket on the holder's bulk endpoint whose routing id
+    is ``bulk_id``, every frame sealed with AES-256-GCM under ``key`` (fresh for each fetch,
+    known to the two ends only: it travels inside CURVE); see ``PEER_SEAL_NONCE``."""
 
     version: int
     fetch_id: int
@@ -625,7 +629,15 @@ class PeerFetch(_Msg, tag="peer_fetch"):
     tenant_check: str
     tenant: str
     keys: list[bytes]
+    bulk_id: Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+    key: Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
     wait_ms: int = 0
+
+
+def peer_seal_nonce(fetch_id: int, frame: int) -> bytes:
+    """The 12-byte AES-GCM nonce of frame ``frame`` (0: the ``PeerBlocks`` header, then each
+    block) of fetch ``fetch_id``: never the same twice under one key."""
+    return fetch_id.to_bytes(8, "big") + frame.to_bytes(4, "big")
 
 
 class PeerChecksum(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -639,8 +651,9 @@ class PeerChecksum(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 class PeerBlocks(_Msg, tag="peer_blocks"):
-    """The holder's answer to a ``PeerFetch``: the first frame of a multipart reply, followed
-    by one frame per key of ``keys`` (the block's bytes, ``block_bytes`` long), in order.
+    """The holder's answer to a ``PeerFetch``, on the bulk endpoint: the first frame of a
+    multipart message, followed by one frame per key of ``keys`` (the block's bytes,
+    ``block_bytes`` long), in order, each frame sealed (ciphertext then the 16-byte tag).
     ``checksums``: co-indexed with ``keys``, each block's checksum as its writers took it (the
     holder's slot header; taken when the block is sent where it has none), so the requester
     verifies every block it receives. ``absent``: keys the holder does not hold for this
@@ -655,8 +668,9 @@ class PeerBlocks(_Msg, tag="peer_blocks"):
 
 
 class PeerRefused(_Msg, tag="peer_refused"):
-    """A ``PeerFetch`` the holder did not serve: ``code`` says why (``VERSION_MISMATCH``,
-    ``DEPLOYMENT_MISMATCH``, ``TENANT_KEY_MISMATCH``, ``BUSY``, ``BAD_MESSAGE``, ...)."""
+    """A ``PeerFetch`` the holder did not serve, answered on the fetch endpoint: ``code`` says
+    why (``VERSION_MISMATCH``, ``DEPLOYMENT_MISMATCH``, ``TENANT_KEY_MISMATCH``, ``BUSY``,
+    ``BAD_MESSAGE``, ...)."""
 
     fetch_id: int
     code: ErrorCode

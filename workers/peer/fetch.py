@@ -1,15 +1,19 @@
 """Fetching blocks from a holder node (the requester's side of a fetch).
 
-``HolderLink`` talks to one node's fetch endpoint: DEALER sockets with CURVE (this node's key
-pair, the node's server key), one per fetch in flight and reused after an answer; a socket
-whose fetch timed out is closed, so a late answer never meets the next fetch. Each link has a
+``HolderLink`` talks to one node: pairs of DEALER sockets, one pair per fetch in flight and
+reused after an answer. The control socket (CURVE: this node's key pair, the node's server key)
+sends each ``PeerFetch`` to the node's fetch endpoint and hears its refusals; the bulk socket
+(plain tcp://, a random routing id named in the fetch, said hello with once so the holder knows
+it) receives the answer, every frame sealed with the fetch's fresh AES-256-GCM key. A pair whose
+fetch timed out is closed, so a late answer never meets the next fetch. Each link has a
 breaker: after ``failure_threshold`` fetches in a row that got no usable answer (timeout,
-refusal, a malformed reply) the node is not asked for a cooldown that doubles each time it
-opens again, up to ``max_cooldown_s``; an answered fetch closes it.
+refusal, a malformed or unsealable reply) the node is not asked for a cooldown that doubles
+each time it opens again, up to ``max_cooldown_s``; an answered fetch closes it.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +24,9 @@ import zmq.auth
 
 from kvoffload.config import PeerConfig, PeerNodeConfig
 from kvoffload.wire import protocol as p
+from workers.peer.seal import TAG_BYTES, SealBroken, open_bytes
+
+BULK_ID_BYTES = 16
 
 
 class FetchFailed(Exception):
@@ -33,10 +40,39 @@ class FetchFailed(Exception):
 
 @dataclass(slots=True)
 class Fetched:
-    """A holder's answer: its ``PeerBlocks`` and one frame of bytes per key it sent."""
+    """A holder's answer: its ``PeerBlocks`` and one sealed frame per key it sent (open
+    frame ``i`` with ``key`` and ``peer_seal_nonce(fetch_id, i + 1)``)."""
 
     blocks: p.PeerBlocks
     frames: list[zmq.Frame]
+    key: bytes
+    fetch_id: int
+
+
+@dataclass(slots=True)
+class _Pair:
+    control: zmq.Socket[bytes]
+    bulk: zmq.Socket[bytes]
+    bulk_id: bytes
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A fetch sent (``HolderLink.begin``) and not answered yet."""
+
+    pair: _Pair
+    key: bytes
+    fetch_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class FetchFields:
+    """What every fetch of this node says the same: its deployment fingerprint, tenant key
+    check and how long a holder may take to bring blocks from its disk."""
+
+    deployment: bytes
+    tenant_check: str
+    wait_ms: int
 
 
 class NodeBreaker:
@@ -97,59 +133,89 @@ class HolderLink:
             peer.breaker_failure_threshold, peer.breaker_cooldown_s, peer.breaker_max_cooldown_s
         )
         self._lock = threading.Lock()
-        self._idle: list[zmq.Socket[bytes]] = []
-        self._all: set[zmq.Socket[bytes]] = set()
+        self._idle: list[_Pair] = []
+        self._all: list[_Pair] = []
         self._closed = False
 
-    def _socket(self) -> zmq.Socket[bytes]:
+    def _pair(self) -> _Pair:
         with self._lock:
             if self._closed:
                 raise FetchFailed("closed")
             if self._idle:
                 return self._idle.pop()
-            sock = self._ctx.socket(zmq.DEALER)
-            self._all.add(sock)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
-        sock.curve_publickey = self._client_public
-        sock.curve_secretkey = self._client_secret
-        sock.curve_serverkey = self._server_public
-        sock.connect(self.node.fetch_endpoint)
-        return sock
+        control = self._ctx.socket(zmq.DEALER)
+        control.setsockopt(zmq.LINGER, 0)
+        control.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        control.curve_publickey = self._client_public
+        control.curve_secretkey = self._client_secret
+        control.curve_serverkey = self._server_public
+        control.connect(self.node.fetch_endpoint)
+        bulk_id = os.urandom(BULK_ID_BYTES)
+        bulk = self._ctx.socket(zmq.DEALER)
+        bulk.setsockopt(zmq.LINGER, 0)
+        bulk.setsockopt(zmq.ROUTING_ID, bulk_id)
+        bulk.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        bulk.connect(self.node.bulk_endpoint)
+        bulk.send(b"")  # the holder learns this socket's routing id from it
+        pair = _Pair(control, bulk, bulk_id)
+        with self._lock:
+            self._all.append(pair)
+        return pair
 
-    def _give_back(self, sock: zmq.Socket[bytes], reuse: bool) -> None:
+    def _give_back(self, pair: _Pair, reuse: bool) -> None:
         with self._lock:
             if reuse and not self._closed:
-                self._idle.append(sock)
+                self._idle.append(pair)
                 return
-            self._all.discard(sock)
-        sock.close(linger=0)
+            if pair in self._all:
+                self._all.remove(pair)
+        pair.control.close(linger=0)
+        pair.bulk.close(linger=0)
 
-    def fetch(self, msg: p.PeerFetch, timeout_s: float, block_bytes: int) -> Fetched:
-        """Send ``msg`` and return the holder's answer; FetchFailed when none usable came in
-        ``timeout_s`` (counted by the breaker), or at once while the breaker is open."""
+    def begin(self, keys: list[bytes], tenant: str, fetch_id: int, fixed: FetchFields) -> InFlight:
+        """Send a fetch of ``keys`` for ``tenant``; ``finish`` takes its answer. FetchFailed
+        at once while the breaker is open."""
         if not self.breaker.allow():
             raise FetchFailed("breaker_open")
-        sock = self._socket()
+        pair = self._pair()
+        key = os.urandom(32)
+        msg = p.PeerFetch(
+            p.PROTOCOL_VERSION,
+            fetch_id,
+            fixed.deployment,
+            fixed.tenant_check,
+            tenant,
+            keys,
+            pair.bulk_id,
+            key,
+            fixed.wait_ms,
+        )
+        try:
+            pair.control.send(p.encode(msg))
+        except zmq.ZMQError as exc:
+            self._give_back(pair, False)
+            raise FetchFailed("send_failed", str(exc)) from None
+        return InFlight(pair, key, fetch_id)
+
+    def finish(self, fetch: InFlight, timeout_s: float, block_bytes: int) -> Fetched:
+        """The holder's answer to ``fetch``, its header opened; FetchFailed when none usable
+        came in ``timeout_s`` (counted by the breaker)."""
+        pair, key, fetch_id = fetch.pair, fetch.key, fetch.fetch_id
         reuse = False
         try:
-            sock.send(p.encode(msg))
-            deadline = time.monotonic() + timeout_s
-            while True:
-                remaining_ms = int((deadline - time.monotonic()) * 1000)
-                if remaining_ms <= 0 or not sock.poll(remaining_ms):
-                    raise FetchFailed("timeout", f"no answer in {timeout_s:.2f}s")
-                frames = sock.recv_multipart(copy=False)
-                reply = p.decode_peer_reply(frames[0].bytes)
-                if reply.fetch_id == msg.fetch_id:
-                    break  # else a late answer to a fetch of this socket that was given up
+            frames = self._answer(pair, fetch_id, timeout_s)
             reuse = True
-            if isinstance(reply, p.PeerRefused):
-                raise FetchFailed(f"refused:{reply.code.value}", reply.message)
-            blocks = frames[1:]
-            if len(blocks) != len(reply.keys) or len(reply.checksums) != len(reply.keys):
-                raise FetchFailed("bad_reply", f"{len(blocks)} frames for {len(reply.keys)} keys")
-            if any(len(frame) != block_bytes for frame in blocks):
+            try:
+                header = open_bytes(key, p.peer_seal_nonce(fetch_id, 0), frames[0].buffer)
+                blocks = p.decode_peer_reply(header)
+            except SealBroken as exc:
+                raise FetchFailed("bad_reply", str(exc)) from None
+            if not isinstance(blocks, p.PeerBlocks) or blocks.fetch_id != fetch_id:
+                raise FetchFailed("bad_reply", "the sealed header is not this fetch's")
+            sealed = frames[1:]
+            if len(sealed) != len(blocks.keys) or len(blocks.checksums) != len(blocks.keys):
+                raise FetchFailed("bad_reply", f"{len(sealed)} frames for {len(blocks.keys)} keys")
+            if any(len(frame) != block_bytes + TAG_BYTES for frame in sealed):
                 raise FetchFailed("bad_reply", "a block frame of the wrong size")
         except p.ProtocolError as exc:
             self.breaker.failed()
@@ -159,13 +225,35 @@ class HolderLink:
                 self.breaker.failed()
             raise
         finally:
-            self._give_back(sock, reuse)
+            self._give_back(pair, reuse)
         self.breaker.succeeded()
-        return Fetched(reply, blocks)
+        return Fetched(blocks, sealed, key, fetch_id)
+
+    def _answer(self, pair: _Pair, fetch_id: int, timeout_s: float) -> list[zmq.Frame]:
+        """The bulk frames of this fetch's answer; FetchFailed for a refusal on the control
+        socket, or none in time."""
+        poller = zmq.Poller()
+        poller.register(pair.control, zmq.POLLIN)
+        poller.register(pair.bulk, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            ready = dict(poller.poll(remaining_ms)) if remaining_ms > 0 else {}
+            if not ready:
+                raise FetchFailed("timeout", f"no answer in {timeout_s:.2f}s")
+            if pair.control in ready:
+                reply = p.decode_peer_reply(pair.control.recv())
+                if isinstance(reply, p.PeerRefused) and reply.fetch_id in (fetch_id, -1):
+                    raise FetchFailed(f"refused:{reply.code.value}", reply.message)
+            if pair.bulk in ready:
+                frames = pair.bulk.recv_multipart(copy=False)
+                if frames:
+                    return frames
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            socks, self._all, self._idle = list(self._all), set(), []
-        for sock in socks:
-            sock.close(linger=0)
+            pairs, self._all, self._idle = list(self._all), [], []
+        for pair in pairs:
+            pair.control.close(linger=0)
+            pair.bulk.close(linger=0)

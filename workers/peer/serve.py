@@ -1,21 +1,24 @@
 """Serving this node's blocks to the nodes that follow it (the holder's side of a fetch).
 
-A ROUTER on ``peer.fetch_endpoint`` (tcp:// with CURVE: the service's secret key, and a
-``CurveGate`` admitting the keys of ``service.curve_authorized_dir``; each refusal logged as
-``peer_handshake_refused``). Its thread checks each ``PeerFetch`` (protocol version,
-deployment fingerprint, tenant key) and refuses a mismatch with one log line per requester
-and reason; it refuses ``BUSY`` when ``max_served_fetches`` are being served, so the fleet
-never takes more than that from this node's own engines.
+Two ROUTERs: the fetch endpoint (``peer.fetch_endpoint``: CURVE with the service's secret key,
+and a ``CurveGate`` admitting the keys of ``service.curve_authorized_dir``; each refusal logged
+as ``peer_handshake_refused``) takes ``PeerFetch`` requests and answers refusals; the bulk
+endpoint (``peer.bulk_endpoint``, plain tcp://) carries the answers, every frame sealed with the
+fetch's AES-256-GCM key (``seal``), to the requester's socket named by the fetch. Its thread
+checks each fetch (protocol version, deployment fingerprint, tenant key) and refuses a mismatch
+with one log line per requester and reason. At most ``max_served_fetches`` are served at once,
+so the fleet never takes more than that from this node's own engines; up to
+``QUEUED_PER_SERVED`` times as many wait, and more are refused ``BUSY``.
 
 A fetch is served on one of ``max_served_fetches`` threads, each a client of this node's own
 manager (the client channel, as an engine) with one request open per tenant id, which reads the
 pool and the disk only (``kv_load_tiers``: a holder never asks S3 or its own peers for
 another node). It looks every key up on its own with a pin (``lookup_many``: one batch per
-key, one round trip), asks again for keys being promoted from the disk until ``wait_ms``, and
-answers with the pinned slots' bytes, sent from the pool without a copy (``copy=False``); once
-ZeroMQ is done with them (or ``LEASE_S`` passed: the requester checks every checksum) the pins
-are released (without waiting for the reply). A client session that breaks (this worker dies)
-loses its pins at the manager with it.
+key, one round trip), asks again for keys being promoted from the disk until ``wait_ms``,
+seals the pinned slots' bytes (the one pass over them), releases the pins (without waiting for
+the reply) and hands the sealed frames to the ROUTER thread. A requester's bulk socket not
+connected yet is waited for up to ``BULK_WAIT_S``. A client session that breaks (this worker
+dies) loses its pins at the manager with it.
 """
 
 from __future__ import annotations
@@ -37,15 +40,19 @@ from kvoffload.memory.pool import HostPool
 from kvoffload.runtime.handshakes import CurveGate
 from kvoffload.wire import protocol as p
 from kvoffload.wire.vocab import ErrorCode, LookupResult
+from workers.peer.seal import seal
 from workers.slotheaders import SlotHeaders
 
 log = get_logger()
 
-LEASE_S = 10.0
-"""The longest a fetch's pins are held for ZeroMQ to send its blocks."""
+BULK_WAIT_S = 1.0
+"""How long an answer waits for its requester's bulk socket to connect."""
 PENDING_RETRY_S = 0.002
 """How often keys being promoted from the disk for a fetch are asked again."""
 POLL_MS = 50
+BULK_RETRY_MS = 2
+QUEUED_PER_SERVED = 4
+"""Fetches that may wait for a serving thread, per thread; more are refused ``busy``."""
 LOCAL_TIERS = {"kv_load_tiers": [{"medium": "storage", "locality": "local"}]}
 """What a fetch may be served from besides the pool: the disk."""
 
@@ -57,17 +64,18 @@ class ServeStats:
     bytes_served: int = 0
     keys_absent: int = 0
     refused: dict[str, int] = field(default_factory=dict)
-    leases_expired: int = 0
+    answers_lost: int = 0
 
 
 @dataclass(slots=True)
 class _Answer:
-    """Frames for the ROUTER thread to send, and what to do once they are sent."""
+    """Frames for the ROUTER thread to send to ``identity``, on the bulk socket or not; one
+    for a bulk socket not connected yet is tried again until ``give_up_at``."""
 
     identity: bytes
     frames: list[bytes | memoryview]
-    sent: threading.Event = field(default_factory=threading.Event)
-    tracker: zmq.MessageTracker | None = None
+    bulk: bool = False
+    give_up_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -118,6 +126,11 @@ class FetchServer:
         self._sock.curve_secretkey = secret
         self._sock.curve_server = True
         self._gate = CurveGate(self._ctx, self._sock, svc.curve_authorized_dir, channel="peer")
+        self._bulk = self._ctx.socket(zmq.ROUTER)
+        self._bulk.setsockopt(zmq.LINGER, 0)
+        self._bulk.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._bulk.setsockopt(zmq.MAXMSGSIZE, 1024)  # requesters only say hello on it
+        self._waiting: list[_Answer] = []
         self._wake_send = self._ctx.socket(zmq.PAIR)
         self._wake_recv = self._ctx.socket(zmq.PAIR)
         wake = f"inproc://peer-serve-wake-{id(self):x}"
@@ -134,15 +147,18 @@ class FetchServer:
 
     def start(self) -> None:
         """Listen (ValueError naming the endpoint when it cannot) and start serving."""
+        bulk = self._cfg.peer.bulk_endpoint
         try:
             self._sock.bind(self._endpoint)
+            self._bulk.bind(bulk)
         except zmq.ZMQError as exc:
             self._gate.stop()
             raise ValueError(
-                f"peer.fetch_endpoint = {self._endpoint!r}: cannot listen: {exc.strerror}"
+                f"peer.fetch_endpoint = {self._endpoint!r}, peer.bulk_endpoint = {bulk!r}: "
+                f"cannot listen: {exc.strerror}"
             ) from exc
         self._thread.start()
-        log.info("peer_fetch_serving", endpoint=self._endpoint)
+        log.info("peer_fetch_serving", endpoint=self._endpoint, bulk_endpoint=bulk)
 
     def handshake_refusals(self) -> dict[str, int]:
         return self._gate.counts()
@@ -155,7 +171,7 @@ class FetchServer:
         for client in self._all_clients:
             client.close()
         self._gate.stop()
-        for sock in (self._sock, self._wake_send, self._wake_recv):
+        for sock in (self._sock, self._bulk, self._wake_send, self._wake_recv):
             sock.close(linger=0)
         self._ctx.term()
 
@@ -164,12 +180,16 @@ class FetchServer:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._bulk, zmq.POLLIN)
         poller.register(self._wake_recv, zmq.POLLIN)
         while not self._stop.is_set():
-            ready = dict(poller.poll(POLL_MS))
+            ready = dict(poller.poll(BULK_RETRY_MS if self._waiting else POLL_MS))
             if self._wake_recv in ready:
                 while self._wake_recv.poll(0):
                     self._wake_recv.recv()
+            if self._bulk in ready:
+                while self._bulk.poll(0):
+                    self._bulk.recv_multipart()  # a requester's hello: its socket is here
             self._send_answers()
             if self._sock in ready:
                 for _ in range(64):
@@ -180,25 +200,29 @@ class FetchServer:
                     self._on_request(frames)
 
     def _send_answers(self) -> None:
+        answers, self._waiting = self._waiting, []
         while True:
             try:
-                answer = self._answers.get_nowait()
+                answers.append(self._answers.get_nowait())
             except queue.Empty:
-                return
+                break
+        now = time.monotonic()
+        for answer in answers:
+            sock = self._bulk if answer.bulk else self._sock
             try:
-                answer.tracker = self._sock.send_multipart(
-                    [answer.identity, *answer.frames], copy=False, track=True
-                )
+                sock.send_multipart([answer.identity, *answer.frames], copy=False)
             except zmq.ZMQError as exc:
-                log.warning("peer_answer_not_sent", error=str(exc))
-            answer.sent.set()
+                if exc.errno == zmq.EHOSTUNREACH and answer.bulk and now < answer.give_up_at:
+                    self._waiting.append(answer)  # its bulk socket is still connecting
+                    continue
+                with self._lock:
+                    self.stats.answers_lost += 1
+                log.warning("peer_answer_not_sent", bulk=answer.bulk, error=str(exc))
 
-    def _answer(self, identity: bytes, frames: list[bytes | memoryview]) -> _Answer:
-        answer = _Answer(identity, frames)
+    def _answer(self, answer: _Answer) -> None:
         self._answers.put(answer)
         with self._wake_lock:
             self._wake_send.send(b"")
-        return answer
 
     def _on_request(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
@@ -226,7 +250,7 @@ class FetchServer:
             self._refuse(identity, fetch.fetch_id, ErrorCode.TOO_MANY_KEYS, reason)
             return
         with self._lock:
-            if self._busy >= self._cfg.peer.max_served_fetches:
+            if self._busy >= self._cfg.peer.max_served_fetches * QUEUED_PER_SERVED:
                 busy = True
             else:
                 busy = False
@@ -244,7 +268,7 @@ class FetchServer:
                 self._refusals_logged.add((identity, code.value))
         if first and code is not ErrorCode.BUSY:
             log.warning("peer_fetch_refused", code=code.value, reason=message)
-        self._answer(identity, [p.encode(p.PeerRefused(fetch_id, code, message))])
+        self._answer(_Answer(identity, [p.encode(p.PeerRefused(fetch_id, code, message))]))
 
     # ---- the serving threads --------------------------------------------------------------
 
@@ -262,18 +286,16 @@ class FetchServer:
 
     def _serve(self, identity: bytes, fetch: p.PeerFetch) -> None:
         try:
-            self._serve_fetch(identity, fetch)
+            self._serve_fetch(fetch)
         except Exception as exc:
             log.exception("peer_fetch_failed", fetch_id=fetch.fetch_id)
-            self._answer(
-                identity,
-                [p.encode(p.PeerRefused(fetch.fetch_id, ErrorCode.INTERNAL, str(exc)))],
-            )
+            refusal = p.PeerRefused(fetch.fetch_id, ErrorCode.INTERNAL, str(exc))
+            self._answer(_Answer(identity, [p.encode(refusal)]))
         finally:
             with self._lock:
                 self._busy -= 1
 
-    def _serve_fetch(self, identity: bytes, fetch: p.PeerFetch) -> None:
+    def _serve_fetch(self, fetch: p.PeerFetch) -> None:
         mine = self._thread_client()
         client, req = mine.client, mine.request(fetch.tenant)
         pinned: dict[bytes, int] = {}
@@ -282,14 +304,13 @@ class FetchServer:
             keys = [k for k in fetch.keys if k in pinned]
             checksums = [self._checksum(pinned[k], k) for k in keys]
             header = p.PeerBlocks(fetch.fetch_id, keys, checksums, absent, failed)
-            views = [self._pool.slot(pinned[k]) for k in keys]
-            answer = self._answer(identity, [p.encode(header), *views])
-            self._wait_sent(answer)
-            with self._lock:
-                self.stats.fetches += 1
-                self.stats.keys_served += len(keys)
-                self.stats.bytes_served += len(keys) * self._pool.block_bytes
-                self.stats.keys_absent += len(absent)
+            frames: list[bytes | memoryview] = [
+                seal(fetch.key, p.peer_seal_nonce(fetch.fetch_id, 0), p.encode(header))
+            ]
+            frames += [
+                seal(fetch.key, p.peer_seal_nonce(fetch.fetch_id, i), self._pool.slot(pinned[k]))
+                for i, k in enumerate(keys, start=1)
+            ]
         finally:
             if pinned:
                 try:
@@ -298,6 +319,12 @@ class FetchServer:
                     log.warning(
                         "peer_fetch_release_failed", fetch_id=fetch.fetch_id, error=str(exc)
                     )
+        self._answer(_Answer(fetch.bulk_id, frames, True, time.monotonic() + BULK_WAIT_S))
+        with self._lock:
+            self.stats.fetches += 1
+            self.stats.keys_served += len(keys)
+            self.stats.bytes_served += len(keys) * self._pool.block_bytes
+            self.stats.keys_absent += len(absent)
 
     def _pin(
         self, client: KVOffloadClient, req: str, fetch: p.PeerFetch, pinned: dict[bytes, int]
@@ -332,16 +359,3 @@ class FetchServer:
         if stamped is None:
             return p.PeerChecksum(payload_checksum(self._pool.slot(slot)))
         return p.PeerChecksum(stamped.value, stamped.slices, stamped.slice_bytes)
-
-    def _wait_sent(self, answer: _Answer) -> None:
-        """Until ZeroMQ no longer reads the answer's slots (or ``LEASE_S`` passed)."""
-        deadline = time.monotonic() + LEASE_S
-        if not answer.sent.wait(LEASE_S) or answer.tracker is None:
-            return
-        remaining = max(0.0, deadline - time.monotonic())
-        try:
-            answer.tracker.wait(remaining)
-        except zmq.NotDone:
-            with self._lock:
-                self.stats.leases_expired += 1
-            log.warning("peer_fetch_lease_expired", after_s=LEASE_S)

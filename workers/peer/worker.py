@@ -7,9 +7,10 @@ tier's index; it serves this node's blocks to the nodes that follow it
 
 ``promotion`` (the only job kind): for each key, the first node of the index that holds it and
 whose breaker is closed is asked, the keys of one node and tenant together in fetches of at most
-``max_fetch_keys``. Each block received is copied into its pool slot (the one copy), checked
-against the checksum its holder sent (xxh3, or its slices' combination), stamped into the
-slot's header, and reported landed (``report_landed``) before the job ends. A key another node
+``max_fetch_keys``. Each block received is opened into its pool slot (the one copy; its seal
+proves it came from the holder unchanged), checked against the checksum its holder's slot header
+carries (xxh3, or its slices' combination), stamped into the slot's header, and reported
+landed (``report_landed``) before the job ends. A key another node
 did not have, or that failed there, is asked of its next holder while ``fetch_deadline_s``
 lasts. A key no node could give fails for this job only (never ``absent``: a holder answers
 for the tenant asking, and the index follows what the holders' streams tell, which is how a
@@ -23,6 +24,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 import zmq
@@ -38,13 +40,20 @@ from kvoffload.wire.vocab import JobKind
 from workers.backend import BackendOutcome, NoIndexBackend
 from workers.faults import FaultInjector
 from workers.jobs import REPORT_BYTES, LandedBatch
-from workers.peer.fetch import FetchFailed, HolderLink
+from workers.peer.fetch import FetchFailed, FetchFields, HolderLink, InFlight
 from workers.peer.follow import Followers
 from workers.peer.index import PeerIndex
+from workers.peer.seal import SealBroken, open_into
 from workers.peer.serve import FetchServer
 from workers.slotheaders import SlotHeaders
 
 log = get_logger()
+
+PIPELINE_BYTES = 2 << 20
+"""The blocks of one fetch, at most (a prefix goes as several, in flight together)."""
+FETCHES_IN_FLIGHT = 4
+"""Fetches of one promotion in flight at once: the holder seals one while this node opens
+another."""
 
 _COUNTERS = (
     "fetches",
@@ -82,6 +91,9 @@ class PeerBackend(NoIndexBackend):
         self._pool: HostPool | None = None
         self._headers: SlotHeaders | None = None
         self._fetch_ids = itertools.count(1)
+        self._fixed = FetchFields(
+            self._deployment, self._tenant_check, int(cfg.peer.holder_wait_s * 1000)
+        )
         self._counters = dict.fromkeys(_COUNTERS, 0)
 
     @property
@@ -184,16 +196,23 @@ class PeerBackend(NoIndexBackend):
             plan = self._plan(todo, asked, tenant_of)
             if not plan:
                 break
-            for (node, tenant), keys in plan.items():
-                for start in range(0, len(keys), self._peer.max_fetch_keys):
-                    chunk = keys[start : start + self._peer.max_fetch_keys]
-                    for key in chunk:
-                        asked[key].add(node)
-                    got = self._fetch(job, node, tenant, chunk, deadline, slot_of, failure)
-                    landed.update(got)
-                    for key in chunk:
-                        if key in got:
-                            report.add(key, got[key])
+            step = min(self._peer.max_fetch_keys, max(1, PIPELINE_BYTES // pool.block_bytes))
+            chunks = [
+                (node, tenant, keys[start : start + step])
+                for (node, tenant), keys in plan.items()
+                for start in range(0, len(keys), step)
+            ]
+            in_flight: deque[tuple[str, list[bytes], InFlight | None]] = deque()
+            for node, tenant, chunk in chunks:
+                for key in chunk:
+                    asked[key].add(node)
+                in_flight.append((node, chunk, self._begin(job, node, tenant, chunk, failure)))
+                while len(in_flight) >= FETCHES_IN_FLIGHT:
+                    self._finish(
+                        job, *in_flight.popleft(), deadline, slot_of, failure, landed, report
+                    )
+            while in_flight:
+                self._finish(job, *in_flight.popleft(), deadline, slot_of, failure, landed, report)
             report.flush()
             todo = [key for key in todo if key not in landed]
         ok = [key for key in job.keys if key in landed]
@@ -224,73 +243,105 @@ class PeerBackend(NoIndexBackend):
                     break
         return plan
 
-    def _fetch(
+    def _begin(
+        self, job: p.Job, node: str, tenant: str, keys: list[bytes], failure: dict[bytes, str]
+    ) -> InFlight | None:
+        """Send a fetch of ``keys`` to ``node``; None (their reason in ``failure``) when it
+        cannot be sent."""
+        self._count(fetches=1)
+        try:
+            return self._links[node].begin(keys, tenant, next(self._fetch_ids), self._fixed)
+        except FetchFailed as exc:
+            self._fetch_failed(job, node, keys, exc, failure)
+            return None
+
+    def _fetch_failed(
         self,
         job: p.Job,
         node: str,
-        tenant: str,
         keys: list[bytes],
+        exc: FetchFailed,
+        failure: dict[bytes, str],
+    ) -> None:
+        self._count(fetch_failures=1)
+        log.warning(
+            "peer_fetch_failed", node=node, job_id=job.job_id, keys=len(keys), reason=str(exc)
+        )
+        for key in keys:
+            failure[key] = f"{node}: {exc.reason}"
+
+    def _finish(
+        self,
+        job: p.Job,
+        node: str,
+        keys: list[bytes],
+        fetch: InFlight | None,
         deadline: float,
         slot_of: dict[bytes, int],
         failure: dict[bytes, str],
-    ) -> dict[bytes, list[int]]:
-        """Fetch ``keys`` from ``node`` into their slots; returns the keys landed and their
-        digests. Keys that failed get their reason in ``failure``."""
+        landed: set[bytes],
+        report: LandedBatch,
+    ) -> None:
+        """Take the answer of ``fetch`` (keys ``keys`` of ``node``): its blocks into their
+        slots, each landed one into ``landed`` and ``report``, the others' reasons into
+        ``failure``."""
         assert self._pool is not None
-        msg = p.PeerFetch(
-            p.PROTOCOL_VERSION,
-            next(self._fetch_ids),
-            self._deployment,
-            self._tenant_check,
-            tenant,
-            keys,
-            int(self._peer.holder_wait_s * 1000),
-        )
-        self._count(fetches=1)
+        if fetch is None:
+            return
         timeout = max(0.001, deadline - time.monotonic())
         try:
-            fetched = self._links[node].fetch(msg, timeout, self._pool.block_bytes)
+            fetched = self._links[node].finish(fetch, timeout, self._pool.block_bytes)
         except FetchFailed as exc:
-            self._count(fetch_failures=1)
-            log.warning(
-                "peer_fetch_failed", node=node, job_id=job.job_id, keys=len(keys), reason=str(exc)
-            )
-            for key in keys:
-                failure[key] = f"{node}: {exc.reason}"
-            return {}
+            self._fetch_failed(job, node, keys, exc, failure)
+            return
         blocks = fetched.blocks
-        got: dict[bytes, list[int]] = {}
         wanted = set(keys)
-        for key, frame, checksum in zip(blocks.keys, fetched.frames, blocks.checksums, strict=True):
-            if key not in wanted or key in got:
+        got = 0
+        for i, (key, frame, checksum) in enumerate(
+            zip(blocks.keys, fetched.frames, blocks.checksums, strict=True), start=1
+        ):
+            if key not in wanted or key in landed:
                 continue
-            digests = self._land(job, slot_of[key], key, frame, checksum)
+            nonce = p.peer_seal_nonce(fetched.fetch_id, i)
+            digests = self._land(job, slot_of[key], key, fetched.key, nonce, frame, checksum)
             if digests is None:
                 failure[key] = f"{node}: bad_checksum"
-            else:
-                got[key] = digests
-                failure.pop(key, None)
-        for key in blocks.failed:
-            if key in wanted and key not in got:
-                failure[key] = f"{node}: holder_failed"
-        for key in blocks.absent:
-            if key in wanted and key not in got:
-                failure[key] = f"{node}: absent"
+                continue
+            landed.add(key)
+            failure.pop(key, None)
+            report.add(key, digests)
+            got += 1
+        for reason, missing in (("holder_failed", blocks.failed), ("absent", blocks.absent)):
+            for key in missing:
+                if key in wanted and key not in landed:
+                    failure[key] = f"{node}: {reason}"
         self._count(
-            fetch_keys=len(got),
-            fetch_bytes=len(got) * self._pool.block_bytes,
+            fetch_keys=got,
+            fetch_bytes=got * self._pool.block_bytes,
             fetch_absent=len(blocks.absent),
         )
-        return got
 
     def _land(
-        self, job: p.Job, slot: int, key: bytes, frame: zmq.Frame, checksum: p.PeerChecksum
+        self,
+        job: p.Job,
+        slot: int,
+        key: bytes,
+        seal_key: bytes,
+        nonce: bytes,
+        frame: zmq.Frame,
+        checksum: p.PeerChecksum,
     ) -> list[int] | None:
-        """Copy ``frame`` into ``slot``, check it against ``checksum`` and stamp the slot;
-        returns the block's digests, None (counted, logged) when the bytes do not match."""
+        """Open the sealed ``frame`` into ``slot`` (the one copy), check it against
+        ``checksum`` and stamp the slot; returns the block's digests, None (counted, logged)
+        when the frame does not open or the bytes do not match."""
         assert self._pool is not None
         view = self._pool.slot_array(slot)
-        view[:] = memoryview(frame.buffer).cast("B")
+        try:
+            open_into(seal_key, nonce, frame.buffer, self._pool.slot(slot))
+        except SealBroken:
+            self._count(fetch_bad_blocks=1)
+            log.warning("peer_block_unsealable", job_id=job.job_id, key=key.hex(), slot=slot)
+            return None
         if block_checksum(view, checksum.slices, checksum.slice_bytes) != checksum.value:
             self._count(fetch_bad_blocks=1)
             log.warning("peer_block_corrupt", job_id=job.job_id, key=key.hex(), slot=slot)

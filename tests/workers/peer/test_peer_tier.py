@@ -176,7 +176,8 @@ def test_a_peer_without_an_admitted_key_is_refused(start, tmp_path: Path) -> Non
         server, _ = zmq.auth.load_certificate(str(a.server_public))
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server
         sock.connect(a.fetch_endpoint)
-        sock.send(p.encode(p.PeerFetch(p.PROTOCOL_VERSION, 1, b"x" * 16, "", "", keys)))
+        fetch = p.PeerFetch(p.PROTOCOL_VERSION, 1, b"x" * 16, "", "", keys, b"b" * 16, b"k" * 32)
+        sock.send(p.encode(fetch))
         assert not sock.poll(1000)
         sock.close(linger=0)
     finally:
