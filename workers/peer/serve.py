@@ -13,8 +13,9 @@ so the fleet never takes more than that from this node's own engines; up to
 A fetch is served on one of ``max_served_fetches`` threads, each a client of this node's own
 manager (the client channel, as an engine) with one request open per tenant id, which reads the
 pool and the disk only (``kv_load_tiers``: a holder never asks S3 or its own peers for
-another node). It looks every key up on its own with a pin (``lookup_many``: one batch per
-key, one round trip), asks again for keys being promoted from the disk until ``wait_ms``,
+another node). It looks the keys up with a pin in one lookup (a fetch is most often a run of
+a prefix; keys past a MISS are then asked one by one, ``lookup_many``: one round trip), asks
+again for keys being promoted from the disk until ``wait_ms``,
 seals the pinned slots' bytes (the one pass over them), releases the pins (without waiting for
 the reply) and hands the sealed frames to the ROUTER thread. A requester's bulk socket not
 connected yet is waited for up to ``BULK_WAIT_S``. A client session that breaks (this worker
@@ -335,18 +336,32 @@ class FetchServer:
         deadline = time.monotonic() + fetch.wait_ms / 1000
         pending = list(dict.fromkeys(fetch.keys))
         absent: list[bytes] = []
+        whole = True  # a fetch is most often a run of a prefix: one lookup for all of it
         while pending:
-            outcomes = client.lookup_many(req, [[k] for k in pending], pin=True)
+            if whole:
+                outcome = client.lookup(req, pending, pin=True)
+                answered = list(zip(pending, outcome.results, outcome.slots, strict=False))
+                # keys past a MISS were not looked at: each is asked on its own next
+                whole = len(answered) == len(pending)
+                rest = pending[len(answered) :]
+            else:
+                outcomes = client.lookup_many(req, [[k] for k in pending], pin=True)
+                answered = [
+                    (k, o.results[0], o.slots[0]) if o.results else (k, LookupResult.MISS, -1)
+                    for k, o in zip(pending, outcomes, strict=True)
+                ]
+                rest = []
             still: list[bytes] = []
-            for key, outcome in zip(pending, outcomes, strict=True):
-                result = outcome.results[0] if outcome.results else LookupResult.MISS
+            for key, result, slot in answered:
                 if result is LookupResult.HIT:
-                    pinned[key] = outcome.slots[0]
+                    pinned[key] = slot
                 elif result is LookupResult.MISS:
                     absent.append(key)
                 else:
                     still.append(key)
-            pending = still
+            pending = still + rest
+            if rest:
+                continue
             if pending and time.monotonic() + PENDING_RETRY_S > deadline:
                 break
             if pending:
