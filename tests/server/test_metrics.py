@@ -11,6 +11,7 @@ import signal
 from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.testing.helpers import REPO_ROOT, free_port, keys_for
 from kvoffload.testing.metrics import sample_value, scrape_metrics
+from kvoffload.testing.peers import make_node
 from kvoffload.testing.s3server import object_section
 from kvoffload.testing.service import to_toml
 from tests.server.test_service import BLOCK, store_and_wait
@@ -78,12 +79,22 @@ def exported_names(families: dict) -> set[str]:
     return names
 
 
-def test_grafana_dashboard_queries_only_exported_metrics(start_service):
+def test_grafana_dashboard_queries_only_exported_metrics(start_service, tmp_path):
     port = free_port()
-    service = start_service(workers=("cpu", "disk"), service_options=f"metrics_port = {port}")
+    peer = make_node(tmp_path, "node").sections(follows=[])  # a peer tier serving, following none
+    keys = "\n".join(f'{key} = "{value}"' for key, value in peer["service"].items())
+    service = start_service(
+        workers=("cpu", "disk"),
+        service_options=f"metrics_port = {port}\n{keys}",
+        extra_config=to_toml({"events": peer["events"], "peer": peer["peer"]}),
+    )
     families = scrape_metrics(
         port,
-        lambda f: "kvoffload_worker_used_bytes" in f and "kvoffload_worker_bytes_stored" in f,
+        lambda f: (
+            "kvoffload_worker_used_bytes" in f
+            and "kvoffload_worker_bytes_stored" in f
+            and "kvoffload_worker_keys_indexed" in f
+        ),
     )
     queries = dashboard_queries()
     assert len(queries) > 20
