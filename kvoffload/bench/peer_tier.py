@@ -34,7 +34,7 @@ import numpy as np
 import psutil
 
 from kvoffload.bench.cells import Cell
-from kvoffload.memory.slotcopy import shared_copier
+from kvoffload.bench.service import engine_store
 from kvoffload.testing.helpers import wait_until
 from kvoffload.testing.peers import fleet
 from kvoffload.testing.s3server import S3Server, object_section
@@ -84,11 +84,7 @@ def store(service: ServiceHarness, keys: list[bytes], block_bytes: int, seed: in
     )
     with service.client("bench-writer", timeout_s=30) as client, service_pool(client) as pool:
         client.new_request("w")
-        prepared = client.prepare_store("w", keys)
-        sums = shared_copier().copy_with_checksums(
-            [(pool.slot_array(slot), rows[i]) for i, slot in enumerate(prepared.slots)]
-        )
-        client.complete_store("w", keys, checksums=[[s] for s in sums])
+        engine_store(client, "w", keys, pool, rows, wait=True)
         client.finish_request("w")
 
 

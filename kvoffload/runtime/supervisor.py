@@ -205,33 +205,15 @@ class Supervisor:
                 affinity=cfg.cpu.cpu_affinity,
             )
         )
-        if cfg.disk.enabled:
-            self._add(
-                Child(
-                    "disk",
-                    [py, "-m", WORKER_MODULES["disk"], *spec_arg],
-                    True,
-                    affinity=cfg.disk.cpu_affinity,
+        for name, enabled, cores in (
+            ("disk", cfg.disk.enabled, cfg.disk.cpu_affinity),
+            ("peer", cfg.peer.enabled, cfg.peer.cpu_affinity),
+            ("object", cfg.object.enabled, cfg.object.cpu_affinity),
+        ):
+            if enabled:
+                self._add(
+                    Child(name, [py, "-m", WORKER_MODULES[name], *spec_arg], True, affinity=cores)
                 )
-            )
-        if cfg.peer.enabled:
-            self._add(
-                Child(
-                    "peer",
-                    [py, "-m", WORKER_MODULES["peer"], *spec_arg],
-                    True,
-                    affinity=cfg.peer.cpu_affinity,
-                )
-            )
-        if cfg.object.enabled:
-            self._add(
-                Child(
-                    "object",
-                    [py, "-m", WORKER_MODULES["object"], *spec_arg],
-                    True,
-                    affinity=cfg.object.cpu_affinity,
-                )
-            )
         for i, engine in enumerate(cfg.engines):
             env = {**engine.env, "KVOFFLOAD_ENDPOINT": client_endpoint}
             self._add(

@@ -14,8 +14,8 @@ import pytest
 import zmq
 import zmq.auth
 
+from kvoffload.bench.service import engine_store
 from kvoffload.cli import format_status
-from kvoffload.memory.slotcopy import shared_copier
 from kvoffload.testing.helpers import keys_for, wait_until
 from kvoffload.testing.peers import PeerNode, fleet, make_node
 from kvoffload.testing.service import ServiceHarness, service_pool, services
@@ -42,11 +42,7 @@ def store_blocks(service: ServiceHarness, name: str, count: int, tenant: str = "
     keys = keys_for(name, count)
     with service.client("writer") as client, service_pool(client) as pool:
         client.new_request("w", tenant=tenant)
-        prepared = client.prepare_store("w", keys)
-        sums = shared_copier().copy_with_checksums(
-            [(pool.slot_array(slot), rows[i]) for i, slot in enumerate(prepared.slots)]
-        )
-        client.complete_store("w", keys, checksums=[[s] for s in sums])
+        engine_store(client, "w", keys, pool, rows, wait=True)
         client.finish_request("w")
     return keys, rows
 
