@@ -216,7 +216,8 @@ class PeerWorkerStats(_MediumStats, tag="peer"):
     """The peer worker's counters: the nodes it follows and the keys they announce, the
     fetches it made (``fetch_*``: keys landed, absent at the holder, failed, bytes, blocks
     dropped for a bad checksum, falls to the next tier) and those it served to other nodes
-    (``served_*``; ``refused``: by code)."""
+    (``served_*``: ``absent`` the keys asked for that this node did not hold, ``answers_lost``
+    the answers whose requester was gone; ``refused``: by code)."""
 
     nodes_followed: int = 0
     nodes_silent: int = 0
@@ -235,6 +236,8 @@ class PeerWorkerStats(_MediumStats, tag="peer"):
     served_fetches: int = 0
     served_keys: int = 0
     served_bytes: int = 0
+    served_absent: int = 0
+    served_answers_lost: int = 0
     refused: dict[str, int] = {}
     handshakes_refused: dict[str, int] = {}
 

@@ -164,6 +164,8 @@ class PeerBackend(NoIndexBackend):
             served_fetches=served.fetches if served else 0,
             served_keys=served.keys_served if served else 0,
             served_bytes=served.bytes_served if served else 0,
+            served_absent=served.keys_absent if served else 0,
+            served_answers_lost=served.answers_lost if served else 0,
             refused=dict(served.refused) if served else {},
             handshakes_refused=self._server.handshake_refusals() if self._server else {},
             **counters,
