@@ -225,7 +225,10 @@ def test_a_killed_holder_is_a_fallback_then_its_restart_and_new_run_are_found(
     start, tmp_path: Path
 ) -> None:
     a, b = fleet(tmp_path, ["a", "b"])
-    node_a = start(sections={"pool": POOL, "disk": NO_DISK, **a.sections(follows=[])})
+    sections_a = a.sections(follows=[])
+    # A's manager must not kill its hung worker for silence before the test does
+    sections_a["service"]["heartbeat_timeout_s"] = 60.0
+    node_a = start(sections={"pool": POOL, "disk": NO_DISK, **sections_a})
     node_b = start(
         sections={
             "pool": POOL,
