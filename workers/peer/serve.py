@@ -6,7 +6,7 @@ as ``peer_handshake_refused``) takes ``PeerFetch`` requests and answers refusals
 endpoint (``peer.bulk_endpoint``, plain tcp://) carries the answers, every frame sealed with the
 fetch's AES-256-GCM key (``seal``), to the requester's socket named by the fetch. Its thread
 checks each fetch (protocol version, deployment fingerprint, tenant key) and refuses a mismatch
-with one log line per requester and reason. At most ``max_served_fetches`` are served at once,
+with one log line per requester's key and reason. At most ``max_served_fetches`` are served at once,
 so the fleet never takes more than that from this node's own engines; up to
 ``QUEUED_PER_SERVED`` times as many wait, and more are refused ``BUSY``.
 
@@ -38,7 +38,7 @@ from kvoffload.config import Config
 from kvoffload.logs import get_logger
 from kvoffload.memory.blockformat import payload_checksum
 from kvoffload.memory.pool import HostPool
-from kvoffload.runtime.handshakes import CurveGate
+from kvoffload.runtime.handshakes import FINGERPRINT_CHARS, CurveGate
 from kvoffload.wire import protocol as p
 from kvoffload.wire.vocab import ErrorCode, LookupResult
 from workers.peer.seal import seal
@@ -79,6 +79,15 @@ class _Answer:
     give_up_at: float = 0.0
 
 
+def _requester(frame: zmq.Frame) -> str:
+    """The fingerprint of the CURVE key a request came with (as ``CurveGate`` logs keys)."""
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:
+        return ""
+    return str(user)[:FINGERPRINT_CHARS]
+
+
 @dataclass(slots=True)
 class _ThreadClient:
     """A serving thread's client of the manager and its requests, one open per tenant id."""
@@ -115,7 +124,7 @@ class FetchServer:
         self.stats = ServeStats()
         self._lock = threading.Lock()
         self._busy = 0
-        self._refusals_logged: set[tuple[bytes, str]] = set()
+        self._refusals_logged: set[tuple[str, str]] = set()
         self._answers: queue.SimpleQueue[_Answer] = queue.SimpleQueue()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -195,7 +204,7 @@ class FetchServer:
             if self._sock in ready:
                 for _ in range(64):
                     try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     self._on_request(frames)
@@ -225,30 +234,31 @@ class FetchServer:
         with self._wake_lock:
             self._wake_send.send(b"")
 
-    def _on_request(self, frames: list[bytes]) -> None:
+    def _on_request(self, frames: list[zmq.Frame]) -> None:
         if len(frames) != 2:
             return
-        identity, frame = frames
+        identity, frame = frames[0].bytes, frames[1].bytes
+        requester = _requester(frames[1])
         try:
             fetch = p.decode_peer_fetch(frame)
         except p.ProtocolError as exc:
-            self._refuse(identity, -1, ErrorCode.BAD_MESSAGE, str(exc))
+            self._refuse(identity, requester, -1, ErrorCode.BAD_MESSAGE, str(exc))
             return
         if fetch.version != p.PROTOCOL_VERSION:
             reason = f"protocol version {fetch.version} != {p.PROTOCOL_VERSION}"
-            self._refuse(identity, fetch.fetch_id, ErrorCode.VERSION_MISMATCH, reason)
+            self._refuse(identity, requester, fetch.fetch_id, ErrorCode.VERSION_MISMATCH, reason)
             return
         if fetch.deployment != self._deployment:
             reason = "another deployment (block format, block_bytes or layout differ)"
-            self._refuse(identity, fetch.fetch_id, ErrorCode.DEPLOYMENT_MISMATCH, reason)
+            self._refuse(identity, requester, fetch.fetch_id, ErrorCode.DEPLOYMENT_MISMATCH, reason)
             return
         if fetch.tenant_check != self._tenant_check:
             reason = "tenant ids made with another tenant key"
-            self._refuse(identity, fetch.fetch_id, ErrorCode.TENANT_KEY_MISMATCH, reason)
+            self._refuse(identity, requester, fetch.fetch_id, ErrorCode.TENANT_KEY_MISMATCH, reason)
             return
         if len(fetch.keys) > self._cfg.peer.max_fetch_keys:
             reason = f"{len(fetch.keys)} keys > {self._cfg.peer.max_fetch_keys}"
-            self._refuse(identity, fetch.fetch_id, ErrorCode.TOO_MANY_KEYS, reason)
+            self._refuse(identity, requester, fetch.fetch_id, ErrorCode.TOO_MANY_KEYS, reason)
             return
         with self._lock:
             if self._busy >= self._cfg.peer.max_served_fetches * QUEUED_PER_SERVED:
@@ -257,18 +267,26 @@ class FetchServer:
                 busy = False
                 self._busy += 1
         if busy:
-            self._refuse(identity, fetch.fetch_id, ErrorCode.BUSY, "serving its limit of fetches")
+            self._refuse(
+                identity, requester, fetch.fetch_id, ErrorCode.BUSY, "serving its limit of fetches"
+            )
             return
         self._serving.submit(self._serve, identity, fetch)
 
-    def _refuse(self, identity: bytes, fetch_id: int, code: ErrorCode, message: str) -> None:
+    def _refuse(
+        self, identity: bytes, requester: str, fetch_id: int, code: ErrorCode, message: str
+    ) -> None:
+        """Answer a refusal; the first of each code for each requester (its key) is logged,
+        every one counted."""
         with self._lock:
             self.stats.refused[code.value] = self.stats.refused.get(code.value, 0) + 1
-            first = (identity, code.value) not in self._refusals_logged
+            first = (requester, code.value) not in self._refusals_logged
             if first and code is not ErrorCode.BUSY:
-                self._refusals_logged.add((identity, code.value))
+                self._refusals_logged.add((requester, code.value))
         if first and code is not ErrorCode.BUSY:
-            log.warning("peer_fetch_refused", code=code.value, reason=message)
+            log.warning(
+                "peer_fetch_refused", code=code.value, reason=message, key_fingerprint=requester
+            )
         self._answer(_Answer(identity, [p.encode(p.PeerRefused(fetch_id, code, message))]))
 
     # ---- the serving threads --------------------------------------------------------------

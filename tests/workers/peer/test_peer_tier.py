@@ -201,6 +201,8 @@ def test_another_deployment_is_refused_with_one_clear_log_line(start, tmp_path: 
     assert load_all(node_b, keys) is None  # refused, so a MISS: recomputed
     refusals = [e for e in node_a.log_events() if e.get("event") == "peer_fetch_refused"]
     assert len(refusals) == 1 and refusals[0]["code"] == "deployment_mismatch"
+    public, _ = zmq.auth.load_certificate(str(b.client_public))
+    assert refusals[0]["key_fingerprint"] == public.decode()[:10]  # its key, in Z85
     wait_until(
         lambda: node_b.status().workers["peer"].stats.medium.fetch_failures >= 1,
         what="B to count the refused fetch",
