@@ -4,11 +4,13 @@ kvoffload as the reference, and the checks of identical output."""
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
@@ -202,6 +204,42 @@ class Engines:
 
     def stop(self) -> None:
         stop_all(self._started.values())
+
+
+class EngineNode(Protocol):
+    """A kvoffload service of its own and its engines (``engine``: the node's own)."""
+
+    @property
+    def service(self) -> ServiceHarness: ...
+
+    @property
+    def engines(self) -> Engines: ...
+
+    @property
+    def engine(self) -> VllmEngineProcess: ...
+
+
+@contextlib.contextmanager
+def running_nodes(nodes: Sequence[EngineNode]) -> Iterator[None]:
+    """Start each node's service, then every node's engine and the first node's plain vLLM
+    side by side (most of a start is one process on one core); at exit stop the engines, then
+    the services, which must leave no segment, runtime file or process behind."""
+    started: list[EngineNode] = []
+    try:
+        for node in nodes:
+            node.service.start()
+            started.append(node)
+        starts = [lambda node=node: node.engine for node in nodes]
+        starts.append(lambda: nodes[0].engines.get("plain"))
+        with ThreadPoolExecutor(len(starts)) as pool:
+            for engine in [pool.submit(start) for start in starts]:
+                engine.result()
+        yield
+    finally:
+        for node in nodes:
+            node.engines.stop()
+        leftovers = [node.service.stop() for node in started]
+        assert all(left.clean for left in leftovers), leftovers
 
 
 @pytest.fixture(scope="module")

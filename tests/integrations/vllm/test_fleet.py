@@ -17,7 +17,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from tests.integrations.vllm.conftest import (  # noqa: E402
     Engines,
     ModelCase,
     PlainEngines,
+    running_nodes,
     same_output,
 )
 
@@ -128,25 +128,8 @@ def fleet(
     s3_server.create_bucket(BUCKET)
     prefix = f"fleet/{uuid.uuid4().hex[:8]}"
     nodes = [_node(n, work, model, case, s3_server, prefix, plain_engines) for n in ("a", "b")]
-    started: list[Node] = []
-    try:
-        for node in nodes:
-            node.service.start()
-            started.append(node)
-        # the three engines start side by side: most of a start is one process on one core
-        with ThreadPoolExecutor(3) as pool:
-            for engine in [
-                pool.submit(lambda: nodes[0].engine),
-                pool.submit(lambda: nodes[1].engine),
-                pool.submit(lambda: nodes[0].engines.get("plain")),
-            ]:
-                engine.result()
+    with running_nodes(nodes):
         yield Fleet(nodes[0], nodes[1], s3_server, prefix)
-    finally:
-        for node in nodes:
-            node.engines.stop()
-        leftovers = [node.service.stop() for node in started]
-        assert all(left.clean for left in leftovers), leftovers
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ without kvoffload serving the same number of prefix tokens from its own prefix c
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from tests.integrations.vllm.conftest import (  # noqa: E402
     Engines,
     ModelCase,
     PlainEngines,
+    running_nodes,
     same_output,
 )
 
@@ -76,24 +76,8 @@ def nodes(
         _node(a, b, work, model, case, plain_engines),
         _node(b, a, work, model, case, plain_engines),
     )
-    started: list[Node] = []
-    try:
-        for node in both:
-            node.service.start()
-            started.append(node)
-        with ThreadPoolExecutor(3) as pool:
-            for engine in [
-                pool.submit(lambda: both[0].engine),
-                pool.submit(lambda: both[1].engine),
-                pool.submit(lambda: both[0].engines.get("plain")),
-            ]:
-                engine.result()
+    with running_nodes(both):
         yield both
-    finally:
-        for node in both:
-            node.engines.stop()
-        leftovers = [node.service.stop() for node in started]
-        assert all(left.clean for left in leftovers), leftovers
 
 
 @pytest.fixture(scope="module")
