@@ -29,6 +29,7 @@ them again if it needs them).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -53,18 +54,17 @@ def ask_by_group(
     token in the request (None if unknown: the key keeps its place in ``keys``).
     ``full_miss_position``: the lowest position at which a full-attention group already
     missed for this request."""
-    order = {key: i for i, key in enumerate(keys)}
     by_group: dict[int, list[bytes]] = {}
-    for key in keys:
+    positions: dict[bytes, float] = {}
+    for i, key in enumerate(keys):
         by_group.setdefault(group_of(key), []).append(key)
-
-    def position(key: bytes) -> float:
         found = position_of(key)
-        return order[key] if found is None else found
+        positions[key] = i if found is None else found
+    position = positions.__getitem__
 
     full = [sorted(ks, key=position) for g, ks in by_group.items() if windows.get(g) is None]
     sliding = {
-        g: _WindowSearch(sorted(ks, key=position, reverse=True), max(1, windows[g] or 1), position)
+        g: _WindowSearch(sorted(ks, key=position, reverse=True), max(1, windows[g] or 1), positions)
         for g, ks in by_group.items()
         if windows.get(g) is not None
     }
@@ -113,16 +113,17 @@ class _WindowSearch:
     """One sliding-window group's search, from the end down, for ``window`` hits in a row."""
 
     def __init__(
-        self, descending: list[bytes], window: int, position: Callable[[bytes], float]
+        self, descending: list[bytes], window: int, positions: Mapping[bytes, float]
     ) -> None:
         self.descending = descending
         self.window = window
-        self._position = position
+        self._positions = positions
+        self._descending_positions = [-positions[k] for k in descending]  # ascending
         self.exhausted = False
         """The service answered none of a batch: nothing more to learn now."""
 
     def _below(self, bound: float) -> list[bytes]:
-        return [k for k in self.descending if self._position(k) < bound]
+        return self.descending[bisect.bisect_right(self._descending_positions, -bound) :]
 
     def end(self, bound: float, answers: Mapping[bytes, LookupResult]) -> float | None:
         """The end position of the highest run of ``window`` hits below ``bound``; 0 if there
@@ -137,7 +138,7 @@ class _WindowSearch:
                 return None
             run = run + 1 if result in (LookupResult.HIT, LookupResult.HIT_PENDING) else 0
             if run == self.window:
-                return self._position(below[i - self.window + 1])
+                return self._positions[below[i - self.window + 1]]
         return 0
 
     def next_keys(self, bound: float, answers: Mapping[bytes, LookupResult]) -> list[bytes]:

@@ -162,19 +162,23 @@ def record_lookup(
     for key, slot in zip(keys, outcome.landing_slots, strict=False):
         if slot >= 0:
             state.landing[key] = outcome.ticket
+    hits = Multiset[str]()
+    misses = 0
     for i, (key, result) in enumerate(zip(keys, results, strict=False)):
         if result is LookupResult.HIT:
             digests = outcome.checksums[i] if i < len(outcome.checksums) else []
             state.pinned[key] = (outcome.slots[i], digests)
             if key in state.uncertain:
                 state.promoted.add(key)
-            state.uncertain.pop(key, None)
-            tier = "secondary" if key in state.promoted else "host"
-            stats.add(Counter.HIT_BLOCKS, 1, tier)
+                del state.uncertain[key]
+            hits["secondary" if key in state.promoted else "host"] += 1
         elif result is LookupResult.MISS:
             state.missed.add(key)
             state.uncertain.pop(key, None)
-            stats.add(Counter.MISS_BLOCKS)
+            misses += 1
         else:
             state.uncertain[key] = result
+    for tier, count in hits.items():
+        stats.add(Counter.HIT_BLOCKS, count, tier)
+    stats.add(Counter.MISS_BLOCKS, misses)
     return results
