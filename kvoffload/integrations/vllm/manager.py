@@ -245,12 +245,17 @@ class KVOffloadManager(OffloadingManager):
         """Look ``keys`` up at once (one pinned round trip), so the lookups vLLM makes next in
         this step are answered without waiting for the step's end. Keys already answered for
         good, or still pending from an earlier answer (asked again at the step's end), are
-        left out, so a request costs one lookup per step."""
+        left out, so a request costs one lookup per step; the same keys asked again before any
+        of the request's answers changed are not looked at again (a step that waits for
+        landings)."""
         self._sync_generation()
         state = self._state(req_context)
         if state.finished or self._fenced or not self._link.ready():
             return
-        for key in keys:
+        asked = tuple(keys)
+        if state.asked_now == (asked, state.answers_signature()):
+            return  # nothing learnt since the same keys were asked (a step waiting for landings)
+        for key in asked:
             nkey = self._key(key)
             if nkey in state.uncertain and nkey not in state.landing:
                 # Asked before and still pending: vLLM's lookups queue it for the step's end.
@@ -260,6 +265,7 @@ class KVOffloadManager(OffloadingManager):
         if state.queued:
             self._lookup_batch(state)
             self._count_outage()
+        state.asked_now = (asked, state.answers_signature())
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         state = self._requests.get(req_context.req_id)

@@ -46,10 +46,23 @@ class EngineRequest:
     load_generation: int = -1
     open_stores: int = 0
     finished: bool = False
+    asked_now: tuple[tuple[OffloadKey, ...], tuple[int, ...]] | None = None
+    """The keys of the last ``ask_now`` and the request's ``answers_signature`` after it."""
 
     def position(self, key: bytes) -> int | None:
         """The key's end token in the request, as vLLM's scheduler recorded it."""
         return self.ctx.get_offload_key_position(OffloadKey(offload_key_of(key)))
+
+    def answers_signature(self) -> tuple[int, ...]:
+        """Changes whenever a key of the request gets an answer, loses one or lands."""
+        return (
+            len(self.pinned),
+            len(self.missed),
+            len(self.failed),
+            len(self.landing),
+            len(self.uncertain),
+            len(self.promoted),
+        )
 
     def full_miss_position(self, windows: Mapping[int, int | None]) -> float:
         """The lowest end token at which a full-attention group of the request is MISS."""
@@ -92,6 +105,8 @@ def lookup_queued(
     (it is down) are MISS for the request."""
     queued = list(state.queued)
     state.queued.clear()
+    if all(key in state.pinned or key in state.landing for key in queued):
+        return  # every key is answered without asking: the search would learn nothing
     unanswered = dict.fromkeys(queued)
     # The request's pinned keys take part as HITs, so a sliding window that holds one of them
     # is found without asking below it; like keys whose landing will be told (HIT_PENDING),
