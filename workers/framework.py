@@ -42,6 +42,7 @@ import zmq
 
 from kvoffload.config import Config
 from kvoffload.logs import configure_logging, get_logger
+from kvoffload.memory.heap import keep_freed_memory
 from kvoffload.memory.pool import HostPool
 from kvoffload.runtime.runspec import (
     EXIT_FAILED,
@@ -500,13 +501,17 @@ def run_worker(
 ) -> int:
     """Run ``backend`` as the worker process of ``spec`` until shutdown; returns the exit code.
 
-    Configures logging as ``backend.name``, pins CPUs, attaches the host pool (closed on exit),
+    Configures logging as ``backend.name``, pins CPUs, keeps freed heap memory for reuse
+    (``kvoffload.memory.heap``: message buffers without page faults), attaches the host pool
+    (closed on exit),
     starts the backend, then runs the loop described in the module docstring. SIGTERM and
     SIGINT shut down like ``Control(shutdown)``.
     """
     cfg = config if config is not None else spec.load_config()
     configure_logging(proc=backend.name, level=cfg.service.log_level)
     pin_cpus(backend.cpu_affinity(cfg))
+    if not keep_freed_memory():
+        log.info("heap_thresholds_unchanged", reason="the C library has no mallopt")
     try:
         pool = HostPool.attach(spec.pool_name, cfg.pool.num_slots, cfg.pool.block_bytes)
     except Exception as exc:  # noqa: BLE001 - any attach failure is a start failure
