@@ -503,15 +503,14 @@ def run_worker(
 
     Configures logging as ``backend.name``, pins CPUs, keeps freed heap memory for reuse
     (``kvoffload.memory.heap``: message buffers without page faults), attaches the host pool
-    (closed on exit),
-    starts the backend, then runs the loop described in the module docstring. SIGTERM and
-    SIGINT shut down like ``Control(shutdown)``.
+    (closed on exit), starts the backend, then runs the loop described in the module
+    docstring. SIGTERM and SIGINT shut down like ``Control(shutdown)``.
     """
     cfg = config if config is not None else spec.load_config()
     configure_logging(proc=backend.name, level=cfg.service.log_level)
     pin_cpus(backend.cpu_affinity(cfg))
     if not keep_freed_memory():
-        log.info("heap_thresholds_unchanged", reason="the C library has no mallopt")
+        log.info("heap_thresholds_unchanged", reason="mallopt is missing or refused")
     try:
         pool = HostPool.attach(spec.pool_name, cfg.pool.num_slots, cfg.pool.block_bytes)
     except Exception as exc:  # noqa: BLE001 - any attach failure is a start failure

@@ -54,7 +54,9 @@ class EngineRequest:
         return self.ctx.get_offload_key_position(OffloadKey(offload_key_of(key)))
 
     def answers_signature(self) -> tuple[int, ...]:
-        """Changes whenever a key of the request gets an answer, loses one or lands."""
+        """The sizes of the request's answer sets: they change whenever one of its keys gets a
+        first answer, is pinned, lands, misses, fails or is released (a pending key whose
+        answer only changes kind keeps them; ``ask_now`` does not ask such keys anyway)."""
         return (
             len(self.pinned),
             len(self.missed),
