@@ -169,8 +169,9 @@ class Engines:
     """Engines started on first use and stopped at the end of the module; "plain" (vLLM
     without kvoffload) is the session's engine of the model (``PlainEngines``). Each runs
     vLLM's engine core in the engine's process (``engine_core_process=False``: a third of the
-    start time; ``kvoffload serve``'s test runs it apart, as vLLM serves by default), and logs at
-    DEBUG, where the connector names each synchronous load."""
+    start time; ``kvoffload serve``'s test runs it apart, as vLLM serves by default), logs at
+    DEBUG, where the connector names each synchronous load, and is handed out once its link to
+    the service is up."""
 
     def __init__(
         self, work: Path, model: Path, service: ServiceHarness, tp: int, plain: PlainEngines
@@ -192,13 +193,20 @@ class Engines:
             config = kvoffload_transfer(
                 {"endpoint": self.service.endpoint, "call_timeout_s": 1.0, **connector}
             )
-            self._started[name] = VllmEngineProcess(
+            engine = self._started[name] = VllmEngineProcess(
                 model or self.model,
                 self.work / f"engine-{name}.log",
                 config,
                 tensor_parallel_size=tp or self.tp,
                 extra_env={"VLLM_LOGGING_LEVEL": "DEBUG"},
                 engine_core_process=False,
+            )
+            # An engine whose first connection attempt ran out of time serves (MISS) while its
+            # link retries in the background: the tests' prompts start once it is up.
+            wait_until(
+                lambda: "kvoffload_connected" in engine.log_path.read_text(errors="replace"),
+                timeout_s=60,
+                what=f"engine {name}'s link to the service",
             )
         return self._started[name]
 
