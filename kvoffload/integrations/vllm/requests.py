@@ -24,8 +24,12 @@ from kvoffload.integrations.vllm.keys import group_of, offload_key_of
 from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
 from kvoffload.integrations.vllm.lookups import ask_by_group
 from kvoffload.integrations.vllm.metrics import Counter, StatsAccumulator
+from kvoffload.wire import vocab
 
 log = integration_logger(__name__)
+
+_VLLM_RESULT = {code.value: LookupResult[code.name] for code in vocab.LookupResult}
+"""vLLM's lookup result of each of the service's result bytes."""
 
 
 @dataclass
@@ -175,7 +179,7 @@ def record_lookup(
         )
         state.missed.update(keys)
         return [LookupResult.MISS] * len(keys)
-    results = [LookupResult[code.name] for code in outcome.results]
+    results = [_VLLM_RESULT[code] for code in outcome.raw_results]
     for key, slot in zip(keys, outcome.landing_slots, strict=False):
         if slot >= 0:
             state.landing[key] = outcome.ticket
