@@ -21,7 +21,8 @@ BLOCK = 65536
 READ_DELAY_S = 0.5
 """Every disk-store operation (each block read of a promotion, too) is delayed this long."""
 PROMOTED_BLOCKS = 8
-"""Two reads at a time: the last blocks land at least a second after the first ones."""
+"""Read two chunks at a time (one block, then two, then two...): the last blocks land at least a
+second after the first ones."""
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ Record states::
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -57,7 +57,8 @@ class RecordIndex:
         self._generation = [0] * n_records
         self._read_errors = [0] * n_records
         self._order = allocation_order(n_records, records_per_slab)
-        self._free: deque[int] = deque(self._order)
+        self._records_per_slab = records_per_slab
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(self._order)
         self._next_generation = 1
 
     @classmethod
@@ -80,7 +81,7 @@ class RecordIndex:
             index._next_generation = max(index._next_generation, generation + 1)
         for record in stale:
             index._stale[record] = 1
-        index._free = deque(r for r in index._order if index._state[r] == FREE)
+        index._free = OrderedDict.fromkeys(r for r in index._order if index._state[r] == FREE)
         return index
 
     @property
@@ -101,10 +102,12 @@ class RecordIndex:
         if key in self._lru:
             self._lru.move_to_end(key)
 
-    def reserve(self, key: bytes) -> Reservation:
+    def reserve(self, key: bytes, after: int = -1) -> Reservation:
         """A record for a put of ``key``: the key's own record when no read pins it (it leaves
-        the index now), else a free record, else the least recently used unpinned one (its key
-        is evicted). StoreFull when none of these exists."""
+        the index now), else a free record (the one after record ``after`` in its slab when
+        that one is free, so one writer's puts lie one after another and read back in one
+        read; else the next in allocation order), else the least recently used unpinned one
+        (its key is evicted). StoreFull when none of these exists."""
         generation = self._next_generation
         self._next_generation += 1
         own = self._lru.get(key)
@@ -112,7 +115,12 @@ class RecordIndex:
             del self._lru[key]
             return self._take(own, generation, True, [])
         if self._free:
-            record = self._free.popleft()
+            record = after + 1
+            next_in_slab = after >= 0 and record % self._records_per_slab != 0
+            if next_in_slab and record in self._free:
+                del self._free[record]
+            else:
+                record, _ = self._free.popitem(last=False)
             return self._take(record, generation, bool(self._stale[record]), [])
         for victim_key, record in self._lru.items():
             if self._pins[record] == 0:
@@ -142,7 +150,7 @@ class RecordIndex:
         self._stale[record] = 0 if cleared else 1
         self._key[record] = None
         self._read_errors[record] = 0
-        self._free.append(record)
+        self._free[record] = None
 
     def pin(self, key: bytes) -> tuple[int, int]:
         """Pin ``key``'s record against reuse for a read and mark it most recently used.

@@ -15,7 +15,9 @@ Contracts:
   removes the mark durably before any write, so a crash from then on reads as unclean. A
   failed record is dropped and its header page cleared, like any invalid header.
 * Reads verify the header (crc, magic, version, fingerprint, key, length, generation) and the
-  payload's xxh3_64 checksum. A bad copy raises ``CorruptBlock``, leaves the index and has its
+  payload's xxh3_64 checksum, block by block; ``get_many`` reads records that lie one after
+  another with one ``preadv`` (a thread's consecutive puts take consecutive records of one
+  slab file while they are free, see ``RecordIndex.reserve``). A bad copy raises ``CorruptBlock``, leaves the index and has its
   header page cleared. Other read errors raise ``TransientIOError`` and keep the block, except
   that ``MAX_READ_ERRORS`` consecutive EIO on one record count as corruption.
 * Capacity: record bytes never exceed ``capacity_bytes``. Recency (LRU) follows put, get and
@@ -43,10 +45,11 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
@@ -97,9 +100,28 @@ FAULT_OPS = (
 )
 
 MAX_READ_ERRORS = 3
+READ_RUN_BYTES = 1 << 20
+"""Payload bytes of adjacent records that one ``preadv`` of ``get_many`` reads at most."""
+MAX_RUN_RECORDS = 256
+"""Records of one such read at most (two buffers each, within the kernel's IOV_MAX)."""
 SCAN_THREADS = 8
 DURABILITY_MODES = ("none", "fsync")
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+GetOutcome = BlockHeader | KeyError | CorruptBlock | TransientIOError
+"""One key's result of ``DiskStore.get_many``."""
+
+
+@dataclass(frozen=True, slots=True)
+class _PinnedRead:
+    """One key of a ``get_many``: its place in the call, its pinned record and destination."""
+
+    index: int
+    key: bytes
+    record: int
+    generation: int
+    view: memoryview
 
 
 class DiskStore:
@@ -277,7 +299,8 @@ class DiskStore:
         if checksum is None:
             checksum = BlockChecksum(payload_checksum(view))
         with self._lock:
-            reservation = self._index.reserve(key)
+            reservation = self._index.reserve(key, getattr(self._local, "last_record", -1))
+        self._local.last_record = reservation.record
         if reservation.evicted:
             self._log.info(
                 "disk_keys_evicted", for_key=key.hex(), keys=[k.hex() for k in reservation.evicted]
@@ -324,24 +347,52 @@ class DiskStore:
         KeyError if absent; CorruptBlock if the stored copy is bad (it is dropped);
         TransientIOError if the read failed but the block is kept. After a failure ``dst`` may
         hold garbage."""
+        outcome = self.get_many([key], [dst])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def get_many(self, keys: Sequence[bytes], dsts: Sequence[Any]) -> list[GetOutcome]:
+        """``get`` of each key into its ``dst``: for each, its verified header or the exception
+        ``get`` would raise (KeyError, CorruptBlock, TransientIOError). Records that lie one
+        after another in a slab file, in the order given, are read with one ``preadv`` of up to
+        ``READ_RUN_BYTES`` of payload (the fault hook runs for each of their keys first); a
+        run whose read fails or comes up short is read again key by key, so each key gets its
+        own outcome."""
         self._require_open()
-        view = self._payload_view(dst, writable=True)
+        views = [self._payload_view(dst, writable=True) for dst in dsts]
+        outcomes: list[GetOutcome | None] = [None] * len(keys)
+        pinned: list[_PinnedRead] = []
         with self._lock:
-            record, generation = self._index.pin(key)
-        corrupt = False
+            for index, key in enumerate(keys):
+                try:
+                    record, generation = self._index.pin(key)
+                except KeyError as exc:
+                    outcomes[index] = exc
+                    continue
+                pinned.append(_PinnedRead(index, key, record, generation, views[index]))
         try:
-            return self._read_record(key, record, generation, view)
-        except CorruptBlock as exc:
-            corrupt = True
-            self._log.warning("disk_block_corrupt", key=key.hex(), record=record, reason=str(exc))
-            raise
+            for run in self._runs(pinned):
+                for read, outcome in zip(run, self._read_run(run), strict=True):
+                    outcomes[read.index] = outcome
         finally:
+            to_clear: list[_PinnedRead] = []
+            corrupt: list[tuple[_PinnedRead, CorruptBlock]] = []
             with self._lock:
-                if corrupt:
-                    self._index.drop(key, record)
-                must_clear = self._index.unpin(record)
-            if must_clear:
-                self._clear_and_release(record, key)
+                for read in pinned:
+                    bad = outcomes[read.index]
+                    if isinstance(bad, CorruptBlock):
+                        corrupt.append((read, bad))
+                        self._index.drop(read.key, read.record)
+                    if self._index.unpin(read.record):
+                        to_clear.append(read)
+            for read, bad in corrupt:
+                self._log.warning(
+                    "disk_block_corrupt", key=read.key.hex(), record=read.record, reason=str(bad)
+                )
+            for read in to_clear:
+                self._clear_and_release(read.record, read.key)
+        return cast(list[GetOutcome], outcomes)
 
     def delete(self, key: bytes) -> bool:
         """Remove ``key``; False if it was absent. Its header page is cleared now, or after the
@@ -363,37 +414,97 @@ class DiskStore:
         """A lazy structlog logger bound to this store's directory (resolved at log time)."""
         return structlog.get_logger(directory=str(self._layout.directory))
 
-    def _read_record(
-        self, key: bytes, record: int, generation: int, view: memoryview
-    ) -> BlockHeader:
-        slab, offset = self._layout.locate(record)
+    def _runs(self, reads: list[_PinnedRead]) -> Iterable[list[_PinnedRead]]:
+        """``reads`` in order, cut into runs of records that follow each other in one slab file
+        (records of whole pages only), each of at most ``READ_RUN_BYTES`` of payload."""
+        layout = self._layout
+        block_bytes = layout.block_bytes
+        contiguous = layout.record_size == PAGE_BYTES + block_bytes
+        most = max(1, min(READ_RUN_BYTES // block_bytes, MAX_RUN_RECORDS))
+        run: list[_PinnedRead] = []
+        for read in reads:
+            if run and (
+                not contiguous
+                or len(run) >= most
+                or read.record != run[-1].record + 1
+                or layout.locate(read.record)[0] != layout.locate(run[0].record)[0]
+            ):
+                yield run
+                run = []
+            run.append(read)
+        if run:
+            yield run
+
+    def _read_run(self, run: list[_PinnedRead]) -> list[GetOutcome]:
+        """The outcomes of ``run`` (records one after another, see ``_runs``)."""
+        if len(run) == 1:
+            return [self._read_one(run[0])]
+        slab, offset = self._layout.locate(run[0].record)
         slab_file = self._files[slab]
-        page = self._read_page()
+        pages = self._read_pages(len(run))
         fd = slab_file.buffered
-        if slab_file.direct is not None and is_page_aligned(view):
+        if slab_file.direct is not None and all(is_page_aligned(r.view) for r in run):
             fd = slab_file.direct
-        total = PAGE_BYTES + len(view)
+        bufs: list[Any] = []
+        for page, read in zip(pages, run, strict=False):
+            bufs += (page, read.view)
+        total = len(run) * self._layout.record_size
         try:
-            self._fault("read", key)
-            got = preadv_all(fd, [page, view], offset, total)
+            for read in run:
+                self._fault("read", read.key)
+            got = preadv_all(fd, bufs, offset, total)
+        except OSError:
+            got = -1
+        if got != total:  # each key's own read says which failed, and how
+            return [self._read_one(read) for read in run]
+        outcomes: list[GetOutcome] = [
+            self._check(read, page) for read, page in zip(run, pages, strict=False)
+        ]
+        with self._lock:
+            for read, outcome in zip(run, outcomes, strict=True):
+                if not isinstance(outcome, CorruptBlock):
+                    self._index.note_read_ok(read.record)
+        return outcomes
+
+    def _read_one(self, read: _PinnedRead) -> GetOutcome:
+        """One record's read: its header, or CorruptBlock / TransientIOError."""
+        slab, offset = self._layout.locate(read.record)
+        slab_file = self._files[slab]
+        page = self._read_pages(1)[0]
+        fd = slab_file.buffered
+        if slab_file.direct is not None and is_page_aligned(read.view):
+            fd = slab_file.direct
+        total = PAGE_BYTES + len(read.view)
+        try:
+            self._fault("read", read.key)
+            got = preadv_all(fd, [page, read.view], offset, total)
         except OSError as exc:
             with self._lock:
-                failures = self._index.note_read_error(record)
+                failures = self._index.note_read_error(read.record)
             if exc.errno == errno.EIO and failures >= MAX_READ_ERRORS:
-                raise CorruptBlock(f"{failures} consecutive read errors: {exc}") from exc
-            raise TransientIOError(
-                exc.errno, f"reading block failed: {exc.strerror or exc}"
-            ) from exc
+                return CorruptBlock(f"{failures} consecutive read errors: {exc}")
+            return TransientIOError(exc.errno, f"reading block failed: {exc.strerror or exc}")
         if got != total:
-            raise CorruptBlock(f"short read: {got} of {total} bytes")
-        header = decode_header(page, self._layout.fingerprint)
-        if header.generation != generation:
-            raise CorruptBlock(
-                f"generation {header.generation} differs from the index ({generation})"
-            )
-        verify_payload(header, key, view)
-        with self._lock:
-            self._index.note_read_ok(record)
+            outcome: GetOutcome = CorruptBlock(f"short read: {got} of {total} bytes")
+        else:
+            outcome = self._check(read, page)
+        if not isinstance(outcome, CorruptBlock):
+            with self._lock:
+                self._index.note_read_ok(read.record)
+        return outcome
+
+    def _check(self, read: _PinnedRead, page: mmap.mmap) -> BlockHeader | CorruptBlock:
+        """The verified header of a record read into ``page`` and ``read.view``, or the
+        CorruptBlock it is."""
+        try:
+            header = decode_header(page, self._layout.fingerprint)
+            if header.generation != read.generation:
+                raise CorruptBlock(
+                    f"generation {header.generation} differs from the index ({read.generation})"
+                )
+            verify_payload(header, read.key, read.view)
+        except CorruptBlock as exc:
+            return exc
         return header
 
     def _clear_header(self, record: int, key: bytes) -> bool:
@@ -470,12 +581,13 @@ class DiskStore:
         if self._fault_hook is not None:
             self._fault_hook(op, key)
 
-    def _read_page(self) -> mmap.mmap:
-        """This thread's aligned page that reads land in."""
-        page = getattr(self._local, "read_page", None)
-        if page is None:
-            page = self._local.read_page = page_buffer()
-        return page
+    def _read_pages(self, count: int) -> list[mmap.mmap]:
+        """This thread's aligned pages that reads' headers land in (at least ``count``)."""
+        pages: list[mmap.mmap] = getattr(self._local, "read_pages", [])
+        while len(pages) < count:
+            pages.append(page_buffer())
+        self._local.read_pages = pages
+        return pages
 
     def _write_page(self) -> mmap.mmap:
         """This thread's aligned header page for writes; bytes past the header stay zero."""

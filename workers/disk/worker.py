@@ -2,14 +2,15 @@
 
 Jobs (``slots[i]`` co-indexed with ``keys[i]``):
 
-- ``promotion``: ``store.get(key, slot)``. Bytes land only in the job's own slots (reserved by
+- ``promotion``: ``store.get_many(keys, slots)``. Bytes land only in the job's own slots (reserved by
   the manager, not readable until the result arrives); a failed key may leave garbage there,
   which the manager never serves since it frees that slot. A key that landed has its slot
   header stamped (when slot headers are on) with the checksum the store just verified; each
   key is then reported landed with its digests (``report_landed``), so the manager serves it,
   and a waiting client hears of it (a ``LandingTarget``), while the rest of the job is still
-  being read. A job's keys are read in parallel, on its
-  job thread and the backend's ``disk.read_threads`` reader threads, and reported in job order.
+  being read. A job's keys are read in chunks of consecutive keys (records that lie one after
+  another on disk in one read), the chunks in parallel on its job thread and the backend's
+  ``disk.read_threads`` reader threads, and reported in job order.
 - ``delete``: ``store.delete(key)`` (no slots): room the manager makes for a tenant's share,
   or a tenant drop.
 - ``cascade``: ``store.put(key, slot)``; the slot is only read. The record carries the
@@ -58,7 +59,7 @@ from kvoffload.wire.status import DiskWorkerStats
 from workers.backend import INDEX_BATCH_KEYS, BackendOutcome
 from workers.disk.errors import LayoutError, StoreFull, TransientIOError
 from workers.disk.fanout import fan_out
-from workers.disk.slab import DiskStore
+from workers.disk.slab import READ_RUN_BYTES, DiskStore
 from workers.faults import FaultInjector
 from workers.jobs import REPORT_BYTES, LandedBatch
 from workers.slotheaders import SlotHeaders
@@ -267,62 +268,87 @@ class DiskBackend:
             ok_keys=list(job.keys), removed=removed, cleanup=lambda: self._note_changed(changed)
         )
 
-    def _promote_one(
-        self, key: bytes, slot: int, generation: int, changed: list[bytes]
-    ) -> tuple[str, list[int]]:
-        """Read ``key`` into pool slot ``slot`` and stamp its header; ("", the block's digests
-        as a reader checks them) on success, else ("<reason>: <detail>", [])."""
+    def _promote_chunk(
+        self, job: Job, start: int, stop: int, changed: list[bytes]
+    ) -> list[tuple[str, list[int]]]:
+        """Read keys ``start:stop`` of ``job`` into their pool slots (one ``get_many``: adjacent
+        records in one read) and stamp their headers; for each, ("", the block's digests as a
+        reader checks them) on success, else ("<reason>: <detail>", [])."""
         store = self._require_store()
         pool = self._require_pool()
-        try:
-            header = store.get(key, pool.slot(slot))
-        except CorruptBlock as exc:
-            self._count("corrupt_blocks")
-            changed.append(key)
-            return f"corrupt: {exc}", []
-        except KeyError:
-            self._count("absent_keys")
-            changed.append(key)
-            return "absent: not stored", []
-        except TransientIOError as exc:
-            self._count("transient_errors")
-            return f"transient: {exc}", []
-        if self._headers is not None:
-            return "", self._headers.stamp(slot, key, generation, header.block_checksum)
-        return "", header.block_checksum.digests(pool.slot(slot))
+        keys, slots = job.keys[start:stop], job.slots[start:stop]
+        outcomes: list[tuple[str, list[int]]] = []
+        got = store.get_many(keys, [pool.slot(slot) for slot in slots])
+        for key, slot, header in zip(keys, slots, got, strict=True):
+            if isinstance(header, CorruptBlock):
+                self._count("corrupt_blocks")
+                changed.append(key)
+                outcomes.append((f"corrupt: {header}", []))
+            elif isinstance(header, KeyError):
+                self._count("absent_keys")
+                changed.append(key)
+                outcomes.append(("absent: not stored", []))
+            elif isinstance(header, TransientIOError):
+                self._count("transient_errors")
+                outcomes.append((f"transient: {header}", []))
+            elif self._headers is not None:
+                outcomes.append(
+                    ("", self._headers.stamp(slot, key, job.job_id, header.block_checksum))
+                )
+            else:
+                outcomes.append(("", header.block_checksum.digests(pool.slot(slot))))
+        return outcomes
 
     def _promote_all(
         self, job: Job, changed: list[bytes]
     ) -> Generator[tuple[str, list[int]], None, None]:
-        """Read the job's keys in parallel, on this thread and up to ``disk.read_threads``
-        reader threads (shared by every job), and yield each key's ``_promote_one`` outcome in
-        job order, each as soon as it and the keys before it have landed; ``changed`` receives
-        the keys in job order. Every read of the job has returned before the generator ends,
-        raises or is closed; an exception of one read is raised in its turn."""
-        per_key: list[list[bytes]] = [[] for _ in job.keys]
-        if len(job.keys) == 1:  # nothing to read in parallel: no hand-off to a reader thread
-            outcome = self._promote_one(job.keys[0], job.slots[0], job.job_id, per_key[0])
-            changed.extend(per_key[0])
-            yield outcome
+        """Read the job's keys in chunks of consecutive keys (``_chunks``), in parallel on this
+        thread and up to ``disk.read_threads`` reader threads (shared by every job), and yield
+        each key's outcome (``_promote_chunk``) in job order, each as soon as its chunk and the
+        chunks before it have landed; ``changed`` receives the keys in job order. Every read
+        of the job has returned before the generator ends, raises or is closed; an exception
+        of one read is raised in its turn."""
+        chunks = self._chunks(len(job.keys), self._cfg.disk.read_threads)
+        per_chunk: list[list[bytes]] = [[] for _ in chunks]
+        if len(chunks) == 1:  # nothing to read in parallel: no hand-off to a reader thread
+            outcomes = self._promote_chunk(job, *chunks[0], per_chunk[0])
+            changed.extend(per_chunk[0])
+            yield from outcomes
             return
 
-        def read(index: int) -> tuple[str, list[int]]:
-            return self._promote_one(job.keys[index], job.slots[index], job.job_id, per_key[index])
+        def read(index: int) -> list[tuple[str, list[int]]]:
+            return self._promote_chunk(job, *chunks[index], per_chunk[index])
 
         readers = self._require_readers()
         taken = 0
         try:
-            with closing(fan_out(len(job.keys), read, readers, self._cfg.disk.read_threads)) as got:
-                for failure in got:
-                    changed.extend(per_key[taken])
+            with closing(fan_out(len(chunks), read, readers, self._cfg.disk.read_threads)) as got:
+                for outcomes in got:
+                    changed.extend(per_chunk[taken])
                     taken += 1
-                    yield failure
+                    yield from outcomes
         finally:
-            for keys in per_key[taken:]:
+            for keys in per_chunk[taken:]:
                 changed.extend(keys)
 
+    def _chunks(self, count: int, helpers: int) -> list[tuple[int, int]]:
+        """``(start, stop)`` of the chunks of consecutive keys ``count`` keys are read or
+        written in, one thread a chunk: one key first, then each chunk twice the one before,
+        up to ``READ_RUN_BYTES`` and small enough that each of the ``helpers`` threads and the
+        job's own get about two (the first keys land at once, the rest in few reads)."""
+        block_bytes = self._require_pool().block_bytes
+        most = max(1, min(READ_RUN_BYTES // block_bytes, count // (2 * (helpers + 1))))
+        chunks: list[tuple[int, int]] = []
+        start, size = 0, 1
+        while start < count:
+            chunks.append((start, min(count, start + size)))
+            start, size = chunks[-1][1], min(most, size * 2)
+        return chunks
+
     def _cascade_all(self, job: Job, changed: list[bytes], evicted: list[bytes]) -> list[str]:
-        """Write the job's keys in parallel, on this thread and up to ``disk.write_threads``
+        """Write the job's keys in chunks of consecutive keys (``_chunks``; one thread writes a
+        chunk's keys one after another, so their records follow each other on disk and read back
+        together), the chunks in parallel on this thread and up to ``disk.write_threads``
         writer threads (shared by every job), and wait for all of them. Returns each key's
         ``_cascade_one`` outcome in job order; ``changed`` and ``evicted`` receive the keys in
         job order, and the stored keys are touched in job order (recency as if written one
@@ -339,12 +365,19 @@ class DiskBackend:
                 key, pool.slot(slot), stamped, per_changed[index], per_evicted[index]
             )
 
+        def write_chunk(index: int) -> list[str]:
+            start, stop = chunks[index]
+            return [write(i) for i in range(start, stop)]
+
+        chunks = self._chunks(len(job.keys), self._cfg.disk.write_threads)
         writers = self._require_writers()
+        outcomes: list[str] = []
         try:
             with closing(
-                fan_out(len(job.keys), write, writers, self._cfg.disk.write_threads)
+                fan_out(len(chunks), write_chunk, writers, self._cfg.disk.write_threads)
             ) as got:
-                outcomes = list(got)
+                for chunk_outcomes in got:
+                    outcomes += chunk_outcomes
         finally:
             for keys in per_changed:
                 changed.extend(keys)

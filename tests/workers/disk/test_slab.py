@@ -28,6 +28,7 @@ from kvoffload.memory.blockformat import (
 )
 from kvoffload.testing.helpers import REPO_ROOT
 from workers.disk import FAULT_OPS, DiskStore, LayoutError, StoreFull, TransientIOError
+from workers.disk import slab as slab_module
 from workers.disk.layout import CLEAN_FILE
 from workers.disk.rawio import probe_direct_io
 
@@ -715,3 +716,91 @@ def test_the_store_is_private_root_and_directory_0700_and_files_0600(tmp_path: P
 
 def mode(path: Path) -> int:
     return os.stat(path).st_mode & 0o777
+
+
+def _counting_reads(monkeypatch) -> list[int]:
+    """The sizes of the store's positional reads from now on (the real reads still run)."""
+    sizes: list[int] = []
+    real = slab_module.preadv_all
+
+    def counted(fd: int, bufs, offset: int, total: int) -> int:
+        sizes.append(total)
+        return real(fd, bufs, offset, total)
+
+    monkeypatch.setattr(slab_module, "preadv_all", counted)
+    return sizes
+
+
+def test_get_many_reads_adjacent_records_together_and_answers_each_key(
+    open_store, monkeypatch
+) -> None:
+    store = open_store(records_per_slab=8)
+    keys = [b"run-%d" % i for i in range(12)]
+    for key in keys:
+        store.put(key, slot(payload_for(key)))
+    assert store.delete(keys[5])
+    reads = _counting_reads(monkeypatch)
+    asked = [*keys, b"never-stored"]
+    dsts = [slot() for _ in asked]
+
+    outcomes = store.get_many(asked, dsts)
+
+    # records 0-4 and 6-7 in the first slab file, 8-11 in the second: one read each
+    assert reads == [5 * RECORD, 2 * RECORD, 4 * RECORD]
+    for key, dst, outcome in zip(asked, dsts, outcomes, strict=True):
+        if key in (keys[5], b"never-stored"):
+            assert isinstance(outcome, KeyError)
+        else:
+            assert not isinstance(outcome, Exception) and outcome.key == key
+            assert dst[:] == payload_for(key)
+
+
+def test_get_many_drops_only_the_corrupt_record_of_a_run(open_store) -> None:
+    store = open_store()
+    keys = [b"c-%d" % i for i in range(4)]
+    for key in keys:
+        store.put(key, slot(payload_for(key)))
+    path, offset = find_record(store, keys[2])
+    with open(path, "r+b") as f:
+        f.seek(offset + 4096 + 99)
+        byte = f.read(1)
+        f.seek(offset + 4096 + 99)
+        f.write(bytes([byte[0] ^ 0x10]))
+    dsts = [slot() for _ in keys]
+
+    with capture_logs() as logs:
+        outcomes = store.get_many(keys, dsts)
+
+    assert isinstance(outcomes[2], CorruptBlock)
+    assert [e["key"] for e in logs if e["event"] == "disk_block_corrupt"] == [keys[2].hex()]
+    assert sorted(store.keys()) == sorted(k for k in keys if k != keys[2])
+    for index in (0, 1, 3):
+        assert dsts[index][:] == payload_for(keys[index])
+
+
+def test_a_failed_run_read_is_retried_key_by_key(open_store, monkeypatch) -> None:
+    failing = {"key": b"f-1", "left": 1}
+
+    def hook(op: str, key: bytes) -> None:
+        if op == "read" and key == failing["key"] and failing["left"]:
+            failing["left"] -= 1
+            raise OSError(errno.EIO, "injected")
+
+    store = open_store(fault_hook=hook)
+    keys = [b"f-%d" % i for i in range(3)]
+    for key in keys:
+        store.put(key, slot(payload_for(key)))
+    reads = _counting_reads(monkeypatch)
+    dsts = [slot() for _ in keys]
+
+    outcomes = store.get_many(keys, dsts)
+
+    assert reads == [RECORD] * 3, "the run's read did not start; each key was read on its own"
+    assert all(not isinstance(o, Exception) for o in outcomes)
+    assert [d[:] for d in dsts] == [payload_for(k) for k in keys]
+
+    failing["left"] = 2
+    outcomes = store.get_many(keys, dsts)
+    assert isinstance(outcomes[1], TransientIOError)
+    assert not isinstance(outcomes[0], Exception) and not isinstance(outcomes[2], Exception)
+    assert store.contains(keys[1]), "a transient error keeps the block"
