@@ -97,9 +97,9 @@ class KVOffloadWorkerMetadata(OffloadingWorkerMetadata):
         )
 
 
-IDLE_LANDING_WAIT_MS = 2
-"""The longest an idle step waits for a landing notice (a request that arrives meanwhile waits
-as long at most)."""
+IDLE_LANDING_WAIT_MS = 5
+"""The longest an idle step waits for the landings a request waits for (a request that arrives
+meanwhile waits as long at most)."""
 DEFAULT_SYNC_LOAD_BUDGET_BYTES = 256 << 20
 """``sync_load_budget_bytes`` the connector sets when the user did not (vLLM 0.33, models with
 one KV cache group): hits of up to this many KV bytes per worker and step are loaded before the
@@ -322,9 +322,9 @@ class KVOffloadConnector(OffloadingConnector):
         return meta
 
     def _wait_if_idle(self, scheduler_output: SchedulerOutput) -> None:
-        """A step that computes nothing while requests wait for promoted blocks: wait for a
-        landing notice (at most ``IDLE_LANDING_WAIT_MS``) rather than step again at once, so
-        the idle engine leaves the cores to the reads it waits for."""
+        """A step that computes nothing while requests wait for promoted blocks: wait until a
+        request's last awaited block landed (at most ``IDLE_LANDING_WAIT_MS``) rather than step
+        again at once, so the idle engine leaves the cores to the reads it waits for."""
         manager = self.scheduler.manager
         if (
             scheduler_output.total_num_scheduled_tokens == 0

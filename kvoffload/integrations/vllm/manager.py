@@ -354,10 +354,22 @@ class KVOffloadManager(OffloadingManager):
                 self.stats.add(Counter.MISS_BLOCKS)
 
     def wait_for_landings(self, timeout_ms: int) -> None:
-        """A step that schedules nothing: wait up to ``timeout_ms`` for a landing notice
-        (then take every one received), instead of stepping idle."""
-        if self._tickets:
-            self.take_landings(timeout_ms)
+        """A step that schedules nothing: take landing notices for up to ``timeout_ms``,
+        instead of stepping idle, and return as soon as a request that waited for landings
+        waits for none any more (the step can then schedule it), or none is awaited."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        waiting = [state for state in self._requests.values() if state.landing]
+        if not waiting:  # only a job's last notice is awaited: one wait for it
+            if self._tickets:
+                self.take_landings(timeout_ms)
+            return
+        while self._tickets:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                return
+            self.take_landings(left_ms)
+            if any(not state.landing for state in waiting):
+                return
 
     # ---- loads ----------------------------------------------------------------------------
 

@@ -58,16 +58,16 @@ class EngineRequest:
         return self.ctx.get_offload_key_position(OffloadKey(offload_key_of(key)))
 
     def answers_signature(self) -> tuple[int, ...]:
-        """The sizes of the request's answer sets: they change whenever one of its keys gets a
-        first answer, is pinned, lands, misses, fails or is released (a pending key whose
-        answer only changes kind keeps them; ``ask_now`` does not ask such keys anyway)."""
+        """Sizes of the request's answer sets that change whenever one of its keys gets a first
+        answer, is pinned, misses, fails or is released, but not when a key told to land
+        lands: a landing key counts as pinned already, and is left out of the pending ones
+        (its answer was known; asking again would learn nothing). A pending key whose answer
+        only changes kind keeps them too; ``ask_now`` does not ask such keys anyway."""
         return (
-            len(self.pinned),
+            len(self.pinned) + len(self.landing),
             len(self.missed),
             len(self.failed),
-            len(self.landing),
-            len(self.uncertain),
-            len(self.promoted),
+            len(self.uncertain) - len(self.landing),
         )
 
     def full_miss_position(self, windows: Mapping[int, int | None]) -> float:
