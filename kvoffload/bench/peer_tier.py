@@ -21,6 +21,7 @@ of S3: a real bucket adds 10 to 50 ms to each first byte.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -113,10 +114,20 @@ def peer_stats(service: ServiceHarness) -> Any:
 
 
 def cpu_s(pid: int | None) -> float:
+    """Seconds on a CPU of ``pid``'s threads so far, to the nanosecond (the scheduler's own
+    account in ``/proc/<pid>/task/*/schedstat``; ``cpu_times`` counts 10 ms clock ticks, which a
+    16 MiB prefix moved in 20 ms cannot resolve), or the ticks where schedstat is absent."""
     if pid is None:
         return 0.0
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
+    total_ns = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                total_ns += int((task / "schedstat").read_text().split()[0])
+    except FileNotFoundError:
+        times = psutil.Process(pid).cpu_times()
+        return times.user + times.system
+    return total_ns / 1e9
 
 
 def settle(nodes: Nodes, indexed: int) -> None:
