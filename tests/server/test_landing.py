@@ -29,6 +29,7 @@ def cold_blocks(service, client, pool, name: str, count: int = BLOCKS):
     gone from the host pool: (keys, rows)."""
     rows = np.random.default_rng(len(name)).integers(0, 256, size=(count, BLOCK), dtype=np.uint8)
     keys = keys_for(name, count)
+    before = service.status().tiering.tiers["disk"].indexed_keys  # before the cascade can land
     client.new_request(f"{name}-writer")
     prepared = client.prepare_store(f"{name}-writer", keys)
     sums = shared_copier().copy_with_checksums(
@@ -36,7 +37,6 @@ def cold_blocks(service, client, pool, name: str, count: int = BLOCKS):
     )
     client.complete_store(f"{name}-writer", keys, checksums=[[s] for s in sums])
     client.finish_request(f"{name}-writer")
-    before = service.status().tiering.tiers["disk"].indexed_keys
     wait_until(
         lambda: service.status().tiering.tiers["disk"].indexed_keys >= before + count,
         what="the cascade to disk",
