@@ -81,6 +81,16 @@ def find_record(store: DiskStore, key: bytes) -> tuple[Path, int]:
     raise AssertionError(f"no record for {key!r}")
 
 
+def flip_payload_bit(store: DiskStore, key: bytes, at: int, mask: int) -> None:
+    """Flip the bits ``mask`` of byte ``at`` of ``key``'s stored payload, on disk."""
+    path, offset = find_record(store, key)
+    with open(path, "r+b") as f:
+        f.seek(offset + 4096 + at)
+        byte = f.read(1)
+        f.seek(offset + 4096 + at)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 @pytest.fixture
 def open_store(tmp_path: Path):
     """Factory: open a DiskStore under tmp_path/"store" (closed at teardown)."""
@@ -170,12 +180,7 @@ def test_flipped_payload_byte_is_corrupt_and_dropped(open_store) -> None:
     keys = [b"k%d" % i for i in range(3)]
     for key in keys:
         store.put(key, slot(payload_for(key)))
-    path, offset = find_record(store, keys[1])
-    with open(path, "r+b") as f:
-        f.seek(offset + 4096 + 1234)
-        byte = f.read(1)
-        f.seek(offset + 4096 + 1234)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_payload_bit(store, keys[1], 1234, 0x01)
 
     with pytest.raises(CorruptBlock):
         read(store, keys[1])
@@ -760,12 +765,7 @@ def test_get_many_drops_only_the_corrupt_record_of_a_run(open_store) -> None:
     keys = [b"c-%d" % i for i in range(4)]
     for key in keys:
         store.put(key, slot(payload_for(key)))
-    path, offset = find_record(store, keys[2])
-    with open(path, "r+b") as f:
-        f.seek(offset + 4096 + 99)
-        byte = f.read(1)
-        f.seek(offset + 4096 + 99)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_payload_bit(store, keys[2], 99, 0x10)
     dsts = [slot() for _ in keys]
 
     with capture_logs() as logs:
