@@ -17,9 +17,10 @@ Contracts:
 * Reads verify the header (crc, magic, version, fingerprint, key, length, generation) and the
   payload's xxh3_64 checksum, block by block; ``get_many`` reads records that lie one after
   another with one ``preadv`` (a thread's consecutive puts take consecutive records of one
-  slab file while they are free, see ``RecordIndex.reserve``). A bad copy raises ``CorruptBlock``, leaves the index and has its
-  header page cleared. Other read errors raise ``TransientIOError`` and keep the block, except
-  that ``MAX_READ_ERRORS`` consecutive EIO on one record count as corruption.
+  slab file while they are free, see ``RecordIndex.reserve``). A bad copy raises
+  ``CorruptBlock``, leaves the index and has its header page cleared. Other read errors raise
+  ``TransientIOError`` and keep the block, except that ``MAX_READ_ERRORS`` consecutive EIO on
+  one record count as corruption.
 * Capacity: record bytes never exceed ``capacity_bytes``. Recency (LRU) follows put, get and
   touch; after ``open()`` it follows write order. Records pinned by an in-progress get are
   never evicted or overwritten; a put that finds nothing to reuse raises ``StoreFull``.
