@@ -15,7 +15,8 @@ manager (the client channel, as an engine) with one request open per tenant id, 
 pool and the disk only (``kv_load_tiers``: a holder never asks S3 or its own peers for
 another node). It looks the keys up with a pin in one lookup (a fetch is most often a run of
 a prefix; keys past a MISS are then asked one by one, ``lookup_many``: one round trip), asks
-again for keys being promoted from the disk until ``wait_ms``,
+again for keys being promoted from the disk until ``wait_ms`` (each ask held at the manager
+until one of them lands),
 seals the pinned slots' bytes (the one pass over them), releases the pins (without waiting for
 the reply) and hands the sealed frames to the ROUTER thread. A requester's bulk socket not
 connected yet is waited for up to ``BULK_WAIT_S``. A client session that breaks (this worker
@@ -48,8 +49,6 @@ log = get_logger()
 
 BULK_WAIT_S = 1.0
 """How long an answer waits for its requester's bulk socket to connect."""
-PENDING_RETRY_S = 0.002
-"""How often keys being promoted from the disk for a fetch are asked again."""
 POLL_MS = 50
 BULK_RETRY_MS = 2
 QUEUED_PER_SERVED = 4
@@ -349,15 +348,16 @@ class FetchServer:
         self, client: KVOffloadClient, req: str, fetch: p.PeerFetch, pinned: dict[bytes, int]
     ) -> tuple[list[bytes], list[bytes]]:
         """Pin every key of ``fetch`` this node holds for its tenant into ``pinned`` (key ->
-        slot), asking again for keys being promoted until ``wait_ms``; returns (absent,
-        failed) keys."""
+        slot), asking again for keys being promoted until ``wait_ms`` (the manager holds each
+        such ask until one of them lands); returns (absent, failed) keys."""
         deadline = time.monotonic() + fetch.wait_ms / 1000
         pending = list(dict.fromkeys(fetch.keys))
         absent: list[bytes] = []
         whole = True  # a fetch is most often a run of a prefix: one lookup for all of it
+        wait_ms = 0
         while pending:
             if whole:
-                outcome = client.lookup(req, pending, pin=True)
+                outcome = client.lookup(req, pending, pin=True, wait_ms=wait_ms)
                 answered = list(zip(pending, outcome.results, outcome.slots, strict=False))
                 # keys past a MISS were not looked at: each is asked on its own next
                 whole = len(answered) == len(pending)
@@ -368,7 +368,7 @@ class FetchServer:
                     (k, o.results[0], o.slots[0]) if o.results else (k, LookupResult.MISS, -1)
                     for k, o in zip(pending, outcomes, strict=True)
                 ]
-                rest = []
+                whole, rest = True, []
             still: list[bytes] = []
             for key, result, slot in answered:
                 if result is LookupResult.HIT:
@@ -380,10 +380,9 @@ class FetchServer:
             pending = still + rest
             if rest:
                 continue
-            if pending and time.monotonic() + PENDING_RETRY_S > deadline:
+            wait_ms = int((deadline - time.monotonic()) * 1000)
+            if pending and wait_ms <= 0:
                 break
-            if pending:
-                time.sleep(PENDING_RETRY_S)
         return absent, pending
 
     def _checksum(self, slot: int, key: bytes) -> p.PeerChecksum:
