@@ -213,13 +213,22 @@ class KVOffloadClient:
         return rid
 
     def _send_unawaited(self, kind: type, fields: dict[str, Any]) -> None:
-        """Send a call without waiting for its reply; the reply is read by a later call (an
-        Error goes to ``deferred_errors``). The manager handles this client's calls in order,
-        so every later call sees its effect."""
-        self._unawaited[self._send_request(kind, fields)] = kind.__name__
+        """Send a call (a kind with ``errors_only``) without waiting for its reply, which comes
+        only when it failed: an Error, read by a later call, goes to ``deferred_errors``. The
+        manager handles this client's calls in order, so every later call sees its effect, and
+        any reply to a later call tells that it succeeded."""
+        self._unawaited[self._send_request(kind, {**fields, "errors_only": True})] = kind.__name__
 
     def _settle_unawaited(self, reply: Any) -> None:
-        name = self._unawaited.pop(reply.rid, None)
+        """Note ``reply``: the unawaited calls sent before it succeeded (the manager answers in
+        order and sends them no Ok); an Error to one of them goes to ``deferred_errors``."""
+        unawaited = self._unawaited
+        while unawaited:
+            first = next(iter(unawaited))
+            if first >= reply.rid:
+                break
+            del unawaited[first]
+        name = unawaited.pop(reply.rid, None)
         if name is not None and isinstance(reply, p.Error):
             self.deferred_errors.append(
                 KVOffloadError(reply.code, f"{name} (sent without waiting): {reply.message}")
@@ -239,9 +248,9 @@ class KVOffloadClient:
                     f"no reply to {kind.__name__} from {self.endpoint} in time"
                 )
             reply = p.decode_client_reply(self._sock.recv())
+            self._settle_unawaited(reply)
             if reply.rid != rid:
-                self._settle_unawaited(reply)  # or a late reply to a call that timed out
-                continue
+                continue  # an unawaited call's error, or a late reply to a call that timed out
             if isinstance(reply, p.Error):
                 raise KVOffloadError(reply.code, reply.message)
             if not isinstance(reply, reply_type):
@@ -271,10 +280,10 @@ class KVOffloadClient:
                     f"{self.endpoint} in time"
                 )
             reply = p.decode_client_reply(self._sock.recv())
+            self._settle_unawaited(reply)
             index = order.get(reply.rid)
             if index is None or replies[index] is not None:
-                self._settle_unawaited(reply)  # or a late reply to a call that timed out
-                continue
+                continue  # an unawaited call's error, or a late reply to a call that timed out
             replies[index] = reply
             missing -= 1
         for reply in replies:

@@ -91,16 +91,25 @@ class _JobLanding:
         self._slot_of = dict(zip(job.keys, job.slots, strict=True))
         self._keys = job.keys
         self._told: set[bytes] = set()
+        self._final_sent = False
 
     def landed(self, keys: list[bytes], checksums: list[list[int]] | None) -> None:
+        """Tell the client of ``keys``; the notice that tells the job's last key is also its
+        final one (nothing is left to fail), which saves the client a message."""
         if checksums is None:
             return  # a block its reader cannot verify is not told: the client asks the manager
         self._told.update(keys)
-        self._notifier.landed(self._target, keys, [self._slot_of[k] for k in keys], checksums)
+        self._final_sent = len(self._told) == len(self._slot_of)
+        self._notifier.landed(
+            self._target, keys, [self._slot_of[k] for k in keys], checksums, self._final_sent
+        )
 
     def over(self, outcome: BackendOutcome) -> None:
         """The backend's work is over: the keys neither landed nor told are failed; landed
-        keys not told (no checksums) are left to the client's next lookup."""
+        keys not told (no checksums) are left to the client's next lookup. Sends nothing when
+        the last landed notice was final."""
+        if self._final_sent:
+            return
         ok = set(outcome.ok_keys)
         self._notifier.over(
             self._target, [k for k in self._keys if k not in ok and k not in self._told]

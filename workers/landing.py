@@ -43,9 +43,14 @@ class LandingNotifier:
         keys: Sequence[bytes],
         slots: Sequence[int],
         checksums: Sequence[list[int]],
+        final: bool = False,
     ) -> None:
-        """Tell ``target`` that ``keys`` landed in ``slots`` with these digests."""
-        self._send(target, Landed(target.ticket, list(keys), list(slots), list(checksums)))
+        """Tell ``target`` that ``keys`` landed in ``slots`` with these digests; ``final``:
+        they were the job's last, none failed."""
+        self._send(
+            target,
+            Landed(target.ticket, list(keys), list(slots), list(checksums), final=final),
+        )
 
     def over(self, target: LandingTarget, failed: Sequence[bytes]) -> None:
         """Tell ``target`` that its job is over and which of its keys failed."""

@@ -144,6 +144,8 @@ class SlotCopier:
         self._cv = threading.Condition()
         self._queue: deque[_Call[object]] = deque()
         self._running = 0
+        self._waiting_callers = 0
+        self._idle_helpers = 0
         self._closed = False
         self._helpers = [
             threading.Thread(target=self._help, name=f"kvoffload-copy-{i}", daemon=True)
@@ -248,13 +250,18 @@ class SlotCopier:
                 if call.next < len(call.parts) and self._running < self.threads:
                     self._take_and_run(call)
                 else:
+                    self._waiting_callers += 1
                     cv.wait()
+                    self._waiting_callers -= 1
         if call.error is not None:
             raise call.error
         return [item for result in call.results for item in result]
 
     def _take_and_run(self, call: _Call[T]) -> None:
-        """Run ``call``'s next part; the caller holds the lock, released while it runs."""
+        """Run ``call``'s next part; the caller holds the lock, released while it runs. Wakes
+        the waiting threads only when one may go on: a caller waits for its parts or a free
+        thread, an idle helper for queued parts (a one-part call with nobody waiting wakes
+        nobody)."""
         index = call.next
         call.next += 1
         if call.next == len(call.parts) and call in self._queue:
@@ -274,7 +281,8 @@ class SlotCopier:
         call.left -= 1
         if error is not None and call.error is None:
             call.error = error
-        self._cv.notify_all()
+        if self._waiting_callers or (self._queue and self._idle_helpers):
+            self._cv.notify_all()
 
     def _help(self) -> None:
         if self._helper_cpus:
@@ -288,7 +296,9 @@ class SlotCopier:
         with cv:
             while True:
                 while not self._closed and not (self._queue and self._running < self.threads):
+                    self._idle_helpers += 1
                     cv.wait()
+                    self._idle_helpers -= 1
                 if self._closed:
                     return
                 self._take_and_run(self._queue[0])

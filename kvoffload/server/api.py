@@ -56,6 +56,11 @@ class Handlers:
 MAX_KEYS_PER_CALL = 65536
 
 
+def _errors_only(msg: p.ClientRequest) -> bool:
+    """The client asked for no Ok reply to ``msg`` (``CompleteStore.errors_only``)."""
+    return isinstance(msg, (p.CompleteStore, p.CompleteLoad)) and msg.errors_only
+
+
 class ClientApi:
     def __init__(self, state: ManagerState, handles: KVHandles, workers: WorkerChannel) -> None:
         self.state = state
@@ -121,7 +126,7 @@ class ClientApi:
         except Exception as exc:
             log.exception("client_request_crashed", kind=type(msg).__name__)
             reply = p.Error(msg.rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        if reply is not None:
+        if reply is not None and not (isinstance(reply, p.Ok) and _errors_only(msg)):
             state.reply(identity, reply)
         if state.metrics is not None:
             state.metrics.client_call(msg, time.perf_counter() - started)

@@ -40,7 +40,7 @@ from kvoffload.wire.vocab import LookupResult as LookupResult
 from kvoffload.wire.vocab import MissReason as MissReason
 from kvoffload.wire.vocab import must_wait as must_wait
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
@@ -199,7 +199,9 @@ class CompleteStore(_Msg, tag="complete_store"):
     for a block one writer wrote; one per tensor-parallel rank for a block written in slices
     of ``slice_bytes`` (``blockformat.slice_checksums``). With slot headers on, the manager
     then stamps the slots of the keys that landed, so they survive a manager restart (verified
-    like every adopted block)."""
+    like every adopted block). ``errors_only``: the manager answers only an Error, never Ok
+    (a client that does not wait for the reply: the manager answers a client's calls in
+    order, so any later reply tells that this call succeeded)."""
 
     rid: int
     req_id: str
@@ -208,6 +210,7 @@ class CompleteStore(_Msg, tag="complete_store"):
     successful_keys: list[bytes] | None = None
     checksums: list[list[int]] | None = None
     slice_bytes: int = 0
+    errors_only: bool = False
 
 
 class PrepareLoad(_Msg, tag="prepare_load"):
@@ -217,9 +220,12 @@ class PrepareLoad(_Msg, tag="prepare_load"):
 
 
 class CompleteLoad(_Msg, tag="complete_load"):
+    """Release pins (``errors_only`` as in ``CompleteStore``)."""
+
     rid: int
     req_id: str
     keys: list[bytes]
+    errors_only: bool = False
 
 
 class Touch(_Msg, tag="touch"):
@@ -588,7 +594,8 @@ class Landed(_Msg, tag="landed"):
     whose digests (as ``LookupReply.checksums`` gives them) are ``checksums``; the client may
     copy them at once and releases each with ``CompleteLoad``, as a pinned HIT. ``failed``:
     keys that will not land (a MISS for this request). ``final``: the job is over; every key
-    of it not told landed before has failed. A client that stops waiting for a ticket's keys
+    of it not told landed, before or in this notice, has failed (the notice that tells a job's
+    last key is final, with ``failed`` empty). A client that stops waiting for a ticket's keys
     sends ``CompleteLoad`` for them, which cancels their pins. The manager hears of the same
     keys from the job's progress: until then their slots stay being written, which nothing
     evicts or reuses, and then they are pinned for the client, so a slot told landed stays

@@ -15,6 +15,7 @@ from kvoffload.testing.helpers import keys_for, wait_until
 from kvoffload.testing.service import service_pool
 from kvoffload.tiering import LookupResult
 from kvoffload.wire import protocol as p
+from kvoffload.wire.vocab import ErrorCode
 
 HIT, HIT_PENDING = LookupResult.HIT, LookupResult.HIT_PENDING
 BLOCK = 65536
@@ -113,6 +114,33 @@ def test_completions_sent_without_waiting_take_effect_in_order_and_report_errors
         assert client.lookup("r", keys).results == [HIT, HIT]
         assert [e.code for e in client.deferred_errors] == ["not_pinned"]
         assert isinstance(client.deferred_errors[0], KVOffloadError)
+
+
+def test_a_completion_sent_errors_only_is_answered_only_when_it_fails(start_service):
+    service = start_service(block_bytes=BLOCK)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service.endpoint)
+    try:
+
+        def receive():
+            assert sock.poll(5000), "no reply"
+            return p.decode_client_reply(sock.recv())
+
+        sock.send(p.encode(p.Connect(rid=1, version=p.PROTOCOL_VERSION, client_name="raw")))
+        assert isinstance(receive(), p.Connected)
+        sock.send(p.encode(p.NewRequest(rid=2, req_id="r")))
+        assert isinstance(receive(), p.NewRequestReply)
+        sock.send(p.encode(p.CompleteLoad(rid=3, req_id="r", keys=[], errors_only=True)))
+        sock.send(p.encode(p.CompleteLoad(rid=4, req_id="r", keys=[b"k" * 16], errors_only=True)))
+        sock.send(p.encode(p.CompleteLoad(rid=5, req_id="r", keys=[])))
+        first, second = receive(), receive()
+        assert isinstance(first, p.Error) and first.rid == 4, first
+        assert first.code is ErrorCode.NOT_PINNED
+        assert isinstance(second, p.Ok) and second.rid == 5, second
+        assert not sock.poll(100), "an Ok was sent to a call that asked for errors only"
+    finally:
+        sock.close()
 
 
 def test_a_held_lookup_is_answered_when_its_client_sends_something_else(cold):

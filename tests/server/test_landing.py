@@ -81,6 +81,9 @@ def test_the_worker_tells_the_client_of_each_key_and_the_manager_pins_it(disk_se
         }
         assert set(told) == set(keys)
         assert not any(n.failed for n in notices)
+        # the notice of the last key is the final one: none follows it
+        assert notices[-1].final and notices[-1].keys, notices[-1]
+        assert not client.take_landed(200)
         for i, key in enumerate(keys):
             slot, digests = told[key]
             assert slot == outcome.landing_slots[i]
