@@ -121,7 +121,10 @@ def ratio_table(cells: list[Cell]) -> list[str]:
     the ratio to the reference, then (where measured) the ratio to the machine's limit."""
     by_size = {c.size: size_label(c) for c in sorted(cells, key=lambda c: c.size or 0)}
     table = {(c.metric, c.size): c for c in cells}
-    reference = next((c.reference for c in cells if c.reference), "the reference")
+    references = list(dict.fromkeys(c.reference for c in cells if c.reference))
+    reference = references[0] if len(references) == 1 else "each row's reference"
+    if not references:
+        reference = "the reference"
 
     def entry(cell: Cell | None) -> str:
         if cell is None:

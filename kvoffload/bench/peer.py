@@ -20,7 +20,11 @@ fit kvoffload's), and the rounds of the two sides alternate. Operations:
   copy of each landed block out of its pool slot, again for the rest; vs LMCache O_DIRECT
   ``batched_get_blocking`` per prefix;
 - cold one-block disk load (p50 of ``LATENCY_LOADS`` single-block loads, same paths), in
-  microseconds; its ratio is LMCache's time over kvoffload's.
+  microseconds; its ratio is LMCache's time over kvoffload's;
+- service to service: the engine-side host store and load and the cold one-block load again,
+  against LMCache's multiprocess server in its own process (``peer_lmcache_mp.py``: its
+  engine-driven transfers through shared memory, an L1 of host memory, an ``fs`` L2 with
+  O_DIRECT), round trips included on both sides.
 Each round also measures the machine's own limit for each cell's work (``kvoffload.bench.
 limits``, ``LIMITS``), on the same block size, bytes and disk directory, so every cell carries
 ``limit_value`` and ``ratio_to_limit`` beside ``reference_value`` and ``ratio_to_reference``.
@@ -90,6 +94,18 @@ OPS = (
         "disk_load_odirect",
         "LocalDiskBackend O_DIRECT",
     ),
+    (
+        "host store, engine-side copies, service to service",
+        "host_store_engine",
+        "mp_store",
+        "MP server",
+    ),
+    (
+        "host load, engine-side copies, service to service",
+        "host_load_engine",
+        "mp_load",
+        "MP server",
+    ),
 )
 # (operation, kvoffload figure, LMCache figure, LMCache backend), in microseconds
 LATENCY_OPS = (
@@ -98,6 +114,12 @@ LATENCY_OPS = (
         "cold_load_one_us",
         "disk_load_one_odirect_us",
         "LocalDiskBackend O_DIRECT",
+    ),
+    (
+        "cold one-block disk load p50, service to service",
+        "cold_load_one_us",
+        "mp_cold_load_one_us",
+        "MP server, fs L2 O_DIRECT",
     ),
 )
 WRITERS = 4
@@ -379,13 +401,22 @@ def library_put(block: int, n: int, rows: np.ndarray, directory: Path) -> float:
 def lmcache_round(
     python: str, sizes: list[int], mib: int, prefix: int, directory: Path
 ) -> dict[str, Any]:
-    script = Path(__file__).with_name("peer_lmcache.py")
-    argv = [python, str(script), "--sizes", ",".join(map(str, sizes)), "--mib", str(mib)]
-    argv += ["--prefix-blocks", str(prefix), "--dir", str(directory)]
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the LMCache side failed: {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """One round of the LMCache side: its backends in-process (``peer_lmcache.py``), then its
+    multiprocess server (``peer_lmcache_mp.py``); their figures merged per block size."""
+    merged: dict[str, Any] = {}
+    for name in ("peer_lmcache.py", "peer_lmcache_mp.py"):
+        script = Path(__file__).with_name(name)
+        argv = [python, str(script), "--sizes", ",".join(map(str, sizes)), "--mib", str(mib)]
+        argv += ["--prefix-blocks", str(prefix), "--dir", str(directory)]
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the LMCache side ({name}) failed: {done.stderr.strip()[-2000:]}")
+        for key, value in json.loads(done.stdout.strip().splitlines()[-1]).items():
+            if isinstance(value, dict):
+                merged.setdefault(key, {}).update(value)
+            else:
+                merged[key] = value
+    return merged
 
 
 def lmcache_missing(python: str) -> str | None:
