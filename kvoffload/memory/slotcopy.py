@@ -37,6 +37,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -68,9 +69,47 @@ at most ``MAX_COPY_THREADS``."""
 Pair = tuple[np.ndarray, np.ndarray]
 """``(dst, src)``: byte arrays of one dtype and size (contiguous, in a hashed copy)."""
 Block = Sequence[Pair]
-HashedPart = tuple[Sequence[Pair], Sequence[np.ndarray]]
-"""Pairs to copy, then regions to hash (``SlotCopier.copy_then_hash``)."""
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class IndexedCopy:
+    """``dst[dst_index] = src[src_index]`` over pages: 1-D arrays of one whole-page item each
+    (``page_items``), so numpy moves each page with one memcpy, outside the GIL, in one call
+    for the scattered pages of many blocks. An index is a slice or an array of item numbers,
+    the two of one length; with a slice on the source side the pages are copied once, with two
+    arrays they are gathered into a temporary first."""
+
+    dst: np.ndarray
+    dst_index: slice | np.ndarray
+    src: np.ndarray
+    src_index: slice | np.ndarray
+
+    def check(self) -> None:
+        """ValueError unless both sides hold pages of one size, as many on each side."""
+        if self.dst.dtype != self.src.dtype or self.dst.ndim != 1 or self.src.ndim != 1:
+            raise ValueError(f"pages of {self.src.dtype} copied into pages of {self.dst.dtype}")
+        count = _index_length(self.dst_index, len(self.dst))
+        if count != _index_length(self.src_index, len(self.src)):
+            raise ValueError(f"{_index_length(self.src_index, len(self.src))} pages into {count}")
+
+    def run(self) -> None:
+        self.dst[self.dst_index] = self.src[self.src_index]
+
+
+Segment = Pair | IndexedCopy
+HashedPart = tuple[Sequence[Segment], Sequence[np.ndarray]]
+"""Segments to copy, then regions to hash (``SlotCopier.copy_then_hash``)."""
+
+
+def page_items(rows: np.ndarray) -> np.ndarray:
+    """``rows`` (2-D bytes, each row contiguous: one page) as a 1-D array of one item per row,
+    for ``IndexedCopy``."""
+    return rows.view(np.dtype((np.void, rows.shape[1])))[:, 0]
+
+
+def _index_length(index: slice | np.ndarray, size: int) -> int:
+    return len(range(size)[index]) if isinstance(index, slice) else len(index)
 
 
 class Hashed(enum.Enum):
@@ -190,15 +229,21 @@ class SlotCopier:
         return self.run(parts, urgent)
 
     def copy_then_hash(self, parts: Sequence[HashedPart], urgent: bool = False) -> list[int]:
-        """For each part, copy its pairs (any layout: a 2-D view copies many blocks in one
-        call), then hash each of its regions (the slots its copies wrote or read, still in the
-        cache); the regions' digests, in order. Each part runs on one thread, the parts on
+        """For each part, copy its segments (pairs of any layout: a 2-D view copies many
+        blocks in one call; ``IndexedCopy``: scattered pages), then hash each of its regions
+        (the slots its copies wrote or read, still in the cache); the regions' digests, in
+        order. Each part runs on one thread, the parts on
         every thread at once: the caller sizes them (a few MiB keeps a part's regions cached
         between its copies and its hashes)."""
-        for pairs, _ in parts:
-            for dst, src in pairs:
-                _check_sizes(dst, src)
-        work = [functools.partial(_copy_then_hash, pairs, regions) for pairs, regions in parts]
+        for segments, _ in parts:
+            for segment in segments:
+                if isinstance(segment, IndexedCopy):
+                    segment.check()
+                else:
+                    _check_sizes(*segment)
+        work = [
+            functools.partial(_copy_then_hash, segments, regions) for segments, regions in parts
+        ]
         return self.run(work, urgent)
 
     def copy_with_checksums(self, pairs: Sequence[Pair]) -> list[int]:
@@ -393,8 +438,12 @@ def _copy_hash_blocks(blocks: Sequence[Block], source: bool) -> list[int]:
     return out
 
 
-def _copy_then_hash(pairs: Sequence[Pair], regions: Sequence[np.ndarray]) -> list[int]:
-    _copy_pairs(pairs)
+def _copy_then_hash(segments: Sequence[Segment], regions: Sequence[np.ndarray]) -> list[int]:
+    for segment in segments:
+        if isinstance(segment, IndexedCopy):
+            segment.run()
+        else:
+            _copy_pairs((segment,))
     return _hash_buffers(regions)
 
 

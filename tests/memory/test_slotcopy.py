@@ -5,7 +5,15 @@ import numpy as np
 import pytest
 
 from kvoffload.memory.blockformat import payload_checksum
-from kvoffload.memory.slotcopy import CHUNK_BYTES, PARALLEL_MIN_BYTES, Hashed, SlotCopier, _shares
+from kvoffload.memory.slotcopy import (
+    CHUNK_BYTES,
+    PARALLEL_MIN_BYTES,
+    Hashed,
+    IndexedCopy,
+    SlotCopier,
+    _shares,
+    page_items,
+)
 
 MIB = 1 << 20
 
@@ -107,6 +115,58 @@ def test_copy_then_hash_copies_each_part_then_hashes_its_regions():
         sums = copier.copy_then_hash(parts)
     assert np.array_equal(slots[:, 4096:8192], rows)
     assert sums == [payload_checksum(slots[i]) for i in range(6)]
+
+
+def test_indexed_copies_move_scattered_pages_and_hash_their_slots():
+    """Pages scattered on one side or both (an index array) land in their places, once the
+    part ran; its regions' digests are taken after the copies."""
+    rng = np.random.default_rng(9)
+    slots = rng.integers(0, 256, (8, 2 * 4096), dtype=np.uint8)
+    rows = rng.integers(0, 256, (8, 4096), dtype=np.uint8)
+    on_slots, on_rows = page_items(slots[:, 4096:]), page_items(rows)
+    scatter = IndexedCopy(on_slots, np.array([6, 1, 3]), on_rows, slice(0, 3))
+    gather = IndexedCopy(on_slots, slice(4, 6), on_rows, np.array([7, 3]))
+    both = IndexedCopy(on_slots, np.array([0, 7]), on_rows, np.array([5, 4]))
+    with SlotCopier(2) as copier:
+        sums = copier.copy_then_hash([([scatter, gather], [slots[6]]), ([both], [slots[0]])])
+    for slot, row in ((6, 0), (1, 1), (3, 2), (4, 7), (5, 3), (0, 5), (7, 4)):
+        assert np.array_equal(slots[slot, 4096:], rows[row]), (slot, row)
+    assert sums == [payload_checksum(slots[6]), payload_checksum(slots[0])]
+
+
+def test_an_indexed_copy_of_other_page_sizes_or_counts_is_refused():
+    slots = np.zeros((4, 8192), np.uint8)
+    rows = np.zeros((4, 4096), np.uint8)
+    with SlotCopier(1) as copier:
+        with pytest.raises(ValueError, match="pages of"):
+            copier.copy_then_hash(
+                [
+                    (
+                        [
+                            IndexedCopy(
+                                page_items(slots), np.array([0]), page_items(rows), slice(0, 1)
+                            )
+                        ],
+                        [],
+                    )
+                ]
+            )
+        with pytest.raises(ValueError, match="2 pages into 1"):
+            copier.copy_then_hash(
+                [
+                    (
+                        [
+                            IndexedCopy(
+                                page_items(slots[:, :4096]),
+                                np.array([0]),
+                                page_items(rows),
+                                slice(0, 2),
+                            )
+                        ],
+                        [],
+                    )
+                ]
+            )
 
 
 def test_copy_blocks_refuses_strided_segments():

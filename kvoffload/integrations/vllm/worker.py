@@ -53,8 +53,10 @@ from kvoffload.memory.prefault import Prefaulter
 from kvoffload.memory.slotcopy import (
     MAX_COPY_THREADS,
     HashedPart,
-    Pair,
+    IndexedCopy,
+    Segment,
     SlotCopier,
+    page_items,
     process_cpus,
 )
 from kvoffload.wire.protocol import FaultSpec
@@ -550,39 +552,69 @@ def copy_plan_cpu(
 ) -> tuple[list[int], list[HashedPart], int]:
     """The CPU copy of ``rows`` as ``SlotCopier.copy_then_hash`` parts of about
     ``PART_BYTES`` of slots each: per tensor, one copy for every run of keys whose slots and
-    blocks are both consecutive (a 2-D view of the pool against one of the tensor), then the
-    digest of each key's part of its slot (``layout.checked_bytes``: what this rank wrote or
-    reads). Returns (key indexes in first-use order, the parts, bytes copied)."""
+    blocks are both consecutive (a 2-D view of the pool against one of the tensor), or, when
+    only the source side of a part's keys is consecutive (a load into scattered vLLM blocks),
+    one ``IndexedCopy`` of their pages (a scatter: each page copied once, one numpy call for
+    all of them); then the digest of each key's part of its slot (``layout.checked_bytes``:
+    what this rank wrote or reads). Returns (key indexes in first-use order, the parts, bytes
+    copied)."""
     per_key: dict[int, list[CopyRow]] = {}
     for row in rows:
         per_key.setdefault(row.key_index, []).append(row)
     keys = list(per_key)
     region_bytes = max(1, layout.checked_bytes(host[0]).size)
     keys_per_part = max(1, PART_BYTES // region_bytes)
+    pool_pages: dict[tuple[int, int], np.ndarray] = {}
+    kv_pages: dict[int, np.ndarray] = {}
     parts: list[HashedPart] = []
     moved = 0
     for first in range(0, len(keys), keys_per_part):
         mine = keys[first : first + keys_per_part]
-        # (group, chunk block) -> [(slot, block id)] in key order, split into runs below
+        # (group, chunk block) -> [(slot, block id)] in key order
         places: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for key in mine:
             for row in per_key[key]:
                 places.setdefault((row.group, row.chunk_block), []).append(
                     (slots[key], row.block_id)
                 )
-        pairs: list[Pair] = []
+        segments: list[Segment] = []
         for (group, chunk_block), placed in places.items():
             base = layout.offset(chunk_block)
+            slot_ids = [slot for slot, _ in placed]
+            block_ids = [block for _, block in placed]
+            src_ids, dst_ids = (block_ids, slot_ids) if to_pool else (slot_ids, block_ids)
+            if _consecutive(src_ids) and not _consecutive(dst_ids):
+                src_sel = slice(src_ids[0], src_ids[0] + len(src_ids))
+                dst_sel = np.asarray(dst_ids, dtype=np.intp)
+                for tensor, page, offset in group_refs[group]:
+                    start = base + offset
+                    if (start, page) not in pool_pages:
+                        pool_pages[start, page] = page_items(host[:, start : start + page])
+                    if tensor not in kv_pages:
+                        kv_pages[tensor] = page_items(arrays[tensor][:, :page])
+                    on_pool, on_kv = pool_pages[start, page], kv_pages[tensor]
+                    segments.append(
+                        IndexedCopy(on_pool, dst_sel, on_kv, src_sel)
+                        if to_pool
+                        else IndexedCopy(on_kv, dst_sel, on_pool, src_sel)
+                    )
+                    moved += page * len(placed)
+                continue
             for slot0, block0, count in _runs(placed):
                 for tensor, page, offset in group_refs[group]:
                     start = base + offset
                     pool_side = host[slot0 : slot0 + count, start : start + page]
                     kv_side = arrays[tensor][block0 : block0 + count, :page]
-                    pairs.append((pool_side, kv_side) if to_pool else (kv_side, pool_side))
+                    segments.append((pool_side, kv_side) if to_pool else (kv_side, pool_side))
                     moved += page * count
         regions = [layout.checked_bytes(host[slots[key]]) for key in mine]
-        parts.append((pairs, regions))
+        parts.append((segments, regions))
     return keys, parts, moved
+
+
+def _consecutive(ids: list[int]) -> bool:
+    """Whether ``ids`` grow by one from each to the next."""
+    return all(i == ids[0] + n for n, i in enumerate(ids))
 
 
 def _runs(placed: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -213,6 +213,36 @@ def test_loads_are_verified_against_the_checksum_taken_at_store(pool):
     assert w.take_report().failed_loads == {"req": [b"b" * 16]}
 
 
+@pytest.mark.parametrize(
+    ("stored", "slots", "loaded"),
+    [
+        ([9, 3, 14, 6], [5, 1, 2, 7], [0, 12, 4, 11]),  # blocks and slots scattered
+        ([9, 3, 14, 6], [2, 3, 4, 5], [10, 11, 12, 13]),  # slots consecutive, stored blocks not
+        ([4, 5, 6, 7], [6, 0, 3, 1], [13, 2, 8, 15]),  # stored blocks consecutive, slots not
+    ],
+)
+def test_scattered_blocks_and_slots_copy_every_page_to_its_place(pool, stored, slots, loaded):
+    """Keys whose vLLM blocks or pool slots are not consecutive (a KV cache after churn) are
+    copied page by page to the right places, both ways, and verified against their digests."""
+    from kvoffload.memory.blockformat import slice_checksums
+
+    caches = kv_caches(seed=3)
+    w = worker(caches, 0)
+    keys = [b"%02d" % i * 8 for i in range(len(stored))]
+    w.submit_store(1, gpu(stored), blocks(pool, keys, slots))
+    for block, slot in zip(stored, slots, strict=True):
+        for layer, cache in enumerate(caches.tensors):
+            got = pool.slot_array(slot)[layer * PAGE : (layer + 1) * PAGE]
+            assert (torch.from_numpy(got.copy()).view(torch.int8) == cache.tensor[block]).all()
+    spec = blocks(pool, keys, slots)
+    spec.checksums = [slice_checksums(pool.slot_array(s), WORLD, LAYERS * PAGE) for s in slots]
+    w.submit_load(2, spec, gpu(loaded))
+    assert w.take_error_blocks() == set()
+    for source, target in zip(stored, loaded, strict=True):
+        for cache in caches.tensors:
+            assert (cache.tensor[target] == cache.tensor[source]).all()
+
+
 def test_large_transfers_split_between_copy_threads_keep_every_byte_and_checksum():
     from kvoffload.memory.blockformat import payload_checksum
 
