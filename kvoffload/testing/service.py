@@ -229,13 +229,18 @@ class ServiceHarness:
         self, ready_timeout_s: float = 60.0, wait_for: tuple[str, ...] | None = None
     ) -> ServiceHarness:
         """Start the service; return once the index of every worker (of ``wait_for``, when
-        given) is in."""
-        if self.launch == Launch.SERVE:
-            self._start_serve(ready_timeout_s)
-        else:
-            self._start_in_process()
-        self.wait_workers(wait_for or self.worker_names, timeout_s=ready_timeout_s)
-        self._note_children()
+        given) is in. A start that fails stops what it started (``stop``) before it raises:
+        no process, segment or runtime file of the run is left."""
+        try:
+            if self.launch == Launch.SERVE:
+                self._start_serve(ready_timeout_s)
+            else:
+                self._start_in_process()
+            self.wait_workers(wait_for or self.worker_names, timeout_s=ready_timeout_s)
+            self._note_children()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _start_in_process(self) -> None:

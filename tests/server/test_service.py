@@ -19,6 +19,7 @@ from kvoffload.memory.kvcache import SharedKVCache
 from kvoffload.runtime.rundir import cleanup_stale
 from kvoffload.testing.helpers import free_port, keys_for, random_kv_cache, wait_until
 from kvoffload.testing.metrics import sample_value, scrape_metrics
+from kvoffload.testing.service import ServiceHarness
 from kvoffload.tiering import LookupResult
 from kvoffload.wire import protocol as p
 
@@ -410,3 +411,11 @@ def test_an_engine_with_restart_is_started_again_after_it_fails_and_one_without_
     exits = [e for e in service.log_events() if e.get("event") == "child_exited"]
     assert {e["child"] for e in exits} == {"engine0", "engine1"}
     assert all(e["exit_code"] == 1 for e in exits)
+
+
+def test_a_service_that_never_gets_ready_is_stopped_and_leaves_nothing(tmp_path: Path):
+    harness = ServiceHarness(tmp_path, {"service": {"log_level": "warning"}}, watch=False)
+    with pytest.raises(TimeoutError, match="not ready"):
+        harness.start(ready_timeout_s=2.0, wait_for=("absent",))
+    left = harness.leftovers()
+    assert harness.run_id and left.clean, left
