@@ -22,7 +22,7 @@ fit kvoffload's), and the rounds of the two sides alternate. Operations:
 - cold one-block disk load (p50 of ``LATENCY_LOADS`` single-block loads, same paths), in
   microseconds; its ratio is LMCache's time over kvoffload's;
 - service to service: the engine-side host store and load and the cold one-block load again,
-  against LMCache's multiprocess server in its own process (``peer_lmcache_mp.py``: its
+  against LMCache's multiprocess server in its own process (``peer_lmcache.py --side server``: its
   engine-driven transfers through shared memory, an L1 of host memory, an ``fs`` L2 with
   O_DIRECT), round trips included on both sides.
 Each round also measures the machine's own limit for each cell's work (``kvoffload.bench.
@@ -401,16 +401,16 @@ def library_put(block: int, n: int, rows: np.ndarray, directory: Path) -> float:
 def lmcache_round(
     python: str, sizes: list[int], mib: int, prefix: int, directory: Path
 ) -> dict[str, Any]:
-    """One round of the LMCache side: its backends in-process (``peer_lmcache.py``), then its
-    multiprocess server (``peer_lmcache_mp.py``); their figures merged per block size."""
+    """One round of the LMCache side (``peer_lmcache.py``): its backends in-process, then its
+    multiprocess server; their figures merged per block size."""
+    script = Path(__file__).with_name("peer_lmcache.py")
     merged: dict[str, Any] = {}
-    for name in ("peer_lmcache.py", "peer_lmcache_mp.py"):
-        script = Path(__file__).with_name(name)
+    for side in ("backends", "server"):
         argv = [python, str(script), "--sizes", ",".join(map(str, sizes)), "--mib", str(mib)]
-        argv += ["--prefix-blocks", str(prefix), "--dir", str(directory)]
+        argv += ["--prefix-blocks", str(prefix), "--dir", str(directory), "--side", side]
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"the LMCache side ({name}) failed: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"the LMCache side ({side}) failed: {done.stderr.strip()[-2000:]}")
         for key, value in json.loads(done.stdout.strip().splitlines()[-1]).items():
             if isinstance(value, dict):
                 merged.setdefault(key, {}).update(value)
