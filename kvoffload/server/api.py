@@ -438,7 +438,8 @@ class ClientApi:
         wait (forgotten). Nothing changes when some key has none of them (NOT_PINNED)."""
         scoped = session.scoped(msg.req_id)
         waits = self.state.landings
-        pins = Counter(session.pinned)
+        held = session.pinned
+        pins = Counter({key: held[key] for key in set(msg.keys) if key in held})
         lost = session.landing_lost.get(scoped, set())
         lost_left = set(lost)
         opened: Counter[bytes] = Counter()
