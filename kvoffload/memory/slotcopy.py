@@ -89,9 +89,10 @@ class IndexedCopy:
         """ValueError unless both sides hold pages of one size, as many on each side."""
         if self.dst.dtype != self.src.dtype or self.dst.ndim != 1 or self.src.ndim != 1:
             raise ValueError(f"pages of {self.src.dtype} copied into pages of {self.dst.dtype}")
-        count = _index_length(self.dst_index, len(self.dst))
-        if count != _index_length(self.src_index, len(self.src)):
-            raise ValueError(f"{_index_length(self.src_index, len(self.src))} pages into {count}")
+        into = _index_length(self.dst_index, len(self.dst))
+        count = _index_length(self.src_index, len(self.src))
+        if count != into:
+            raise ValueError(f"{count} pages into {into}")
 
     def run(self) -> None:
         self.dst[self.dst_index] = self.src[self.src_index]
@@ -232,9 +233,9 @@ class SlotCopier:
         """For each part, copy its segments (pairs of any layout: a 2-D view copies many
         blocks in one call; ``IndexedCopy``: scattered pages), then hash each of its regions
         (the slots its copies wrote or read, still in the cache); the regions' digests, in
-        order. Each part runs on one thread, the parts on
-        every thread at once: the caller sizes them (a few MiB keeps a part's regions cached
-        between its copies and its hashes)."""
+        order. Each part runs on one thread, the parts on every thread at once: the caller
+        sizes them (a few MiB keeps a part's regions cached between its copies and its
+        hashes)."""
         for segments, _ in parts:
             for segment in segments:
                 if isinstance(segment, IndexedCopy):
