@@ -39,6 +39,8 @@ log = structlog.get_logger()
 FAULT_KINDS = ("kill_worker", "stop_worker", "kill_manager", "kill_client", "s3_outage")
 MIN_GAP_S = 1.0
 """Least time between the end of one fault's recovery and the next fault."""
+EXIT_GRACE_S = 5.0
+"""How long a worker the manager killed may take to leave before the injector calls it alive."""
 WINDOW_KINDS = frozenset({"kill_manager"})
 """Faults during which a client call may time out or a job may get no result."""
 
@@ -212,14 +214,26 @@ class Injector(threading.Thread):
             record.outcome = "skipped: worker not running"
             return
         bound = self.harness.cfg.service.heartbeat_timeout_s + 5.0
-        self.harness.wait_status(lambda s: s["workers"].get(name, {}).get("pid") != pid, bound)
-        if self._same_process(pid, created):
+        dropped = self.harness.wait_status(
+            lambda s: s["workers"].get(name, {}).get("pid") != pid, bound
+        )
+        if dropped is None or not self._exits(pid, created, EXIT_GRACE_S):
             self.harness.signal_child(pid, signal.SIGCONT)
             record.outcome = "resumed"
             self._await_workers(record, [name], set())
         else:
             record.outcome = "killed_by_manager"
             self._await_workers(record, [name], {pid})
+
+    def _exits(self, pid: int, created: float, timeout_s: float) -> bool:
+        """True once the process is gone within ``timeout_s``: a killed process that was in an
+        uninterruptible read, or is unmapping a large pool, outlives its SIGKILL for a while."""
+        deadline = time.monotonic() + timeout_s
+        while self._same_process(pid, created):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def _same_process(self, pid: int, created: float) -> bool:
         try:
