@@ -217,7 +217,7 @@ class Injector(threading.Thread):
         dropped = self.harness.wait_status(
             lambda s: s["workers"].get(name, {}).get("pid") != pid, bound
         )
-        if dropped is None or not self._exits(pid, created, EXIT_GRACE_S):
+        if not self._exits(pid, created, EXIT_GRACE_S if dropped is not None else 0.0):
             self.harness.signal_child(pid, signal.SIGCONT)
             record.outcome = "resumed"
             self._await_workers(record, [name], set())
