@@ -100,12 +100,23 @@ class ProbeConnector(KVOffloadConnector):
 
     # ---- worker side ----------------------------------------------------------------------
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        start = time.monotonic()
+        super().bind_connector_metadata(connector_metadata)
+        if self.connector_worker is not None:
+            _emit("bind", start)
+
     def start_load_kv(self, forward_context, **kwargs) -> None:
         start = time.monotonic()
         super().start_load_kv(forward_context, **kwargs)
         meta = self._connector_metadata
         assert isinstance(meta, OffloadingConnectorMetadata)
         _emit("transfers", start, loads=len(meta.load_jobs))
+
+    def wait_for_layer_load(self, layer_name):
+        start = time.monotonic()
+        super().wait_for_layer_load(layer_name)
+        _emit("layer_wait", start, layer=layer_name)
 
     def get_finished(self, finished_req_ids):
         start = time.monotonic()

@@ -286,7 +286,7 @@ class SlotCopier:
         with cv:
             if self._closed:
                 raise RuntimeError("the copier is closed")
-            if len(parts) > 1 and self._helpers:
+            if len(parts) > 1:
                 if urgent:
                     self._queue.appendleft(call)  # type: ignore[arg-type]
                 else:
@@ -303,16 +303,36 @@ class SlotCopier:
             raise call.error
         return [item for result in call.results for item in result]
 
-    def _take_and_run(self, call: _Call[T]) -> None:
+    def assist(self, done: Callable[[], bool]) -> None:
+        """Run the parts other threads' calls queued, on the calling thread, until ``done()``
+        holds; whoever makes it hold calls ``wake``. For a thread that would otherwise sleep
+        until those calls finish, on a core of its own: it runs parts beside the ``threads``
+        threads, over their limit."""
+        with self._cv:
+            while not done():
+                if self._queue:
+                    self._take_and_run(self._queue[0], counted=False)
+                else:
+                    self._waiting_callers += 1
+                    self._cv.wait()
+                    self._waiting_callers -= 1
+
+    def wake(self) -> None:
+        """Wake the threads in ``assist`` to check their condition again."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def _take_and_run(self, call: _Call[T], counted: bool = True) -> None:
         """Run ``call``'s next part; the caller holds the lock, released while it runs. Wakes
         the waiting threads only when one may go on: a caller waits for its parts or a free
         thread, an idle helper for queued parts (a one-part call with nobody waiting wakes
-        nobody)."""
+        nobody). ``counted``: the part counts against ``threads`` (an assisting thread's
+        does not)."""
         index = call.next
         call.next += 1
         if call.next == len(call.parts) and call in self._queue:
             self._queue.remove(call)  # type: ignore[arg-type]
-        self._running += 1
+        self._running += counted
         self._cv.release()
         try:
             result = call.parts[index]()
@@ -323,7 +343,7 @@ class SlotCopier:
             error = None
         finally:
             self._cv.acquire()
-        self._running -= 1
+        self._running -= counted
         call.left -= 1
         if error is not None and call.error is None:
             call.error = error
@@ -439,12 +459,17 @@ def _copy_hash_blocks(blocks: Sequence[Block], source: bool) -> list[int]:
     return out
 
 
-def _copy_then_hash(segments: Sequence[Segment], regions: Sequence[np.ndarray]) -> list[int]:
+def run_segments(segments: Sequence[Segment]) -> None:
+    """Copy each segment: a pair (any layout) or an ``IndexedCopy``."""
     for segment in segments:
         if isinstance(segment, IndexedCopy):
             segment.run()
         else:
             _copy_pairs((segment,))
+
+
+def _copy_then_hash(segments: Sequence[Segment], regions: Sequence[np.ndarray]) -> list[int]:
+    run_segments(segments)
     return _hash_buffers(regions)
 
 

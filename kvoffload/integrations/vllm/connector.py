@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -232,18 +233,40 @@ class KVOffloadConnector(OffloadingConnector):
             results.failed_recving |= worker.take_failed_requests(results.finished_recving)
         return results
 
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM's registration; then the worker learns which KV tensor each layer reads
+        (``layered``)."""
+        super().register_kv_caches(kv_caches)
+        worker = self._offload_worker()
+        if worker is not None:
+            worker.name_layers(kv_caches)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """vLLM's submission; then the synchronous loads of vLLM versions without them
         (``sync_loads``): reported done without a finished request, and waited for before the
-        forward this is called ahead of."""
-        super().start_load_kv(forward_context, **kwargs)
+        forward this is called ahead of, except those the worker copies layer by layer
+        (``layered``), whose layers the forward waits for one by one."""
         meta = self._connector_metadata
-        if isinstance(meta, SyncLoadMetadata) and meta.sync_job_ids:
-            assert self.connector_worker is not None and self.connector_worker.worker is not None
-            for job in meta.sync_job_ids:
-                # vLLM 0.33 marks its synchronous jobs so: done, but no request to resume
-                self.connector_worker._load_jobs[job] = None  # type: ignore[assignment]
-            self.connector_worker.worker.wait(meta.sync_job_ids)
+        sync_jobs = meta.sync_job_ids if isinstance(meta, SyncLoadMetadata) else set()
+        worker = self._offload_worker()
+        if worker is not None:
+            worker.stage_next_loads(sync_jobs)
+        super().start_load_kv(forward_context, **kwargs)
+        if not sync_jobs:
+            return
+        assert self.connector_worker is not None and self.connector_worker.worker is not None
+        for job in sync_jobs:
+            # vLLM 0.33 marks its synchronous jobs so: done, but no request to resume
+            self.connector_worker._load_jobs[job] = None  # type: ignore[assignment]
+        layered = worker.layered_job_ids() if worker is not None else set()
+        self.connector_worker.worker.wait(sync_jobs - layered)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before ``layer_name``'s attention: wait for its share of the layered loads in
+        flight."""
+        worker = self._offload_worker()
+        if worker is not None:
+            worker.wait_for_layer(layer_name)
 
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
         """vLLM's metadata as ``KVOffloadWorkerMetadata`` whenever there is any: vLLM sums the

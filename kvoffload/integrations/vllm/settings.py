@@ -11,6 +11,7 @@
 | ``verify_loads`` | true | check each loaded block against the checksum taken when written |
 | ``faults`` | none | kvoffload fault spec for the worker side (``fail_fraction`` of loads) |
 | ``fault_ranks`` | every rank | the tensor-parallel ranks whose workers apply ``faults`` |
+| ``layered_load_cpus`` | the process's CPUs its worker thread is not bound to | CPUs that copy synchronous loads layer by layer beside the forward (vLLM on CPU); ``[]``: no layered loads |
 | ``sync_load_budget_bytes`` | 256 MiB, 0 with several KV cache groups | KV bytes per step and worker of pool hits loaded in the step that schedules them (set by the connector, read by vLLM 0.33 or ``sync_loads``) |
 """
 
@@ -36,6 +37,7 @@ class ConnectorSettings:
     verify_loads: bool = True
     faults: FaultSpec | None = None
     fault_ranks: tuple[int, ...] | None = None
+    layered_load_cpus: frozenset[int] | None = None
 
     def faults_for(self, rank: int) -> FaultSpec | None:
         """The faults the worker of ``rank`` injects."""
@@ -86,4 +88,14 @@ class ConnectorSettings:
                     f"got {ranks!r}"
                 )
             out["fault_ranks"] = tuple(ranks)
+        cpus = extra.get("layered_load_cpus")
+        if cpus is not None:
+            if not isinstance(cpus, list) or not all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus
+            ):
+                raise ValueError(
+                    "kv_connector_extra_config['layered_load_cpus'] must be a list of CPU "
+                    f"numbers, got {cpus!r}"
+                )
+            out["layered_load_cpus"] = frozenset(cpus)
         return cls(**out)

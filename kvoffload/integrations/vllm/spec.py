@@ -172,7 +172,14 @@ class KVOffloadSpec(OffloadingSpec):
                 100 * layout.unused_fraction(),
             )
         faults = self.settings.faults_for(self.config.parallel.rank)
-        return KVOffloadWorker(kv_caches, layout, faults, self.settings.verify_loads)
+        cpus = self.settings.layered_load_cpus
+        return KVOffloadWorker(
+            kv_caches,
+            layout,
+            faults,
+            self.settings.verify_loads,
+            layered_load_cpus=None if cpus is None else set(cpus),
+        )
 
 
 def _secondary_source(tiers: list[str]) -> CacheHitSource:

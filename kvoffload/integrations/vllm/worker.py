@@ -10,8 +10,11 @@ from the CUDA-registered pool, on a stream of the worker's (expedited loads, whi
 waits for within the step, on a second one, so they do not queue behind stores). The checksums
 of stored slots and the checks of loaded ones run on the ``SlotCopier``'s threads: on CPU
 inside the submission, with the copy, on CUDA in the ``get_finished`` that finds the copy's
-event completed, so neither a submission nor ``wait`` blocks on them. It never talks to the manager: slot numbers arrive in the ``PoolBlocks`` the scheduler
-side built, and completions leave through ``get_finished``.
+event completed, so neither a submission nor ``wait`` blocks on them. A synchronous CPU load
+may instead be copied layer by layer beside the forward (``layered``: the connector names the
+jobs, ``wait_for_layer`` holds each layer until its tensor is copied, ``get_finished`` checks
+the digests). It never talks to the manager: slot numbers arrive in the ``PoolBlocks`` the
+scheduler side built, and completions leave through ``get_finished``.
 
 Every KV cache group of the model is served: a key's slot holds that group's blocks (see
 ``layout``), and a transfer's blocks are paired with its keys group by group.
@@ -31,7 +34,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,19 +49,25 @@ from vllm.v1.kv_offload.base import (
 
 from kvoffload.integrations.vllm import integration_logger
 from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks
+from kvoffload.integrations.vllm.layered import (
+    LayeredLoad,
+    LayerOrder,
+    layer_tensors,
+    layered_load,
+)
 from kvoffload.integrations.vllm.layout import BlockLayout, CopyRow, transfer_rows
+from kvoffload.integrations.vllm.segments import PageViews, tensor_segments
 from kvoffload.memory.cudacopy import Part, SlotRegion, StageBuffer, copy_slots
 from kvoffload.memory.pool import HostPool
 from kvoffload.memory.prefault import Prefaulter
 from kvoffload.memory.slotcopy import (
     MAX_COPY_THREADS,
     HashedPart,
-    IndexedCopy,
     Segment,
     SlotCopier,
-    page_items,
     process_cpus,
 )
+from kvoffload.memory.stagedcopy import StagedCopier, StagedCopy
 from kvoffload.wire.protocol import FaultSpec
 
 log = integration_logger(__name__)
@@ -105,6 +114,19 @@ class _Pending:
     stored: PoolBlocks | None = None
     check: _LoadCheck | None = None
     digests: dict[int, int] | None = None
+    layered: _Layered | None = None
+
+
+@dataclass
+class _Layered:
+    """A CPU load copied layer by layer in the background (``layered``): its plan, its copy
+    in flight, and what its check needs once the copy finished (``_LoadCheck`` without the
+    digests, which the copy takes)."""
+
+    load: LayeredLoad
+    copy: StagedCopy
+    check: _LoadCheck
+    start: float
 
 
 class KVOffloadWorker(OffloadingWorker):
@@ -114,10 +136,14 @@ class KVOffloadWorker(OffloadingWorker):
         layout: BlockLayout,
         faults: FaultSpec | None = None,
         verify_loads: bool = True,
+        layered_load_cpus: set[int] | None = None,
     ) -> None:
         """``faults.fail_fraction``: fraction of loaded keys to fail on purpose (tests and
         soaks of the recompute path). ``verify_loads``: check each loaded slot against the
-        checksum recorded when it was written; a mismatch fails that key's load."""
+        checksum recorded when it was written; a mismatch fails that key's load.
+        ``layered_load_cpus``: where layered loads copy (``layered``); None: the CPUs of the
+        process that the calling thread is not bound to (vLLM's reserved cores). None of them:
+        no layered loads."""
         groups = kv_caches.group_data_refs
         pages = tuple(tuple(r.page_size_bytes for r in refs) for refs in groups)
         if pages != layout.group_pages:
@@ -155,6 +181,12 @@ class KVOffloadWorker(OffloadingWorker):
         self._rng = random.Random(faults.seed)
         self._copier = worker_copier()
         self._prefault = self._start_prefault()
+        if layered_load_cpus is None:
+            layered_load_cpus = process_cpus() - os.sched_getaffinity(0)
+        self._layered_load_cpus = layered_load_cpus
+        self._layers: LayerOrder | None = None
+        self._staged: StagedCopier | None = None
+        self._stage_next: set[int] = set()
 
     def _start_prefault(self) -> Prefaulter | None:
         """CPU KV tensors are backed with pages in the background (``kvoffload.memory.
@@ -217,6 +249,9 @@ class KVOffloadWorker(OffloadingWorker):
         for stream in (self._stream, self._expedited):
             if stream is not None:
                 stream.synchronize()
+        for pending in self._pending:
+            if pending.layered is not None:
+                pending.layered.copy.wait_stage(len(pending.layered.load.stages))
 
     # ---- OffloadingWorker -----------------------------------------------------------------
 
@@ -278,6 +313,15 @@ class KVOffloadWorker(OffloadingWorker):
             pool, failed = None, set(range(len(keys)))
         good = [r for r in rows if r.key_index not in failed]
         check = None
+        if pool is not None and good and self._layered_ready(job_id):
+            self._submit_layered(job_id, src_spec, pool, good, start)
+            if failed:
+                self._fail_load(
+                    src_spec.req_id,
+                    [keys[i] for i in sorted(failed)],
+                    [r.block_id for r in rows if r.key_index in failed],
+                )
+            return True
         if pool is not None and good:
             moved, digests = self._copy(
                 pool, good, src_spec.slots, to_pool=False, expedited=expedited
@@ -297,6 +341,113 @@ class KVOffloadWorker(OffloadingWorker):
             )
         self._finish(job_id, moved, start, check=check, expedited=expedited)
         return True
+
+    # ---- layered loads --------------------------------------------------------------------
+
+    def name_layers(self, layers: Mapping[str, torch.Tensor]) -> None:
+        """vLLM's KV tensors by layer name (``register_kv_caches``): which of the offloaded
+        tensors each layer reads, for layered loads (CPU tensors and background CPUs only)."""
+        if self._device.type != "cpu" or not self._layered_load_cpus:
+            return
+        mapping = layer_tensors(
+            {name: _span(tensor) for name, tensor in layers.items()},
+            [_span(tensor) for tensor in self._tensors],
+        )
+        self._layers = LayerOrder(mapping) if mapping else None
+        log.info(
+            "kvoffload_layers_named layers=%d tensors=%d layered_load_cpus=%s",
+            len(mapping),
+            len(self._tensors),
+            sorted(self._layered_load_cpus),
+        )
+
+    def stage_next_loads(self, job_ids: set[int]) -> None:
+        """Load the jobs among ``job_ids`` layer by layer where the worker can
+        (``layered_job_ids`` tells which it did): their forward waits for each layer's copy
+        through ``wait_for_layer``, not for the whole copy. Replaces the previous set."""
+        self._stage_next = set(job_ids)
+
+    def layered_job_ids(self) -> set[int]:
+        """The loads in flight that copy layer by layer."""
+        return {p.result.job_id for p in self._pending if p.layered is not None}
+
+    def wait_for_layer(self, layer: str) -> None:
+        """Return once every layered load in flight copied the tensors ``layer`` reads (vLLM's
+        ``wait_for_layer_load``, called before the layer's attention); also learns the
+        forward's layer order."""
+        if self._layers is None:
+            return
+        self._layers.saw(layer)
+        tensors = self._layers.tensors_of(layer)
+        for pending in self._pending:
+            if pending.layered is not None:
+                stage = pending.layered.load.last_stage(tensors)
+                if stage >= 0:
+                    pending.layered.copy.wait_stage(stage)
+
+    def _layered_ready(self, job_id: int) -> bool:
+        if (
+            job_id not in self._stage_next
+            or self._stream is not None
+            or self._layers is None
+            or self._layers.order is None
+        ):
+            return False
+        if self._staged is None:
+            cpus = self._layered_load_cpus
+            self._staged = StagedCopier(max(1, min(MAX_COPY_THREADS, len(cpus))), cpus)
+        return True
+
+    def _submit_layered(
+        self, job_id: int, spec: PoolBlocks, pool: torch.Tensor, rows: list[CopyRow], start: float
+    ) -> None:
+        assert self._layers is not None and self._layers.order is not None
+        assert self._staged is not None
+        load = layered_load(
+            self._layout,
+            self._group_refs,
+            self._arrays,
+            pool.numpy(),
+            rows,
+            spec.slots,
+            self._layers.order,
+        )
+        blocks: dict[int, list[int]] = {}
+        for row in rows:
+            blocks.setdefault(row.key_index, []).append(row.block_id)
+        check = _LoadCheck(spec, set(blocks), blocks)
+        copy = self._staged.submit(load.plan())
+        log.debug(
+            "kvoffload_layered_load req_id=%s keys=%d stages=%d",
+            spec.req_id,
+            len(load.keys),
+            len(load.stages),
+        )
+        result = TransferResult(job_id, True, load.moved)
+        self._pending.append(_Pending(result, layered=_Layered(load, copy, check, start)))
+
+    def _finish_layered(self, pending: _Pending) -> None:
+        """Wait for a layered load's copy (its forward already waited for every layer), then
+        check it: every key fails when the copy raised."""
+        layered = pending.layered
+        assert layered is not None
+        check = layered.check
+        try:
+            digests = layered.copy.result()
+        except (OSError, ValueError, RuntimeError) as exc:
+            log.error("kvoffload_layered_load_failed req_id=%s error=%s", check.spec.req_id, exc)
+            bad = set(check.loaded)
+        else:
+            check.digests = dict(zip(layered.load.keys, digests, strict=True))
+            bad = self._check_load(check)
+        if bad:
+            self._fail_load(
+                check.spec.req_id,
+                [check.spec.keys[i] for i in sorted(bad)],
+                [block for i in sorted(bad) for block in check.blocks[i]],
+            )
+        pending.result.transfer_time = time.perf_counter() - layered.start
+        pending.layered = None
 
     def _check_load(self, check: _LoadCheck) -> set[int]:
         """Indexes of the loaded keys to fail once their copy is complete: all when the
@@ -330,6 +481,13 @@ class KVOffloadWorker(OffloadingWorker):
         )
 
     def get_finished(self) -> list[TransferResult]:
+        """The jobs whose copies completed since the last call (a layered load is waited for:
+        its step's forward is over). Called once per step: it also ends the step for the
+        learning of the layer order."""
+        if self._layers is not None and self._layers.order is None:
+            self._layers.step_ended()
+            if self._layers.order is not None:
+                log.info("kvoffload_layer_order_learned tensors=%s", list(self._layers.order))
         done: list[_Pending] = []
         waiting: list[_Pending] = []
         for pending in self._pending:
@@ -341,6 +499,8 @@ class KVOffloadWorker(OffloadingWorker):
 
     def _completed(self, pending: _Pending) -> None:
         """A job's copies are complete: checksum what it stored, check what it loaded."""
+        if pending.layered is not None:
+            self._finish_layered(pending)
         if pending.stored is not None:
             self._checksum(pending.stored, pending.digests)
             pending.stored = None
@@ -353,8 +513,12 @@ class KVOffloadWorker(OffloadingWorker):
         ``get_finished`` (vLLM reads the failed blocks after it, once the step's forward ran:
         the forward of a synchronous load does not wait for the checksums)."""
         for pending in self._pending:
-            if pending.event is not None and pending.result.job_id in job_ids:
+            if pending.result.job_id not in job_ids:
+                continue
+            if pending.event is not None:
                 pending.event.synchronize()
+            if pending.layered is not None:
+                pending.layered.copy.wait_stage(len(pending.layered.load.stages))
 
     def _stop_prefault(self) -> None:
         if self._prefault is not None:
@@ -368,6 +532,8 @@ class KVOffloadWorker(OffloadingWorker):
             pool.close()
         self._pools.clear()
         self._copier.close()
+        if self._staged is not None:
+            self._staged.close()
 
     # ---- failures -------------------------------------------------------------------------
 
@@ -564,8 +730,7 @@ def copy_plan_cpu(
     keys = list(per_key)
     region_bytes = max(1, layout.checked_bytes(host[0]).size)
     keys_per_part = max(1, PART_BYTES // region_bytes)
-    pool_pages: dict[tuple[int, int], np.ndarray] = {}
-    kv_pages: dict[int, np.ndarray] = {}
+    views = PageViews(arrays, host)
     parts: list[HashedPart] = []
     moved = 0
     for first in range(0, len(keys), keys_per_part):
@@ -580,55 +745,16 @@ def copy_plan_cpu(
         segments: list[Segment] = []
         for (group, chunk_block), placed in places.items():
             base = layout.offset(chunk_block)
-            slot_ids = [slot for slot, _ in placed]
-            block_ids = [block for _, block in placed]
-            src_ids, dst_ids = (block_ids, slot_ids) if to_pool else (slot_ids, block_ids)
-            if _consecutive(src_ids) and not _consecutive(dst_ids):
-                src_sel = slice(src_ids[0], src_ids[0] + len(src_ids))
-                dst_sel = np.asarray(dst_ids, dtype=np.intp)
-                for tensor, page, offset in group_refs[group]:
-                    start = base + offset
-                    if (start, page) not in pool_pages:
-                        pool_pages[start, page] = page_items(host[:, start : start + page])
-                    if tensor not in kv_pages:
-                        kv_pages[tensor] = page_items(arrays[tensor][:, :page])
-                    on_pool, on_kv = pool_pages[start, page], kv_pages[tensor]
-                    segments.append(
-                        IndexedCopy(on_pool, dst_sel, on_kv, src_sel)
-                        if to_pool
-                        else IndexedCopy(on_kv, dst_sel, on_pool, src_sel)
+            for tensor, page, offset in group_refs[group]:
+                segments.extend(
+                    tensor_segments(
+                        placed, tensor, page, base + offset, arrays, host, to_pool, views
                     )
-                    moved += page * len(placed)
-                continue
-            for slot0, block0, count in _runs(placed):
-                for tensor, page, offset in group_refs[group]:
-                    start = base + offset
-                    pool_side = host[slot0 : slot0 + count, start : start + page]
-                    kv_side = arrays[tensor][block0 : block0 + count, :page]
-                    segments.append((pool_side, kv_side) if to_pool else (kv_side, pool_side))
-                    moved += page * count
+                )
+                moved += page * len(placed)
         regions = [layout.checked_bytes(host[slots[key]]) for key in mine]
         parts.append((segments, regions))
     return keys, parts, moved
-
-
-def _consecutive(ids: list[int]) -> bool:
-    """Whether ``ids`` grow by one from each to the next."""
-    return all(i == ids[0] + n for n, i in enumerate(ids))
-
-
-def _runs(placed: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(first slot, first block, count) of each run of places whose slot and block both grow
-    by one from one place to the next."""
-    runs: list[tuple[int, int, int]] = []
-    for slot, block in placed:
-        if runs:
-            slot0, block0, count = runs[-1]
-            if slot == slot0 + count and block == block0 + count:
-                runs[-1] = (slot0, block0, count + 1)
-                continue
-        runs.append((slot, block, 1))
-    return runs
 
 
 def copy_plan(
@@ -659,6 +785,17 @@ def copy_plan(
         for tensor, page, offset in refs:
             parts.append(Part(tensors[tensor], blocks, fine, offset, page))
     return region, used_slots, parts
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """[first, end) of the addresses a tensor's elements occupy."""
+    start = tensor.data_ptr()
+    if tensor.numel() == 0:
+        return start, start
+    last = sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return start, start + (last + 1) * tensor.element_size()
 
 
 def _alive(pid: int) -> bool:

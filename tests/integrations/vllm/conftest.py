@@ -5,6 +5,7 @@ kvoffload as the reference, and the checks of identical output."""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -171,7 +172,8 @@ class Engines:
     vLLM's engine core in the engine's process (``engine_core_process=False``: a third of the
     start time; ``kvoffload serve``'s test runs it apart, as vLLM serves by default), logs at
     DEBUG, where the connector names each synchronous load, and is handed out once its link to
-    the service is up."""
+    the service is up. Such an engine binds no thread to a core, so it is given every CPU for
+    its layered loads (``layered_load_cpus``), as a deployment's reserved cores would be."""
 
     def __init__(
         self, work: Path, model: Path, service: ServiceHarness, tp: int, plain: PlainEngines
@@ -191,7 +193,12 @@ class Engines:
             # A call bound above the default 0.5 s keeps a loaded 2-core CI machine from
             # reading a slow answer as an outage; the outage tests stay bounded by it.
             config = kvoffload_transfer(
-                {"endpoint": self.service.endpoint, "call_timeout_s": 1.0, **connector}
+                {
+                    "endpoint": self.service.endpoint,
+                    "call_timeout_s": 1.0,
+                    "layered_load_cpus": sorted(os.sched_getaffinity(0)),
+                    **connector,
+                }
             )
             engine = self._started[name] = VllmEngineProcess(
                 model or self.model,

@@ -41,12 +41,17 @@ from tests.integrations.vllm.conftest import (  # noqa: E402
 
 HEADER_PAGE = 4096
 SYNC_LINE = "kvoffload_sync_load req_id="
+LAYERED_LINE = "kvoffload_layered_load req_id="
 
 pytestmark = pytest.mark.parametrize("case", ["llama", "gemma3"], indirect=True, scope="module")
 
 
 def sync_loads_logged(engine: VllmEngineProcess) -> int:
     return engine.log_path.read_text().count(SYNC_LINE)
+
+
+def layered_loads_logged(engine: VllmEngineProcess) -> int:
+    return engine.log_path.read_text().count(LAYERED_LINE)
 
 
 def sync_loads_of_a_pool_hit(case: ModelCase) -> int:
@@ -68,6 +73,7 @@ def test_same_prompt_after_reset_prefix_cache_is_served_by_kvoffload(
     assert first["cached"] == 0
     hits_before = primary_hits(service)
     syncs_before = sync_loads_logged(engine)
+    layered_before = layered_loads_logged(engine)
 
     assert engine.reset_prefix_cache()
     second = engine.generate([prompt])[0]
@@ -76,6 +82,10 @@ def test_same_prompt_after_reset_prefix_cache_is_served_by_kvoffload(
     assert primary_hits(service) - hits_before == case.keys
     same_output(second, reference(prompt, case.full_tokens))
     assert sync_loads_logged(engine) - syncs_before == sync_loads_of_a_pool_hit(case)
+    # the engine's model worker leaves a core to connectors (VLLM_CPU_NUM_OF_RESERVED_CPU):
+    # a synchronous load is copied there layer by layer, once the first forward was seen
+    assert "kvoffload_layer_order_learned" in engine.log_path.read_text()
+    assert layered_loads_logged(engine) - layered_before == sync_loads_of_a_pool_hit(case)
 
 
 def _with_pool_overwritten(service: ServiceHarness, run: Callable[[], dict]) -> dict:

@@ -91,6 +91,11 @@ def test_settings_are_checked_and_named():
         ConnectorSettings.from_extra_config({"faults": {"fail_fraction": "many"}})
     with pytest.raises(ValueError, match="sync_load_budget_bytes"):
         ConnectorSettings.from_extra_config({"sync_load_budget_bytes": "256M"})
+    assert ConnectorSettings.from_extra_config({}).layered_load_cpus is None
+    cpus = ConnectorSettings.from_extra_config({"layered_load_cpus": [3, 1]}).layered_load_cpus
+    assert cpus == {1, 3}
+    with pytest.raises(ValueError, match="layered_load_cpus"):
+        ConnectorSettings.from_extra_config({"layered_load_cpus": "1-3"})
 
 
 def test_endpoint_discovery_order(tmp_path: Path, monkeypatch, start_service):
