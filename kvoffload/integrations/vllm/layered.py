@@ -140,10 +140,20 @@ def layered_load(
 
 class _Planner:
     """Makes a layered load's stages one at a time, keeping each key's digest cursor: the
-    first byte of its checked span not fed yet."""
+    first byte of its checked span not fed yet. Everything is worked out on the copier's
+    thread, as its first stage is asked for."""
 
     def __init__(self, load: LayeredLoad) -> None:
         self.load = load
+        self.cursors: dict[int, int] = {}
+
+    def stages(self) -> Iterator[list[StagePart]]:
+        self._prepare()
+        for tensor in self.load.stages:
+            yield self._stage(tensor)
+
+    def _prepare(self) -> None:
+        load = self.load
         layout = load.layout
         self.first, self.end = checked_span(layout, load.host.shape[1])
         stage_of = {tensor: i for i, tensor in enumerate(load.stages)}
@@ -168,10 +178,6 @@ class _Planner:
         self.views = {key: memoryview(load.host[load.slots[key]]) for key in load.keys}
         self.cursors = dict.fromkeys(load.keys, self.first)
         self.bases = {row.chunk_block: layout.offset(row.chunk_block) for row in load.rows}
-
-    def stages(self) -> Iterator[list[StagePart]]:
-        for tensor in self.load.stages:
-            yield self._stage(tensor)
 
     def _stage(self, tensor: int) -> list[StagePart]:
         load = self.load

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -130,8 +131,7 @@ def check_fits(
         )
 
 
-@dataclass(frozen=True)
-class CopyRow:
+class CopyRow(NamedTuple):
     """One vLLM block <-> one place in a pool slot: ``key_index`` indexes the transfer's keys,
     ``group`` the offloaded group whose tensors the block belongs to."""
 
