@@ -440,12 +440,7 @@ class KVOffloadWorker(OffloadingWorker):
         else:
             check.digests = dict(zip(layered.load.keys, digests, strict=True))
             bad = self._check_load(check)
-        if bad:
-            self._fail_load(
-                check.spec.req_id,
-                [check.spec.keys[i] for i in sorted(bad)],
-                [block for i in sorted(bad) for block in check.blocks[i]],
-            )
+        self._fail_checked(check, bad)
         pending.result.transfer_time = time.perf_counter() - layered.start
         pending.layered = None
 
@@ -463,7 +458,10 @@ class KVOffloadWorker(OffloadingWorker):
 
     def _finish_check(self, check: _LoadCheck) -> None:
         """Run a CUDA load's check (its copy is complete) and fail the keys it finds."""
-        bad = self._check_load(check)
+        self._fail_checked(check, self._check_load(check))
+
+    def _fail_checked(self, check: _LoadCheck, bad: set[int]) -> None:
+        """Fail the keys ``bad`` (indexes) of a checked load, with their destination blocks."""
         if bad:
             self._fail_load(
                 check.spec.req_id,
