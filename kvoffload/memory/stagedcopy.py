@@ -101,10 +101,14 @@ class StagedCopy:
         running the copier's queued parts meanwhile."""
         self._copier.assist(lambda: self._stages_done > index or self._finished)
 
-    def result(self) -> list[int]:
-        """Wait until every stage ran and every digest was taken (running queued parts
-        meanwhile); the digests, by index. Raises the error that stopped the copy."""
+    def wait(self) -> None:
+        """Return once every stage ran and every digest was taken, or the copy stopped (running
+        queued parts meanwhile)."""
         self._copier.assist(lambda: self._finished)
+
+    def result(self) -> list[int]:
+        """``wait``, then the digests, by index. Raises the error that stopped the copy."""
+        self.wait()
         if self._error is not None:
             raise self._error
         return self._digests

@@ -14,7 +14,7 @@ loads start only once one step's forward called it for every layer that reads an
 tensor: a model whose attention never asks would read KV before its copy, so it keeps loads
 copied whole before the forward.
 
-``layered_load_plan`` cuts a load into those stages. Each key's digest is taken as its slot's
+``LayeredLoad.plan`` cuts a load into those stages. Each key's digest is taken as its slot's
 bytes go by: a key's pieces are copied in slot order when the stage order follows the slot
 layout (one vLLM block per key, the group's tensors in forward order), and hashed right after
 their copy; otherwise the slots are hashed once every stage ran. Either way the digests are
@@ -86,7 +86,7 @@ class LayeredLoad:
     """A load copied one tensor a stage: its copy rows, the slots of its keys, the tensors of
     its stages in order, and the KV tensors and pool they copy between (see
     ``layered_load``). ``keys``: the loaded key indexes (digest ``i`` is ``keys[i]``'s);
-    ``moved``: the bytes it copies. ``build`` makes the ``StagedPlan``."""
+    ``moved``: the bytes it copies. ``plan`` makes the ``StagedPlan``."""
 
     layout: BlockLayout
     group_refs: Sequence[Sequence[tuple[int, int, int]]]

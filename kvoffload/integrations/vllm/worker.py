@@ -251,7 +251,7 @@ class KVOffloadWorker(OffloadingWorker):
                 stream.synchronize()
         for pending in self._pending:
             if pending.layered is not None:
-                pending.layered.copy.wait_stage(len(pending.layered.load.stages))
+                pending.layered.copy.wait()
 
     # ---- OffloadingWorker -----------------------------------------------------------------
 
@@ -313,16 +313,11 @@ class KVOffloadWorker(OffloadingWorker):
             pool, failed = None, set(range(len(keys)))
         good = [r for r in rows if r.key_index not in failed]
         check = None
-        if pool is not None and good and self._layered_ready(job_id):
+        layered = pool is not None and bool(good) and self._layered_ready(job_id)
+        if layered:
+            assert pool is not None
             self._submit_layered(job_id, src_spec, pool, good, start)
-            if failed:
-                self._fail_load(
-                    src_spec.req_id,
-                    [keys[i] for i in sorted(failed)],
-                    [r.block_id for r in rows if r.key_index in failed],
-                )
-            return True
-        if pool is not None and good:
+        elif pool is not None and good:
             moved, digests = self._copy(
                 pool, good, src_spec.slots, to_pool=False, expedited=expedited
             )
@@ -339,7 +334,8 @@ class KVOffloadWorker(OffloadingWorker):
                 [keys[i] for i in sorted(failed)],
                 [r.block_id for r in rows if r.key_index in failed],
             )
-        self._finish(job_id, moved, start, check=check, expedited=expedited)
+        if not layered:
+            self._finish(job_id, moved, start, check=check, expedited=expedited)
         return True
 
     # ---- layered loads --------------------------------------------------------------------
@@ -516,7 +512,7 @@ class KVOffloadWorker(OffloadingWorker):
             if pending.event is not None:
                 pending.event.synchronize()
             if pending.layered is not None:
-                pending.layered.copy.wait_stage(len(pending.layered.load.stages))
+                pending.layered.copy.wait()
 
     def _stop_prefault(self) -> None:
         if self._prefault is not None:
