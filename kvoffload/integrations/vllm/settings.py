@@ -78,24 +78,25 @@ class ConnectorSettings:
                 out["faults"] = msgspec.convert(extra["faults"], FaultSpec)
             except msgspec.ValidationError as exc:
                 raise ValueError(f"kv_connector_extra_config['faults']: {exc}") from None
-        ranks = extra.get("fault_ranks")
+        ranks = _numbers(extra, "fault_ranks", "rank")
         if ranks is not None:
-            if not isinstance(ranks, list) or not all(
-                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks
-            ):
-                raise ValueError(
-                    "kv_connector_extra_config['fault_ranks'] must be a list of rank numbers, "
-                    f"got {ranks!r}"
-                )
             out["fault_ranks"] = tuple(ranks)
-        cpus = extra.get("layered_load_cpus")
+        cpus = _numbers(extra, "layered_load_cpus", "CPU")
         if cpus is not None:
-            if not isinstance(cpus, list) or not all(
-                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus
-            ):
-                raise ValueError(
-                    "kv_connector_extra_config['layered_load_cpus'] must be a list of CPU "
-                    f"numbers, got {cpus!r}"
-                )
             out["layered_load_cpus"] = frozenset(cpus)
         return cls(**out)
+
+
+def _numbers(extra: Mapping[str, Any], name: str, what: str) -> list[int] | None:
+    """``extra[name]`` checked to be a list of non-negative integers (``what`` numbers); None
+    when absent. ValueError naming the key otherwise."""
+    value = extra.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value
+    ):
+        raise ValueError(
+            f"kv_connector_extra_config[{name!r}] must be a list of {what} numbers, got {value!r}"
+        )
+    return value
