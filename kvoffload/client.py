@@ -10,10 +10,11 @@ A restarted manager answers ``not_connected``: ``reconnect`` starts a new sessio
 this client had set up (KV handles, open requests); with ``auto_reconnect`` that happens by
 itself and the call is sent once more.
 
-With ``landing`` (an ipc:// endpoint), the client also binds a PULL socket beside the
-manager's, where tier workers tell it of the keys its ``lookup(..., landing=True)`` calls are
-promoting as they land (``take_landed``): a cold load then waits for the disk, not for the
-manager to hear of the disk and answer (docs/design/cold-loads.md).
+With ``landing`` (an ipc:// endpoint), the client also creates a landing pipe beside the
+manager's socket file (``kvoffload.wire.landing_pipe``), where tier workers tell it of the
+keys its ``lookup(..., landing=True)`` calls are promoting as they land (``take_landed``): a
+cold load then waits for the disk, not for the manager to hear of the disk and answer
+(docs/design/cold-loads.md).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any, TypeVar, cast
 import zmq
 
 from kvoffload.wire import protocol as p
+from kvoffload.wire.landing_pipe import LandingPipe
 from kvoffload.wire.protocol import ErrorCode, LookupResult, MissReason, must_wait
 from kvoffload.wire.status import ManagerStatus
 from kvoffload.wire.tenant_ids import tenant_id
@@ -56,8 +58,6 @@ R = TypeVar("R")
 """The reply type a call expects."""
 
 LOST_JOB_ERROR = "lost: the manager restarted or dropped this client's session"
-MAX_IPC_PATH = 100
-"""The longest ipc:// socket path bound (the kernel's limit is 107 bytes)."""
 DEFERRED_ERRORS_KEPT = 64
 
 
@@ -125,7 +125,7 @@ class KVOffloadClient:
         self._unawaited: dict[int, str] = {}  # rid -> call name, sent with wait=False
         self.deferred_errors: deque[KVOffloadError] = deque(maxlen=DEFERRED_ERRORS_KEPT)
         """Errors answered to calls sent with ``wait=False``, newest last (the last 64)."""
-        self._landing: zmq.Socket[bytes] | None = None
+        self._landing: LandingPipe | None = None
         self.landing_endpoint = ""
         """Where tier workers send this client's ``Landed`` notices ("" for none)."""
         if landing:
@@ -149,32 +149,23 @@ class KVOffloadClient:
         return sock
 
     def _open_landing(self) -> None:
-        """Bind the landing socket beside an ipc:// endpoint's socket file (the run's
+        """Create the landing pipe beside an ipc:// endpoint's socket file (the run's
         directory, which only the service's user can enter)."""
         if not self.endpoint.startswith("ipc://"):
             return
         directory = os.path.dirname(self.endpoint.removeprefix("ipc://"))
-        path = os.path.join(directory, f"landing-{os.getpid()}-{secrets.token_hex(4)}.sock")
-        if len(path) > MAX_IPC_PATH:
-            return
-        sock = self._zctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        path = os.path.join(directory, f"landing-{os.getpid()}-{secrets.token_hex(4)}.fifo")
         try:
-            sock.bind(f"ipc://{path}")
-        except zmq.ZMQError:
-            sock.close(linger=0)
+            self._landing = LandingPipe(path)
+        except OSError:
             return
-        self._landing = sock
-        self.landing_endpoint = f"ipc://{path}"
+        self.landing_endpoint = self._landing.endpoint
 
     def _close_landing(self) -> None:
         if self._landing is None:
             return
-        self._landing.close(linger=0)
+        self._landing.close()
         self._landing = None
-        with contextlib.suppress(OSError):
-            os.unlink(self.landing_endpoint.removeprefix("ipc://"))
 
     def _connect_fields(self) -> dict[str, Any]:
         return {
@@ -453,19 +444,14 @@ class KVOffloadClient:
     def take_landed(self, timeout_ms: int = 0) -> list[p.Landed]:
         """The ``Landed`` notices received, waiting up to ``timeout_ms`` for the first (0: none
         waited for). Each notice arrives once; a frame that is not one is dropped."""
-        sock = self._landing
-        if sock is None:
+        pipe = self._landing
+        if pipe is None:
             return []
         out: list[p.Landed] = []
-        if timeout_ms > 0 and not sock.poll(timeout_ms):
-            return out
-        while True:
-            try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return out
+        for frame in pipe.frames(timeout_ms):
             with contextlib.suppress(p.ProtocolError):
                 out.append(p.decode_landing(frame))
+        return out
 
     def store(
         self, req_id: str, keys: list[bytes], device_blocks: list[int], handle_id: str

@@ -145,7 +145,7 @@ class _Worker:
         self._draining = False
         self._shutdown_deadline: float | None = None
         self._loop_stats = WorkerLoopStats()
-        self._notifier = LandingNotifier(self._ctx)
+        self._notifier = LandingNotifier()
         self._jobs = JobRunner(
             backend,
             pool.num_slots,

@@ -26,6 +26,7 @@ from kvoffload.server.state import CPU_WORKER, ManagerState, RequestError, Waiti
 from kvoffload.tiering import LookupResult, ReqContext
 from kvoffload.tiering.types import LandingTag, PrefixResult, TieringError
 from kvoffload.wire import protocol as p
+from kvoffload.wire.landing_pipe import pipe_path
 from kvoffload.wire.protocol import ErrorCode
 from kvoffload.wire.tenant_ids import TENANT_ID_CHARS, is_tenant_id
 
@@ -552,9 +553,9 @@ class ClientApi:
 
 
 def is_landing_endpoint(msg: p.Connect) -> bool:
-    """Only ipc:// endpoints take ``Landed`` notices: a client that maps the pool runs on this
-    machine, and the workers connect to nothing else."""
-    return msg.landing_endpoint.startswith("ipc://")
+    """Only landing pipes (``fifo://`` and an absolute path) take ``Landed`` notices: a client
+    that maps the pool runs on this machine, and the workers write to nothing else."""
+    return bool(pipe_path(msg.landing_endpoint))
 
 
 def check_tenant(tenant: str, required: bool = False) -> None:

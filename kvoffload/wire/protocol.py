@@ -1,12 +1,13 @@
-"""Every message of kvoffload's three ZeroMQ channels, as typed msgspec Structs on msgpack.
+"""Every message of kvoffload's channels, as typed msgspec Structs on msgpack.
 
 Client channel (engine DEALER <-> manager ROUTER): each request carries ``rid`` (the caller's
 call id) and gets exactly one reply with the same ``rid``: its typed reply or an ``Error``.
 Job channel (worker DEALER <-> manager ROUTER): hello/ack with the protocol version, jobs
 carrying keys and slot numbers (never block bytes), results, heartbeats, control.
-Landing channel (tier worker PUSH -> client PULL, ipc only): ``Landed`` notices of a
-promotion's keys, sent to the client that waits for them as they land, beside the job's
-progress to the manager (docs/design/cold-loads.md).
+Landing channel (tier worker -> client, through the client's named pipe, not ZeroMQ:
+``kvoffload.wire.landing_pipe``): ``Landed`` notices of a promotion's keys, sent to the client
+that waits for them as they land, beside the job's progress to the manager
+(docs/design/cold-loads.md).
 Peer channel (one node's peer worker DEALERs -> another's ROUTERs, tcp://): a ``PeerFetch`` of
 blocks on the fetch endpoint (CURVE), answered by ``PeerRefused`` there, or on the bulk endpoint
 by ``PeerBlocks`` and the blocks' bytes, one frame each, sealed with the fetch's AES-256-GCM key
@@ -117,8 +118,9 @@ class KVHandle(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Connect(_Msg, tag="connect"):
-    """``landing_endpoint``: the ipc:// endpoint of the client's PULL socket for ``Landed``
-    notices ("" for none: its lookups never get landing tickets)."""
+    """``landing_endpoint``: ``fifo://`` and the absolute path of the client's landing pipe
+    for ``Landed`` notices (``kvoffload.wire.landing_pipe``; "" for none: its lookups never
+    get landing tickets)."""
 
     rid: int
     version: int

@@ -67,7 +67,7 @@ def test_the_worker_tells_the_client_of_each_key_and_the_manager_pins_it(disk_se
         service.client("engine", timeout_s=20.0, landing=True) as client,
         service_pool(client) as pool,
     ):
-        assert client.landing_endpoint.startswith("ipc://")
+        assert client.landing_endpoint.startswith("fifo://")
         keys, rows = cold_blocks(service, client, pool, "told")
         client.new_request("reader")
         outcome = client.lookup("reader", keys, pin=True, landing=True)

@@ -13,7 +13,7 @@ drop every pin at the service, so the tables are cleared with them.
 
 Landings. With ``landing`` (loads are verified), the lookups ask the service to tell this
 engine of the keys they promote as they land: the tier's worker sends each to the scheduler's
-landing socket (``KVOffloadClient.take_landed``), and the key is pinned then, so no lookup is
+landing pipe (``KVOffloadClient.take_landed``), and the key is pinned then, so no lookup is
 sent for it again. The manager takes the notices before the step's first lookup of a waiting
 request (``take_landings``), and the connector waits for them while a step schedules nothing
 (``wait_for_landings``), instead of stepping idle. A key not told within ``LANDING_WAIT_S`` is

@@ -5,7 +5,7 @@ A request's keys are namespaced kvoffload keys. Every HIT the service answers is
 this engine in the same round trip (``pinned``: slot and the block's digests), so a later
 ``prepare_load`` only hands the slots over; a MISS stays a MISS for the request; HIT_PENDING
 and RETRY are asked again at a later step's end, but for keys whose landing the tier's worker
-will tell (``landing``: key -> ticket), which the manager takes from its landing socket
+will tell (``landing``: key -> ticket), which the manager takes from its landing pipe
 instead (``KVOffloadManager.take_landings``).
 """
 
