@@ -439,9 +439,11 @@ class ClientApi:
         wait (forgotten). Nothing changes when some key has none of them (NOT_PINNED)."""
         scoped = session.scoped(msg.req_id)
         waits = self.state.landings
+        lost = session.landing_lost.get(scoped, set())
+        if not lost and not waits.has_waits(identity):
+            return msg.keys  # nothing but pins to release
         held = session.pinned
         pins = Counter({key: held[key] for key in set(msg.keys) if key in held})
-        lost = session.landing_lost.get(scoped, set())
         lost_left = set(lost)
         opened: Counter[bytes] = Counter()
         unpin: list[bytes] = []

@@ -77,6 +77,10 @@ class Landings:
             self._forget(wait)
         return list(by_key.values())
 
+    def has_waits(self, identity: bytes) -> bool:
+        """Whether the client has any wait (open or released) not forgotten yet."""
+        return identity in self._by_client
+
     def open_count(self, identity: bytes, scoped: str, key: bytes) -> int:
         """The client's waits for ``key`` for its request ``scoped`` not released yet."""
         waits = self._by_client.get(identity, {}).get(key, ())

@@ -34,9 +34,10 @@ from kvoffload.wire.protocol import Landed, encode
 LANDING_SCHEME = "fifo://"
 FRAME_BYTES = select.PIPE_BUF
 """The largest frame, length included: what one ``write`` to a pipe keeps whole."""
-PIPE_BYTES = 1 << 20
-"""The pipe's capacity the client asks for (Linux's default limit for unprivileged users);
-the kernel's default (64 KiB) holds about 600 one-key notices."""
+PIPE_BYTES = 256 << 10
+"""The pipe's capacity the client asks for: about 2,400 one-key notices (the kernel's default,
+64 KiB, holds 600). Kept modest: a user's pipes share a budget (``pipe-user-pages-soft``,
+64 MiB by default) past which new pipes get only two pages."""
 PIPES_PER_WORKER = 64
 """Client pipes a worker keeps open; the least recently used is closed first."""
 
