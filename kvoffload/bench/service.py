@@ -240,7 +240,8 @@ def engine_load(
     """The engine-side load path, as the vLLM integration loads: a pinned lookup, a copy of
     every HIT slot verified against the checksum recorded when it was written (each block's
     xxh3 taken of the bytes just copied, ``Hashed.DESTINATION``, over the process's shared
-    copier threads), complete_load (without waiting for its reply unless ``wait``); keys not
+    copier threads), one complete_load of every key copied once the load is over, as vLLM
+    releases a request's load (without waiting for its reply unless ``wait``); keys not
     ready yet are looked up again (held by the manager up to ``wait_ms`` until some of them
     land, when ``wait_ms`` > 0). With ``wait_ms`` > 0 and a client with a landing endpoint,
     the lookup asks for ``landing``: the keys it promotes are copied as the tier's worker
@@ -249,42 +250,46 @@ def engine_load(
     position = {key: i for i, key in enumerate(keys)}
     remaining = list(keys)
     lookups = 0
+    pinned: list[bytes] = []
 
     def copy(hits: list[tuple[bytes, int, list[int]]]) -> set[bytes]:
+        copied = [key for key, _, _ in hits]
+        pinned.extend(copied)
         sums = shared_copier().copy_blocks(
             [[(out[position[key]], pool.slot_array(slot))] for key, slot, _ in hits],
             Hashed.DESTINATION,
         )
-        copied = [key for key, _, _ in hits]
-        if copied:
-            client.complete_load(req, copied, wait=wait)
         bad = [key for (key, _, digests), got in zip(hits, sums, strict=True) if digests != [got]]
         if bad:
             raise RuntimeError(f"{len(bad)} loaded blocks do not match their checksums")
         return set(copied)
 
-    while remaining:
-        outcome = client.lookup(req, remaining, pin=True, wait_ms=wait_ms, landing=wait_ms > 0)
-        lookups += 1
-        if LookupResult.MISS in outcome.results:
-            raise RuntimeError(f"cold load missed: {outcome}")
-        done = copy(
-            [
-                (key, slot, digests)
-                for key, slot, digests in zip(
-                    remaining, outcome.slots, outcome.checksums, strict=False
-                )
-                if slot >= 0
-            ]
-        )
-        if outcome.ticket:
-            expected = {
-                key
-                for key, slot in zip(remaining, outcome.landing_slots, strict=False)
-                if slot >= 0
-            }
-            done |= take_landings(client, req, outcome.ticket, expected, copy, wait_ms)
-        remaining = [key for key in remaining if key not in done]
+    try:
+        while remaining:
+            outcome = client.lookup(req, remaining, pin=True, wait_ms=wait_ms, landing=wait_ms > 0)
+            lookups += 1
+            if LookupResult.MISS in outcome.results:
+                raise RuntimeError(f"cold load missed: {outcome}")
+            done = copy(
+                [
+                    (key, slot, digests)
+                    for key, slot, digests in zip(
+                        remaining, outcome.slots, outcome.checksums, strict=False
+                    )
+                    if slot >= 0
+                ]
+            )
+            if outcome.ticket:
+                expected = {
+                    key
+                    for key, slot in zip(remaining, outcome.landing_slots, strict=False)
+                    if slot >= 0
+                }
+                done |= take_landings(client, req, outcome.ticket, expected, copy, wait_ms)
+            remaining = [key for key in remaining if key not in done]
+    finally:
+        if pinned:
+            client.complete_load(req, pinned, wait=wait)
     return lookups
 
 
