@@ -120,6 +120,9 @@ def test_a_frame_split_across_reads_is_kept_until_it_is_whole(pipe):
     try:
         os.write(fd, frame[:10])
         assert pipe.frames() == []
+        start = time.monotonic()
+        assert pipe.frames(timeout_ms=200) == []  # part of a frame: the rest is waited for
+        assert time.monotonic() - start >= 0.15
         os.write(fd, frame[10:])
         assert decoded(pipe.frames()) == [notice(3, 4)]
         os.write(fd, (FRAME_BYTES * 2).to_bytes(4, "little") + b"junk")  # no frame is that long

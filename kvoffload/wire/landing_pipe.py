@@ -110,8 +110,9 @@ class LandingPipe:
 
     def frames(self, timeout_ms: int = 0) -> list[bytes]:
         """The frames written since the last call, waiting up to ``timeout_ms`` for the first
-        (0: none waited for). A length that no frame can have drops what is buffered."""
-        if timeout_ms > 0 and not self._pending and not self._poll.poll(timeout_ms):
+        (0: none waited for). What is kept between calls is only ever part of a frame, whose
+        rest is waited for. A length that no frame can have drops what is buffered."""
+        if timeout_ms > 0 and not self._poll.poll(timeout_ms):
             return []
         while True:
             try:
