@@ -133,6 +133,17 @@ class _Call(Generic[T]):
         self.error: BaseException | None = None
 
 
+def bind_thread(cpus: set[int] | None, event: str) -> None:
+    """Bind the calling thread to ``cpus`` (nothing when None or empty); a refusal is logged as
+    ``event``, and the thread runs where it was."""
+    if not cpus:
+        return
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        log.warning(event, cpus=sorted(cpus), error=str(exc))
+
+
 def process_cpus() -> set[int]:
     """The CPUs a thread of this process may be moved to: its cpuset (cgroup v2, else v1),
     else the online CPUs. Wider than the calling thread's affinity when that thread was bound
@@ -351,13 +362,7 @@ class SlotCopier:
             self._cv.notify_all()
 
     def _help(self) -> None:
-        if self._helper_cpus:
-            try:
-                os.sched_setaffinity(0, self._helper_cpus)
-            except OSError as exc:
-                log.warning(
-                    "copy_thread_affinity_failed", cpus=sorted(self._helper_cpus), error=str(exc)
-                )
+        bind_thread(self._helper_cpus, "copy_thread_affinity_failed")
         cv = self._cv
         with cv:
             while True:

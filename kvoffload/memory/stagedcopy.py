@@ -28,7 +28,6 @@ waiters are woken, and ``result`` raises the error.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -37,7 +36,13 @@ from dataclasses import dataclass
 import xxhash
 
 from kvoffload.logs import get_logger
-from kvoffload.memory.slotcopy import IndexedCopy, Segment, SlotCopier, run_segments
+from kvoffload.memory.slotcopy import (
+    IndexedCopy,
+    Segment,
+    SlotCopier,
+    bind_thread,
+    run_segments,
+)
 
 log = get_logger()
 
@@ -165,11 +170,7 @@ class StagedCopier:
         self._copier.close()
 
     def _run(self) -> None:
-        if self._cpus:
-            try:
-                os.sched_setaffinity(0, self._cpus)
-            except OSError as exc:
-                log.warning("staged_copy_affinity_failed", cpus=sorted(self._cpus), error=str(exc))
+        bind_thread(self._cpus, "staged_copy_affinity_failed")
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
