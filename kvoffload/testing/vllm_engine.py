@@ -270,16 +270,21 @@ class VllmEngineProcess:
         except EngineFailed:
             self.stop()
             raise
+        self._note_shm()
         self.start_s = time.monotonic() - started
 
     def _read(self, timeout_s: float) -> dict[str, Any]:
+        """The engine's next reply. The shared-memory segments of the engine's processes are
+        noted after each second without a reply, not before: reading their ``/proc/<pid>/maps``
+        takes a few ms of CPU, which a request just sent would share with the engine."""
         deadline = time.monotonic() + timeout_s
         ready: list[Any] = []
         while not ready and time.monotonic() < deadline:
-            self._note_shm()
             ready, _, _ = select.select(
                 [self._replies], [], [], min(1.0, max(0.0, deadline - time.monotonic()))
             )
+            if not ready:
+                self._note_shm()
         line = self._replies.readline() if ready else ""
         if not line:
             text = self.log_path.read_text(errors="replace")
