@@ -177,7 +177,9 @@ class _Planner:
         self.digest_of = {key: i for i, key in enumerate(load.keys)}
         self.views = {key: memoryview(load.host[load.slots[key]]) for key in load.keys}
         self.cursors = dict.fromkeys(load.keys, self.first)
-        self.bases = {row.chunk_block: layout.offset(row.chunk_block) for row in load.rows}
+        self.bases = {
+            block: layout.offset(block) for block in {row.chunk_block for row in load.rows}
+        }
 
     def _stage(self, tensor: int) -> list[StagePart]:
         load = self.load
