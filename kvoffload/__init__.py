@@ -5,7 +5,7 @@ is internal and may change between releases. Each name loads its module on first
 ``import kvoffload`` is cheap and imports nothing else.
 
 - the client: ``KVOffloadClient``, its errors (``KVOffloadError`` with an ``ErrorCode``,
-  ``ServiceUnavailable``), what its calls return (``LookupOutcome``, ``LookupResult``,
+  ``ServiceUnavailable``), what its calls return (``LookupOutcome``, ``PendingCall``, ``LookupResult``,
   ``MissReason``, ``JobAccepted``, ``DeviceJobFinished``, ``Slots``, ``TenantDropped``,
   ``ManagerStatus``) and the KV handles it registers (``KVHandle``, ``SharedKVCache``,
   ``cuda_kv_handle``);
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         KVOffloadClient,
         KVOffloadError,
         LookupOutcome,
+        PendingCall,
         ServiceUnavailable,
     )
     from kvoffload.memory.blockformat import payload_checksum
@@ -56,6 +57,7 @@ _HOMES = {
     "KVOffloadError": "kvoffload.client",
     "ServiceUnavailable": "kvoffload.client",
     "LookupOutcome": "kvoffload.client",
+    "PendingCall": "kvoffload.client",
     "SharedKVCache": "kvoffload.memory.kvcache",
     "cuda_kv_handle": "kvoffload.memory.kvcache",
     "HostPool": "kvoffload.memory.pool",
@@ -89,6 +91,7 @@ __all__ = [
     "ManagerStatus",
     "MissReason",
     "NoServiceFound",
+    "PendingCall",
     "ServiceUnavailable",
     "SharedKVCache",
     "Slots",

@@ -25,8 +25,8 @@ import os
 import secrets
 import time
 from collections import deque
-from collections.abc import Iterable
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar, cast
 
 import zmq
 
@@ -56,6 +56,7 @@ class ServiceUnavailable(KVOffloadError, TimeoutError):
 
 R = TypeVar("R")
 """The reply type a call expects."""
+T = TypeVar("T")
 
 LOST_JOB_ERROR = "lost: the manager restarted or dropped this client's session"
 DEFERRED_ERRORS_KEPT = 64
@@ -92,6 +93,71 @@ class LookupOutcome:
         return f"LookupOutcome(hit_prefix={self.hit_prefix}, ready_prefix={self.ready_prefix}, results={[r.name for r in self.results]})"
 
 
+def _same(reply: T) -> T:
+    return reply
+
+
+def _checked(kind: type, reply_type: type[R], reply: Any) -> R:
+    """``reply`` if it is a ``reply_type``; KVOffloadError for an Error or another type."""
+    if isinstance(reply, p.Error):
+        raise KVOffloadError(reply.code, reply.message)
+    if not isinstance(reply, reply_type):
+        raise KVOffloadError(
+            ErrorCode.BAD_MESSAGE,
+            f"{kind.__name__} was answered by a {type(reply).__name__}, not a {reply_type.__name__}",
+        )
+    return reply
+
+
+class PendingCall(Generic[T]):
+    """A call a ``begin_*`` method sent, whose reply ``result`` reads: the caller works while
+    the manager answers. The manager handles the client's calls in the order they were sent,
+    so the calls made before ``result`` are answered as usual, and the begun call sees the
+    effect of every call sent before it. ``result`` raises as the blocking call would
+    (``ServiceUnavailable`` once ``timeout_s`` has passed since it was sent); it is for the
+    thread that owns the client, like every call."""
+
+    __slots__ = (
+        "_client",
+        "_convert",
+        "_outcome",
+        "deadline",
+        "fields",
+        "kind",
+        "reply_type",
+        "rid",
+    )
+
+    def __init__(
+        self,
+        client: KVOffloadClient,
+        rid: int,
+        kind: type,
+        reply_type: type,
+        fields: dict[str, Any],
+        convert: Callable[[Any], T],
+    ) -> None:
+        self._client = client
+        self.rid = rid
+        self.kind = kind
+        self.reply_type = reply_type
+        self.fields = fields
+        self.deadline = time.monotonic() + client.timeout_s
+        self._convert = convert
+        self._outcome: T | KVOffloadError | None = None
+
+    def result(self) -> T:
+        """The reply, read on the first call (later calls return it, or raise its error)."""
+        if self._outcome is None:
+            try:
+                self._outcome = self._convert(self._client._finish(self))
+            except KVOffloadError as exc:
+                self._outcome = exc
+        if isinstance(self._outcome, KVOffloadError):
+            raise self._outcome
+        return self._outcome
+
+
 class KVOffloadClient:
     def __init__(
         self,
@@ -123,6 +189,9 @@ class KVOffloadClient:
             int, tuple[str, p.JobKind]
         ] = {}  # accepted device jobs: id -> (req_id, kind)
         self._unawaited: dict[int, str] = {}  # rid -> call name, sent with wait=False
+        self._begun: dict[int, Any] = {}
+        """Calls sent by ``begin_*`` whose reply was not taken: rid -> the reply, None until it
+        arrives."""
         self.deferred_errors: deque[KVOffloadError] = deque(maxlen=DEFERRED_ERRORS_KEPT)
         """Errors answered to calls sent with ``wait=False``, newest last (the last 64)."""
         self._landing: LandingPipe | None = None
@@ -232,25 +301,29 @@ class KVOffloadClient:
         another type than ``reply_type``, ServiceUnavailable when none comes in time."""
         rid = self._send_request(kind, fields)
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not self._sock.poll(remaining_ms):
-                raise ServiceUnavailable(
-                    f"no reply to {kind.__name__} from {self.endpoint} in time"
-                )
-            reply = p.decode_client_reply(self._sock.recv())
-            self._settle_unawaited(reply)
-            if reply.rid != rid:
-                continue  # an unawaited call's error, or a late reply to a call that timed out
-            if isinstance(reply, p.Error):
-                raise KVOffloadError(reply.code, reply.message)
-            if not isinstance(reply, reply_type):
-                raise KVOffloadError(
-                    ErrorCode.BAD_MESSAGE,
-                    f"{kind.__name__} was answered by a {type(reply).__name__}, "
-                    f"not a {reply_type.__name__}",
-                )
-            return reply
+        return self._reply_to(rid, kind, reply_type, deadline)
+
+    def _reply_to(self, rid: int, kind: type, reply_type: type[R], deadline: float) -> R:
+        """The reply to call ``rid``: one a begun call kept, or read now; replies to other
+        begun calls read meanwhile are kept for them."""
+        reply = self._begun.pop(rid, None)
+        while reply is None:
+            got = self._read_reply(kind, 1, deadline)
+            if got.rid == rid:
+                reply = got
+            elif got.rid in self._begun:
+                self._begun[got.rid] = got
+        return _checked(kind, reply_type, reply)
+
+    def _read_reply(self, kind: type, count: int, deadline: float) -> Any:
+        """The next reply, its unawaited calls settled; ServiceUnavailable at ``deadline``."""
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        if remaining_ms <= 0 or not self._sock.poll(remaining_ms):
+            calls = f"{kind.__name__} call" if count == 1 else f"{count} {kind.__name__} calls"
+            raise ServiceUnavailable(f"no reply to {calls} from {self.endpoint} in time")
+        reply = p.decode_client_reply(self._sock.recv())
+        self._settle_unawaited(reply)
+        return reply
 
     def _exchange_many(
         self, kind: type, reply_type: type[R], calls: list[dict[str, Any]]
@@ -264,14 +337,10 @@ class KVOffloadClient:
         deadline = time.monotonic() + self.timeout_s
         missing = len(rids)
         while missing:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not self._sock.poll(remaining_ms):
-                raise ServiceUnavailable(
-                    f"no reply to {missing} of {len(rids)} {kind.__name__} calls from "
-                    f"{self.endpoint} in time"
-                )
-            reply = p.decode_client_reply(self._sock.recv())
-            self._settle_unawaited(reply)
+            reply = self._read_reply(kind, missing, deadline)
+            if reply.rid in self._begun:
+                self._begun[reply.rid] = reply
+                continue
             index = order.get(reply.rid)
             if index is None or replies[index] is not None:
                 continue  # an unawaited call's error, or a late reply to a call that timed out
@@ -286,6 +355,31 @@ class KVOffloadClient:
                 )
         return cast(list[R | p.Error], replies)
 
+    def _begin(
+        self, kind: type, reply_type: type, fields: dict[str, Any], convert: Callable[[Any], T]
+    ) -> PendingCall[T]:
+        rid = self._send_request(kind, fields)
+        self._begun[rid] = None
+        return PendingCall(self, rid, kind, reply_type, fields, convert)
+
+    def _finish(self, call: PendingCall[Any]) -> Any:
+        """The reply to a begun call (``PendingCall.result``), reconnecting as ``_call`` does."""
+        this_session = call.rid in self._begun
+        if this_session:
+            try:
+                return self._reply_to(call.rid, call.kind, call.reply_type, call.deadline)
+            except KVOffloadError as exc:
+                error = exc
+        else:
+            error = KVOffloadError(
+                ErrorCode.NOT_CONNECTED, f"the session {call.kind.__name__} was sent in ended"
+            )
+        if not (self.auto_reconnect and error.code is ErrorCode.NOT_CONNECTED):
+            raise error
+        if this_session:
+            self.reconnect()
+        return self._exchange(call.kind, call.reply_type, None, call.fields)
+
     def reconnect(self, timeout_s: float | None = None) -> None:
         """Start a new session, for a manager that restarted (calls answered
         ``not_connected``) or was unreachable (``ServiceUnavailable``): a fresh socket (requests
@@ -298,6 +392,7 @@ class KVOffloadClient:
         ``timeout_s`` (default: the client's ``timeout_s``)."""
         old, self._sock = self._sock, self._open_socket()
         self._unawaited.clear()
+        self._begun.clear()
         with contextlib.suppress(zmq.ZMQError):
             old.send(p.encode(p.Disconnect(rid=next(self._rids))), zmq.NOBLOCK)
         old.close(linger=200)
@@ -389,18 +484,30 @@ class KVOffloadClient:
         in ``landing_slots``, and ``take_landed`` tells each as it lands (``ticket``), pinned
         for this client as a HIT: copy it, verify it against the notice's checksums, release it
         with ``complete_load``. A key given up on is released with ``complete_load`` too."""
-        return LookupOutcome(
-            self._call(
-                p.Lookup,
-                p.LookupReply,
-                timeout_s=wait_ms / 1000 + self.timeout_s,
-                req_id=req_id,
-                keys=keys,
-                pin=pin,
-                wait_ms=wait_ms,
-                landing=landing and pin and bool(self.landing_endpoint),
-            )
-        )
+        fields = self._lookup_fields(req_id, keys, pin, wait_ms, landing)
+        timeout_s = wait_ms / 1000 + self.timeout_s
+        return LookupOutcome(self._call(p.Lookup, p.LookupReply, timeout_s=timeout_s, **fields))
+
+    def begin_lookup(
+        self, req_id: str, keys: list[bytes], pin: bool = False, landing: bool = False
+    ) -> PendingCall[LookupOutcome]:
+        """``lookup`` (without a wait) sent now; ``result()`` of what it returns reads its
+        outcome. An engine looks the next request up this way while it copies the blocks of
+        the one before. The pins it takes are this client's once the manager has handled it,
+        whether ``result`` is called or not: release them with ``complete_load``."""
+        fields = self._lookup_fields(req_id, keys, pin, 0, landing)
+        return self._begin(p.Lookup, p.LookupReply, fields, LookupOutcome)
+
+    def _lookup_fields(
+        self, req_id: str, keys: list[bytes], pin: bool, wait_ms: int, landing: bool
+    ) -> dict[str, Any]:
+        return {
+            "req_id": req_id,
+            "keys": keys,
+            "pin": pin,
+            "wait_ms": wait_ms,
+            "landing": landing and pin and bool(self.landing_endpoint),
+        }
 
     def lookup_many(
         self, req_id: str, batches: list[list[bytes]], pin: bool = False, landing: bool = False
@@ -410,16 +517,7 @@ class KVOffloadClient:
         its own first MISS), as if looked up one after the other. Raises for the first batch
         answered with an error, once every reply is in, having released the pins the other
         batches took."""
-        fields = [
-            {
-                "req_id": req_id,
-                "keys": keys,
-                "pin": pin,
-                "wait_ms": 0,
-                "landing": landing and pin and bool(self.landing_endpoint),
-            }
-            for keys in batches
-        ]
+        fields = [self._lookup_fields(req_id, keys, pin, 0, landing) for keys in batches]
         replies = self._exchange_many(p.Lookup, p.LookupReply, fields)
         errors = [reply for reply in replies if isinstance(reply, p.Error)]
         if errors and self.auto_reconnect and errors[0].code is ErrorCode.NOT_CONNECTED:
@@ -488,6 +586,13 @@ class KVOffloadClient:
 
     def prepare_store(self, req_id: str, keys: list[bytes]) -> p.Slots:
         return self._call(p.PrepareStore, p.Slots, req_id=req_id, keys=keys)
+
+    def begin_prepare_store(self, req_id: str, keys: list[bytes]) -> PendingCall[p.Slots]:
+        """``prepare_store`` sent now; ``result()`` of what it returns reads its slots. The
+        slots it reserves are this client's once the manager has handled it, whether
+        ``result`` is called or not: end them with ``complete_store``."""
+        fields = {"req_id": req_id, "keys": keys}
+        return self._begin(p.PrepareStore, p.Slots, fields, _same)
 
     def complete_store(
         self,

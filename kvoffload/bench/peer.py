@@ -58,7 +58,7 @@ import numpy as np
 
 from kvoffload.bench.cells import Cell, ratio_table
 from kvoffload.bench.limits import measure_limits, serial
-from kvoffload.bench.service import engine_load, engine_store
+from kvoffload.bench.service import engine_load, engine_load_prefixes, engine_store_prefixes
 from kvoffload.client import KVOffloadClient
 from kvoffload.logs import configure_logging
 from kvoffload.memory.blockformat import deployment_fingerprint
@@ -247,31 +247,33 @@ def cold_load(
     prefix: int,
 ) -> None:
     """Per prefix, the engine-side load path (``bench.service.engine_load``): a pinned lookup
-    held until blocks of the prefix have landed, a copy of each landed block verified against
-    its checksum, ``complete_load``, again for the rest."""
-    for part in prefixes(len(keys), prefix):
-        batch = [keys[i] for i in part]
-        rows = out[part.start : part.stop]
-        engine_load(client, req, batch, pool, rows, HOLD_MS)
+    that starts the prefix's promotions and tells of each block as it lands, a copy of each
+    landed block verified against its checksum, ``complete_load``; the next prefix's lookup
+    is sent before this one's blocks are waited for (``engine_load_prefixes``), so the disk
+    reads ahead."""
+    batches = [[keys[i] for i in part] for part in prefixes(len(keys), prefix)]
+    engine_load_prefixes(client, req, batches, pool, out, HOLD_MS)
 
 
 def engine_copies(
-    copy: Callable[..., object],
     client: KVOffloadClient,
     pool: HostPool,
     keys: list[bytes],
     rows: np.ndarray,
     prefix: int,
+    store: bool,
 ) -> None:
     """Store ``rows`` (one per key) or load ``keys`` (all in the pool) into them by engine-side
-    copies, one ``copy`` (``engine_store``: ``prepare_store``, copy with xxh3,
-    ``complete_store``; or ``engine_load``: a pinned lookup, copies, ``complete_load``) per
-    prefix; the last completion is awaited, so every block is acknowledged when this returns."""
-    parts = prefixes(len(keys), prefix)
-    for i, part in enumerate(parts):
-        batch = [keys[j] for j in part]
-        last = i == len(parts) - 1
-        copy(client, "host", batch, pool, rows[part.start : part.stop], wait=last)
+    copies, one prefix at a time, the next prefix's call to the manager in flight while one
+    is copied (``engine_store_prefixes``: ``prepare_store``, copy with xxh3,
+    ``complete_store``; ``engine_load_prefixes``: a pinned lookup, verified copies,
+    ``complete_load``); the last completion is awaited, so every block is acknowledged when
+    this returns."""
+    batches = [[keys[j] for j in part] for part in prefixes(len(keys), prefix)]
+    if store:
+        engine_store_prefixes(client, "host", batches, pool, rows)
+    else:
+        engine_load_prefixes(client, "host", batches, pool, rows)
 
 
 def cold_load_one_us(
@@ -332,11 +334,11 @@ def measure(
             stores, loads = rows[:n], rows[n:]
             timed(
                 "host_store_engine",
-                lambda: engine_copies(engine_store, client, pool, keys, stores, prefix),
+                lambda: engine_copies(client, pool, keys, stores, prefix, store=True),
             )
             timed(
                 "host_load_engine",
-                lambda: engine_copies(engine_load, client, pool, keys, loads, prefix),
+                lambda: engine_copies(client, pool, keys, loads, prefix, store=False),
             )
             verify()
         finally:

@@ -45,7 +45,6 @@ import numpy as np
 import psutil
 
 from kvoffload.bench import peer
-from kvoffload.bench.service import engine_load, engine_store
 from kvoffload.client import KVOffloadClient
 from kvoffload.logs import configure_logging
 from kvoffload.memory.kvcache import SharedKVCache, unique_kv_name
@@ -126,7 +125,7 @@ def _host_load(ctx: Context) -> None:
 def _host_store_engine(ctx: Context) -> None:
     assert ctx.pool is not None
     keys = ctx.fresh_keys("hse")
-    peer.engine_copies(engine_store, ctx.client, ctx.pool, keys, ctx.rows[: ctx.n], ctx.prefix)
+    peer.engine_copies(ctx.client, ctx.pool, keys, ctx.rows[: ctx.n], ctx.prefix, store=True)
 
 
 def _host_load_engine(ctx: Context) -> None:
@@ -134,8 +133,8 @@ def _host_load_engine(ctx: Context) -> None:
     keys = ctx.state.get("keys")
     if keys is None:
         keys = ctx.state["keys"] = ctx.fresh_keys("hle")
-        peer.engine_copies(engine_store, ctx.client, ctx.pool, keys, ctx.rows[: ctx.n], ctx.prefix)
-    peer.engine_copies(engine_load, ctx.client, ctx.pool, keys, ctx.rows[ctx.n :], ctx.prefix)
+        peer.engine_copies(ctx.client, ctx.pool, keys, ctx.rows[: ctx.n], ctx.prefix, store=True)
+    peer.engine_copies(ctx.client, ctx.pool, keys, ctx.rows[ctx.n :], ctx.prefix, store=False)
 
 
 def _disk_store(ctx: Context, sync: bool) -> None:

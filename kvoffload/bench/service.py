@@ -14,6 +14,7 @@ Starts its own service (host pool + cpu worker; disk and object tiers off) in a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -28,7 +29,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from kvoffload.client import KVOffloadClient
+from kvoffload.client import KVOffloadClient, KVOffloadError, LookupOutcome
 from kvoffload.logs import configure_logging
 from kvoffload.memory.kvcache import SharedKVCache, unique_kv_name
 from kvoffload.memory.pool import HostPool
@@ -213,11 +214,13 @@ def engine_store(
     pool: HostPool,
     rows: np.ndarray,
     wait: bool = False,
+    prepared: p.Slots | None = None,
 ) -> None:
     """The engine-side store path: prepare_store, copy each row into its slot while taking its
     xxh3 (``SlotCopier.copy_with_checksums``, over the process's shared copier threads),
-    complete_store with the checksums (without waiting for its reply unless ``wait``)."""
-    slots = client.prepare_store(req, keys)
+    complete_store with the checksums (without waiting for its reply unless ``wait``).
+    ``prepared``: the reply of the prepare_store of ``keys`` when it was already sent."""
+    slots = prepared or client.prepare_store(req, keys)
     row_of = dict(zip(keys, rows, strict=True))
     sums = shared_copier().copy_with_checksums(
         [
@@ -236,6 +239,8 @@ def engine_load(
     out: np.ndarray,
     wait_ms: int = 0,
     wait: bool = False,
+    looked_up: LookupOutcome | None = None,
+    inbox: dict[int, list[p.Landed]] | None = None,
 ) -> int:
     """The engine-side load path, as the vLLM integration loads: a pinned lookup, a copy of
     every HIT slot verified against the checksum recorded when it was written (each block's
@@ -245,8 +250,10 @@ def engine_load(
     ready yet are looked up again (held by the manager up to ``wait_ms`` until some of them
     land, when ``wait_ms`` > 0). With ``wait_ms`` > 0 and a client with a landing endpoint,
     the lookup asks for ``landing``: the keys it promotes are copied as the tier's worker
-    tells of them (``take_landed``), without another lookup. Returns the number of lookups it
-    took; RuntimeError if a key missed or a copy did not match its checksum."""
+    tells of them (``take_landed``), without another lookup. ``looked_up``: the outcome of the
+    first pinned lookup of ``keys`` when it was already sent; ``inbox``: notices read for other
+    lookups' tickets, kept (see ``take_landings``). Returns the number of lookups it took;
+    RuntimeError if a key missed or a copy did not match its checksum."""
     position = {key: i for i, key in enumerate(keys)}
     remaining = list(keys)
     lookups = 0
@@ -266,7 +273,12 @@ def engine_load(
 
     try:
         while remaining:
-            outcome = client.lookup(req, remaining, pin=True, wait_ms=wait_ms, landing=wait_ms > 0)
+            if looked_up is not None and not lookups:
+                outcome = looked_up
+            else:
+                outcome = client.lookup(
+                    req, remaining, pin=True, wait_ms=wait_ms, landing=wait_ms > 0
+                )
             lookups += 1
             if LookupResult.MISS in outcome.results:
                 raise RuntimeError(f"cold load missed: {outcome}")
@@ -285,11 +297,83 @@ def engine_load(
                     for key, slot in zip(remaining, outcome.landing_slots, strict=False)
                     if slot >= 0
                 }
-                done |= take_landings(client, req, outcome.ticket, expected, copy, wait_ms)
+                done |= take_landings(client, req, outcome.ticket, expected, copy, wait_ms, inbox)
             remaining = [key for key in remaining if key not in done]
     finally:
         if pinned:
             client.complete_load(req, pinned, wait=wait)
+    return lookups
+
+
+def engine_store_prefixes(
+    client: KVOffloadClient, req: str, batches: list[list[bytes]], pool: HostPool, rows: np.ndarray
+) -> None:
+    """``engine_store`` of each batch of keys (their rows one after another in ``rows``), each
+    batch's prepare_store sent before the batch ahead of it is copied (``begin_prepare_store``),
+    as an engine's worker prepares its next store while it copies; the last complete_store is
+    awaited, so every block is acknowledged when this returns. Slots prepared for a batch
+    that was not copied are ended failed."""
+    pending = [client.begin_prepare_store(req, batch) for batch in batches[:1]]
+    start = 0
+    try:
+        for i, batch in enumerate(batches):
+            prepared = pending.pop().result()
+            pending.extend(client.begin_prepare_store(req, b) for b in batches[i + 1 : i + 2])
+            part = rows[start : start + len(batch)]
+            engine_store(client, req, batch, pool, part, i + 1 == len(batches), prepared)
+            start += len(batch)
+    finally:
+        for call in pending:
+            with contextlib.suppress(KVOffloadError):
+                unused = call.result()
+                client.complete_store(req, list(unused.keys), success=False, wait=False)
+
+
+def engine_load_prefixes(
+    client: KVOffloadClient,
+    req: str,
+    batches: list[list[bytes]],
+    pool: HostPool,
+    out: np.ndarray,
+    wait_ms: int = 0,
+) -> int:
+    """``engine_load`` of each batch of keys (into rows one after another in ``out``), each
+    batch's pinned lookup sent before the batch ahead of it is copied (``begin_lookup``), as
+    an engine's scheduler looks the next request up while its worker copies; the last
+    complete_load is awaited. With ``wait_ms`` > 0 the lookups ask for ``landing`` (a client
+    with a landing endpoint): a batch's promotions start while the batch ahead of it still
+    lands, so the tier reads ahead. What a lookup whose batch was not copied pinned, or is
+    landing for this client, is released. Returns the number of lookups it took (one per
+    batch when each batch's blocks came in answer to its own)."""
+    landing = wait_ms > 0
+    pending = [(b, client.begin_lookup(req, b, pin=True, landing=landing)) for b in batches[:1]]
+    inbox: dict[int, list[p.Landed]] = {}
+    start = lookups = 0
+    try:
+        for i, batch in enumerate(batches):
+            looked_up = pending.pop()[1].result()
+            pending.extend(
+                (b, client.begin_lookup(req, b, pin=True, landing=landing))
+                for b in batches[i + 1 : i + 2]
+            )
+            part = out[start : start + len(batch)]
+            last = i + 1 == len(batches)
+            lookups += engine_load(client, req, batch, pool, part, wait_ms, last, looked_up, inbox)
+            start += len(batch)
+    finally:
+        for keys, call in pending:
+            with contextlib.suppress(KVOffloadError):
+                outcome = call.result()
+                held = [
+                    key
+                    for i, key in enumerate(keys)
+                    if any(
+                        i < len(slots) and slots[i] >= 0
+                        for slots in (outcome.slots, outcome.landing_slots)
+                    )
+                ]
+                if held:
+                    client.complete_load(req, held, wait=False)
     return lookups
 
 
@@ -300,22 +384,30 @@ def take_landings(
     expected: set[bytes],
     copy: Callable[[list[tuple[bytes, int, list[int]]]], set[bytes]],
     wait_ms: int,
+    inbox: dict[int, list[p.Landed]] | None = None,
 ) -> set[bytes]:
     """Copy (``copy``) each of ``expected`` as its ``Landed`` notice of ``ticket`` arrives,
     until every one was told, the job is over, or ``wait_ms`` passed; returns the keys copied.
     The keys given up on are released (their landing wait cancelled) and left to the next
-    lookup; a key told failed raises RuntimeError (a miss)."""
+    lookup; a key told failed raises RuntimeError (a miss). With an ``inbox``, notices of
+    other tickets (lookups sent ahead) are kept there by ticket, and this ticket's are taken
+    from it first; without one they are dropped."""
     done: set[bytes] = set()
     waiting = set(expected)
     deadline = time.monotonic() + wait_ms / 1000
     over = False
     while waiting and not over:
-        left_ms = int((deadline - time.monotonic()) * 1000)
-        if left_ms <= 0:
-            break
+        notices = inbox.pop(ticket, []) if inbox is not None else []
+        if not notices:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                break
+            notices = client.take_landed(left_ms)
         hits: list[tuple[bytes, int, list[int]]] = []
-        for notice in client.take_landed(left_ms):
+        for notice in notices:
             if notice.ticket != ticket:
+                if inbox is not None:
+                    inbox.setdefault(notice.ticket, []).append(notice)
                 continue
             failed = waiting.intersection(notice.failed)
             if failed:

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from kvoffload.bench.service import engine_load
+from kvoffload.bench.service import engine_load, engine_load_prefixes
 from kvoffload.memory.blockformat import payload_checksum
 from kvoffload.memory.slotcopy import shared_copier
 from kvoffload.testing.helpers import keys_for, wait_until
@@ -121,6 +121,26 @@ def test_a_release_before_the_manager_hears_of_the_landing_leaves_no_pin(disk_se
         assert client.status().tiering.pinned_slots == 0
         assert not client.deferred_errors, list(client.deferred_errors)
         client.finish_request("reader")
+
+
+def test_prefixes_looked_up_ahead_land_for_their_own_lookup_and_leave_no_pin(disk_service):
+    """Each batch's lookup is sent while the batch ahead of it lands: the notices of both
+    tickets interleave, and each batch still takes its blocks from its own lookup's notices
+    (a notice dropped would leave its batch waiting, then looking up again)."""
+    service = disk_service
+    with (
+        service.client("engine", timeout_s=20.0, landing=True) as client,
+        service_pool(client) as pool,
+    ):
+        keys, rows = cold_blocks(service, client, pool, "ahead", 12)
+        client.new_request("reader")
+        out = np.zeros_like(rows)
+        batches = [keys[i : i + 3] for i in range(0, 12, 3)]
+        assert engine_load_prefixes(client, "reader", batches, pool, out, 20_000) == len(batches)
+        assert np.array_equal(out, rows)
+        wait_until(lambda: service.status().tiering.jobs_in_flight == 0, what="the results")
+        assert client.status().tiering.pinned_slots == 0
+        assert not client.deferred_errors, list(client.deferred_errors)
 
 
 def test_a_client_without_a_landing_socket_gets_no_landing_slots(disk_service):
