@@ -219,15 +219,21 @@ def engine_store(
     """The engine-side store path: prepare_store, copy each row into its slot while taking its
     xxh3 (``SlotCopier.copy_with_checksums``, over the process's shared copier threads),
     complete_store with the checksums (without waiting for its reply unless ``wait``).
-    ``prepared``: the reply of the prepare_store of ``keys`` when it was already sent."""
+    ``prepared``: the reply of the prepare_store of ``keys`` when it was already sent. A copy
+    that raises ends the prepared slots failed (``complete_store(success=False)``) and is
+    raised."""
     slots = prepared or client.prepare_store(req, keys)
-    row_of = dict(zip(keys, rows, strict=True))
-    sums = shared_copier().copy_with_checksums(
-        [
-            (pool.slot_array(slot), row_of[key])
-            for key, slot in zip(slots.keys, slots.slots, strict=True)
-        ]
-    )
+    try:
+        row_of = dict(zip(keys, rows, strict=True))
+        sums = shared_copier().copy_with_checksums(
+            [
+                (pool.slot_array(slot), row_of[key])
+                for key, slot in zip(slots.keys, slots.slots, strict=True)
+            ]
+        )
+    except BaseException:
+        client.complete_store(req, list(slots.keys), success=False, wait=False)
+        raise
     client.complete_store(req, list(slots.keys), checksums=[[s] for s in sums], wait=wait)
 
 

@@ -111,3 +111,20 @@ def test_pipelined_engine_copies_round_trip_and_release_every_pin(start_service)
         status = client.status()  # the third batch's lookup was sent, then released
         assert status.tiering.pinned_slots == 0
         assert not client.deferred_errors
+
+
+def test_a_pipelined_store_that_fails_ends_every_slot_it_prepared(start_service):
+    service = start_service(block_bytes=BLOCK)
+    keys = keys_for("pipelined-store-fails", 9)
+    rows = rows_for(9, 3)
+    batches = [keys[0:3], keys[3:6], keys[6:9]]
+    with service.client("engine") as client, service_pool(client) as pool:
+        client.new_request("r")
+        short = rows[:5]  # the second batch runs out of rows: its copy raises
+        with pytest.raises(ValueError):
+            engine_store_prefixes(client, "r", batches, pool, short)
+        outcome = client.lookup("r", keys)
+        assert outcome.results[:3] == [HIT] * 3
+        assert outcome.results[3] == MISS  # neither the failed batch nor the one prepared ahead
+        assert client.lookup("r", keys[6:]).results == [MISS]
+        assert not client.deferred_errors
