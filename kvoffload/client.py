@@ -1,6 +1,8 @@
 """Engine-side client of the manager (one DEALER socket; not thread-safe: one per thread).
 
-Every call sends one request and waits for its reply (matched by call id) up to ``timeout_s``.
+Every call sends one request and waits for its reply (matched by call id) up to ``timeout_s``;
+``begin_lookup`` and ``begin_prepare_store`` send theirs at once and leave the wait to
+``PendingCall.result``.
 Failures raise ``KVOffloadError`` carrying the manager's ``ErrorCode``; a call that would
 exceed ``protocol.MAX_MESSAGE_BYTES`` raises one with ``MESSAGE_TOO_LARGE`` before anything
 is sent; a missing reply raises ``ServiceUnavailable`` (also a ``TimeoutError``).
@@ -115,7 +117,8 @@ class PendingCall(Generic[T]):
     so the calls made before ``result`` are answered as usual, and the begun call sees the
     effect of every call sent before it. ``result`` raises as the blocking call would
     (``ServiceUnavailable`` once ``timeout_s`` has passed since it was sent); it is for the
-    thread that owns the client, like every call."""
+    thread that owns the client, like every call. The client keeps a begun call's reply until
+    ``result`` reads it: read it once for every call begun."""
 
     __slots__ = (
         "_client",
