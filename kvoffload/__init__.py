@@ -5,9 +5,9 @@ is internal and may change between releases. Each name loads its module on first
 ``import kvoffload`` is cheap and imports nothing else.
 
 - the client: ``KVOffloadClient``, its errors (``KVOffloadError`` with an ``ErrorCode``,
-  ``ServiceUnavailable``), what its calls return (``LookupOutcome``, ``PendingCall``, ``LookupResult``,
-  ``MissReason``, ``JobAccepted``, ``DeviceJobFinished``, ``Slots``, ``TenantDropped``,
-  ``ManagerStatus``) and the KV handles it registers (``KVHandle``, ``SharedKVCache``,
+  ``ServiceUnavailable``), what its calls return (``LookupOutcome``, ``PendingCall``,
+  ``LookupResult``, ``MissReason``, ``JobAccepted``, ``DeviceJobFinished``, ``Slots``,
+  ``TenantDropped``, ``ManagerStatus``) and the KV handles it registers (``KVHandle``, ``SharedKVCache``,
   ``cuda_kv_handle``);
 - the direct path, for a client that copies blocks itself: ``HostPool`` (maps the service's
   host pool) and ``payload_checksum`` (the checksum ``complete_store`` takes);

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
 import subprocess
@@ -23,13 +24,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
 import zmq
 
-from kvoffload.client import KVOffloadClient, KVOffloadError, LookupOutcome
+from kvoffload.client import KVOffloadClient, KVOffloadError, LookupOutcome, PendingCall
 from kvoffload.logs import configure_logging
 from kvoffload.memory.kvcache import SharedKVCache, unique_kv_name
 from kvoffload.memory.pool import HostPool
@@ -39,6 +40,9 @@ from kvoffload.testing.service import ServiceHarness
 from kvoffload.tiering import ReqContext, TieringLedger
 from kvoffload.wire import protocol as p
 from kvoffload.wire.protocol import LookupResult
+
+T = TypeVar("T")
+"""The reply of a call sent one batch ahead (``one_call_ahead``)."""
 
 SECTIONS = ("control", "latency", "data")
 
@@ -311,28 +315,50 @@ def engine_load(
     return lookups
 
 
+def one_call_ahead(
+    batches: list[list[bytes]],
+    begin: Callable[[list[bytes]], PendingCall[T]],
+    use: Callable[[int, list[bytes], T], None],
+    drop: Callable[[list[bytes], T], None],
+) -> None:
+    """For each batch in order, ``use(index, batch, reply)`` with the reply of ``begin(batch)``,
+    the next batch's call sent before ``use`` of this one runs, so the manager answers it
+    while the caller works. When ``use`` raises, the reply of the call sent ahead goes to
+    ``drop`` (to release what it holds), unless that call failed too."""
+    ahead = (batches[0], begin(batches[0])) if batches else None
+    try:
+        for index, batch in enumerate(batches):
+            assert ahead is not None
+            call, ahead = ahead[1], None
+            reply = call.result()
+            if index + 1 < len(batches):
+                ahead = (batches[index + 1], begin(batches[index + 1]))
+            use(index, batch, reply)
+    finally:
+        if ahead is not None:
+            keys, call = ahead
+            with contextlib.suppress(KVOffloadError):
+                drop(keys, call.result())
+
+
 def engine_store_prefixes(
     client: KVOffloadClient, req: str, batches: list[list[bytes]], pool: HostPool, rows: np.ndarray
 ) -> None:
     """``engine_store`` of each batch of keys (their rows one after another in ``rows``), each
-    batch's prepare_store sent before the batch ahead of it is copied (``begin_prepare_store``),
-    as an engine's worker prepares its next store while it copies; the last complete_store is
+    batch's prepare_store sent before the batch ahead of it is copied (``one_call_ahead``), as
+    an engine's worker prepares its next store while it copies; the last complete_store is
     awaited, so every block is acknowledged when this returns. Slots prepared for a batch
     that was not copied are ended failed."""
-    pending = [client.begin_prepare_store(req, batch) for batch in batches[:1]]
-    start = 0
-    try:
-        for i, batch in enumerate(batches):
-            prepared = pending.pop().result()
-            pending.extend(client.begin_prepare_store(req, b) for b in batches[i + 1 : i + 2])
-            part = rows[start : start + len(batch)]
-            engine_store(client, req, batch, pool, part, i + 1 == len(batches), prepared)
-            start += len(batch)
-    finally:
-        for call in pending:
-            with contextlib.suppress(KVOffloadError):
-                unused = call.result()
-                client.complete_store(req, list(unused.keys), success=False, wait=False)
+    starts = list(itertools.accumulate((len(b) for b in batches), initial=0))
+
+    def store(index: int, batch: list[bytes], prepared: p.Slots) -> None:
+        part = rows[starts[index] : starts[index + 1]]
+        engine_store(client, req, batch, pool, part, index + 1 == len(batches), prepared)
+
+    def drop(_: list[bytes], prepared: p.Slots) -> None:
+        client.complete_store(req, list(prepared.keys), success=False, wait=False)
+
+    one_call_ahead(batches, lambda batch: client.begin_prepare_store(req, batch), store, drop)
 
 
 def engine_load_prefixes(
@@ -344,42 +370,38 @@ def engine_load_prefixes(
     wait_ms: int = 0,
 ) -> int:
     """``engine_load`` of each batch of keys (into rows one after another in ``out``), each
-    batch's pinned lookup sent before the batch ahead of it is copied (``begin_lookup``), as
+    batch's pinned lookup sent before the batch ahead of it is copied (``one_call_ahead``), as
     an engine's scheduler looks the next request up while its worker copies; the last
     complete_load is awaited. With ``wait_ms`` > 0 the lookups ask for ``landing`` (a client
     with a landing endpoint): a batch's promotions start while the batch ahead of it still
     lands, so the tier reads ahead. What a lookup whose batch was not copied pinned, or is
     landing for this client, is released. Returns the number of lookups it took (one per
     batch when each batch's blocks came in answer to its own)."""
-    landing = wait_ms > 0
-    pending = [(b, client.begin_lookup(req, b, pin=True, landing=landing)) for b in batches[:1]]
+    starts = list(itertools.accumulate((len(b) for b in batches), initial=0))
     inbox: dict[int, list[p.Landed]] = {}
-    start = lookups = 0
-    try:
-        for i, batch in enumerate(batches):
-            looked_up = pending.pop()[1].result()
-            pending.extend(
-                (b, client.begin_lookup(req, b, pin=True, landing=landing))
-                for b in batches[i + 1 : i + 2]
+    lookups = 0
+
+    def load(index: int, batch: list[bytes], looked_up: LookupOutcome) -> None:
+        nonlocal lookups
+        part = out[starts[index] : starts[index + 1]]
+        last = index + 1 == len(batches)
+        lookups += engine_load(client, req, batch, pool, part, wait_ms, last, looked_up, inbox)
+
+    def drop(keys: list[bytes], outcome: LookupOutcome) -> None:
+        held = [
+            key
+            for i, key in enumerate(keys)
+            if any(
+                i < len(slots) and slots[i] >= 0 for slots in (outcome.slots, outcome.landing_slots)
             )
-            part = out[start : start + len(batch)]
-            last = i + 1 == len(batches)
-            lookups += engine_load(client, req, batch, pool, part, wait_ms, last, looked_up, inbox)
-            start += len(batch)
-    finally:
-        for keys, call in pending:
-            with contextlib.suppress(KVOffloadError):
-                outcome = call.result()
-                held = [
-                    key
-                    for i, key in enumerate(keys)
-                    if any(
-                        i < len(slots) and slots[i] >= 0
-                        for slots in (outcome.slots, outcome.landing_slots)
-                    )
-                ]
-                if held:
-                    client.complete_load(req, held, wait=False)
+        ]
+        if held:
+            client.complete_load(req, held, wait=False)
+
+    def begin(batch: list[bytes]) -> PendingCall[LookupOutcome]:
+        return client.begin_lookup(req, batch, pin=True, landing=wait_ms > 0)
+
+    one_call_ahead(batches, begin, load, drop)
     return lookups
 
 
