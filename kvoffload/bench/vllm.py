@@ -26,8 +26,11 @@ one KV cache group; ``--dtype float32``, the default on a CPU without native bf1
 so its blocks have the same bytes), or ``gemma3``, a random-weight Gemma 3 of the same size whose first three
 layers are sliding-window attention (512-token window) and the last full attention: four KV
 cache groups of 64 KiB blocks, of which a prompt stores the whole prefix of the full group and
-the last window of each sliding one. The report gives the bytes offloaded per prompt token,
-and what storing every block of every group would have offloaded. Written to a temp directory.
+the last window of each sliding one. A kvoffload key carries ``--key-tokens`` tokens of one
+group (vLLM's ``block_size`` for the connector): by default 256 KiB for either model (one
+Llama block; four Gemma 3 blocks, as a real Gemma 3, whose groups hold several layers, carries
+in one block), so both pay the same per key and per byte. The report gives the bytes offloaded
+per prompt token, and what storing every block of every group would have offloaded. Written to a temp directory.
 Engines run in child processes (``kvoffload.testing.vllm_engine``) with ``HF_HUB_OFFLINE=1``,
 ``VLLM_CPU_KVCACHE_SPACE`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``. The service is started by the
 script in a temp directory: a host pool of the model's key size with room for twice the longest
@@ -89,6 +92,8 @@ MODEL = {
     "kv_heads": 8,
     "head_dim": 64,
 }
+KEY_BYTES = 256 << 10
+"""Bytes of a kvoffload key by default, for either model (``default_key_tokens``)."""
 POOL_VS_RESIDENT_MAX = 1.2
 RECOMPUTE_VS_POOL_MIN = 5.0
 DISK_VS_RECOMPUTE_MAX = 1.0
@@ -115,6 +120,13 @@ def auto_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return "bfloat16" if flags.intersection(NATIVE_BF16_FLAGS) else "float32"
 
 
+def default_key_tokens(kind: str) -> int:
+    """Tokens of a ``KEY_BYTES`` key of ``kind``: one vLLM block of the Llama's four layers,
+    four of a Gemma 3 group's one layer."""
+    group_layers = MODEL["layers"] // BenchModel(kind).groups
+    return KEY_BYTES // (LAYER_BYTES * group_layers) * BLOCK_TOKENS
+
+
 @dataclass(frozen=True)
 class BenchModel:
     """A bench model: ``llama`` (``MODEL``, every layer full attention: one KV cache group) or
@@ -124,6 +136,8 @@ class BenchModel:
 
     kind: str
     dtype: str = "bfloat16"
+    key_tokens: int = BLOCK_TOKENS
+    """Tokens of one kvoffload key (a multiple of ``BLOCK_TOKENS``)."""
 
     @property
     def kv_heads(self) -> int:
@@ -139,8 +153,13 @@ class BenchModel:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one offload key: a vLLM block of its group's layers."""
-        return LAYER_BYTES * MODEL["layers"] // self.groups
+        """Bytes of one offload key: ``key_tokens`` of its group's layers."""
+        return LAYER_BYTES * MODEL["layers"] // self.groups * (self.key_tokens // BLOCK_TOKENS)
+
+    def connector_config(self) -> dict[str, int]:
+        """What the connector's config says of the key: vLLM's ``block_size`` when a key
+        carries more than one vLLM block."""
+        return {"block_size": self.key_tokens} if self.key_tokens != BLOCK_TOKENS else {}
 
     def spec(self, max_positions: int) -> TinyLlama | TinyGemma3:
         """The model (bf16) for prompts of up to ``max_positions`` tokens."""
@@ -159,16 +178,16 @@ class BenchModel:
         )
 
     def stored_keys(self, prompt_tokens: int) -> int:
-        """The keys vLLM stores for a prompt: every full block of each full-attention group,
-        and of each sliding-window group the blocks of the window before the prompt's last
-        block boundary."""
-        blocks = prompt_tokens // BLOCK_TOKENS
-        window = min(blocks, -(-(SLIDING_WINDOW - 1) // BLOCK_TOKENS))
+        """The keys vLLM stores for a prompt: every full key of each full-attention group,
+        and of each sliding-window group the keys of the window before the prompt's last
+        key boundary."""
+        blocks = prompt_tokens // self.key_tokens
+        window = min(blocks, -(-(SLIDING_WINDOW - 1) // self.key_tokens))
         return (self.groups - self.sliding_groups) * blocks + self.sliding_groups * window
 
     def every_block_keys(self, prompt_tokens: int) -> int:
         """The keys of every block of every group of a prompt (no window kept in mind)."""
-        return self.groups * (prompt_tokens // BLOCK_TOKENS)
+        return self.groups * (prompt_tokens // self.key_tokens)
 
 
 # ---- kvoffload service ----------------------------------------------------------------------
@@ -684,7 +703,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     max_model_len = longest + SUFFIX_TOKENS + BLOCK_TOKENS
     longest_blocks = longest // BLOCK_TOKENS
     dtype = auto_dtype() if args.dtype == "auto" else args.dtype
-    bench_model = BenchModel(args.model, dtype)
+    bench_model = BenchModel(args.model, dtype, args.key_tokens)
     block_bytes = bench_model.block_bytes
     prompt_keys = bench_model.stored_keys(longest + SUFFIX_TOKENS)
     total_keys = args.prompts * sum(bench_model.stored_keys(n + SUFFIX_TOKENS) for n in lengths)
@@ -761,7 +780,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     VllmEngineProcess(
                         model,
                         logs / "engine-peer.log",
-                        kvoffload_transfer({"endpoint": peer_service.endpoint, **args.extra}),
+                        kvoffload_transfer(
+                            {
+                                "endpoint": peer_service.endpoint,
+                                **bench_model.connector_config(),
+                                **args.extra,
+                            }
+                        ),
                         **sizes,
                     )
                 )
@@ -769,7 +794,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 peer = PeerNode(
                     peer_engine, stack.enter_context(peer_service.client("bench", timeout_s=30.0))
                 )
-            connector = kvoffload_transfer({"endpoint": service.endpoint, **args.extra})
+            connector = kvoffload_transfer(
+                {"endpoint": service.endpoint, **bench_model.connector_config(), **args.extra}
+            )
             probe_env = None
             if args.profile:
                 connector.update(
@@ -833,6 +860,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "vocab": VOCAB,
             "dtype": dtype,
             "block_tokens": BLOCK_TOKENS,
+            "key_tokens": bench_model.key_tokens,
             "kind": bench_model.kind,
             "kv_cache_groups": bench_model.groups,
             "sliding_window": SLIDING_WINDOW if bench_model.sliding_groups else None,
@@ -966,14 +994,25 @@ def main(argv: list[str] | None = None) -> int:
         "disk) with an engine of its own, which loads each stored prefix from it",
     )
     parser.add_argument(
+        "--key-tokens",
+        type=int,
+        default=0,
+        help=f"tokens of one kvoffload key, a multiple of the vLLM block's {BLOCK_TOKENS}; "
+        f"default: keys of {KEY_BYTES >> 10} KiB (llama {default_key_tokens('llama')}, gemma3 "
+        f"{default_key_tokens('gemma3')}); {BLOCK_TOKENS} for gemma3: a key per vLLM block",
+    )
+    parser.add_argument(
         "--extra",
         type=json.loads,
         default={},
         help="more kv_connector_extra_config for kvoffload, as JSON (e.g. '{\"sync_load_budget_bytes\": 0}')",
     )
     args = parser.parse_args(argv)
-    if any(n % BLOCK_TOKENS for n in args.lengths):
-        parser.error(f"prefix lengths must be multiples of {BLOCK_TOKENS}")
+    args.key_tokens = args.key_tokens or default_key_tokens(args.model)
+    if args.key_tokens % BLOCK_TOKENS:
+        parser.error(f"--key-tokens must be a multiple of {BLOCK_TOKENS}")
+    if any(n % args.key_tokens for n in args.lengths):
+        parser.error(f"prefix lengths must be multiples of {args.key_tokens}")
     from kvoffload.logs import configure_logging
 
     configure_logging("bench", "warning")

@@ -69,6 +69,11 @@ CASES = {
     "llama-tp2": ModelCase(
         "llama-tp2", TinyLlama(seed=0), TinyLlama(seed=1), 200, 6, 2 * 32 * 1024, tp=2
     ),
+    # the same model with keys of four blocks (128 tokens) of one group: a prompt stores its
+    # 2 full chunks of the full group and, of each sliding group, the chunk of its window
+    "gemma3-chunks": ModelCase(
+        "gemma3-chunks", TinyGemma3(seed=0), TinyGemma3(seed=1), 300, 2 + 3 * 1, 4 * _PAGE
+    ),
     "gemma3-sliding": ModelCase(
         "gemma3-sliding",
         TinyGemma3(layer_types=(SLIDING,) * 4, seed=0),

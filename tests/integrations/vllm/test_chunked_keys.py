@@ -1,0 +1,60 @@
+"""Keys of several vLLM blocks (vLLM's ``block_size`` in ``kv_connector_extra_config``) for a
+model with several KV cache groups (Gemma 3 style) in real vLLM engines: a key carries four
+blocks of one group, a prompt stores its full chunks and the chunk of each window, and a hit
+from the pool or the disk serves the whole chunked prefix with output identical to vLLM
+without kvoffload."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvoffload.testing.vllm_engine import BLOCK_TOKENS  # noqa: E402
+from tests.integrations.vllm.conftest import (  # noqa: E402
+    offload,
+    on_disk,
+    primary_hits,
+    same_output,
+)
+
+pytestmark = pytest.mark.parametrize("case", ["gemma3-chunks"], indirect=True, scope="module")
+
+CHUNK_TOKENS = 4 * BLOCK_TOKENS
+
+
+def chunked_prefix(prompt: list[int]) -> int:
+    return len(prompt) // CHUNK_TOKENS * CHUNK_TOKENS
+
+
+def test_a_hit_of_chunked_keys_serves_whole_chunks_from_the_pool(engines, service, reference, case):
+    engine = engines.get("a", block_size=CHUNK_TOKENS)
+    prompt = case.new_prompt()
+    disk_before = on_disk(service)
+    offload(engine, service, case, prompt, cascaded=True)
+    assert on_disk(service) - disk_before == case.keys
+    hits_before = primary_hits(service)
+
+    assert engine.reset_prefix_cache()
+    out = engine.generate([prompt])[0]
+
+    assert out["cached"] == chunked_prefix(prompt)
+    assert primary_hits(service) - hits_before == case.keys
+    same_output(out, reference(prompt, chunked_prefix(prompt)))
+
+
+def test_chunked_keys_come_back_from_disk(engines, service, reference, case):
+    engine = engines.get("a", block_size=CHUNK_TOKENS)
+    prompt = case.new_prompt()
+    offload(engine, service, case, prompt, cascaded=True)
+    with service.client("reset") as client:
+        client.reset_cache()
+    promoted_before = service.status().tiering.per_tier["disk"].promoted_keys_ok
+    assert engine.reset_prefix_cache()
+
+    out = engine.generate([prompt])[0]
+
+    assert out["cached"] == chunked_prefix(prompt)
+    promoted = service.status().tiering.per_tier["disk"].promoted_keys_ok - promoted_before
+    assert promoted == case.keys
+    same_output(out, reference(prompt, chunked_prefix(prompt)))
