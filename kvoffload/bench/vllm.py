@@ -28,9 +28,10 @@ layers are sliding-window attention (512-token window) and the last full attenti
 cache groups of 64 KiB blocks, of which a prompt stores the whole prefix of the full group and
 the last window of each sliding one. A kvoffload key carries ``--key-tokens`` tokens of one
 group (vLLM's ``block_size`` for the connector): by default 256 KiB for either model (one
-Llama block; four Gemma 3 blocks, as a real Gemma 3, whose groups hold several layers, carries
-in one block), so both pay the same per key and per byte. The report gives the bytes offloaded
-per prompt token, and what storing every block of every group would have offloaded. Written to a temp directory.
+Llama block; four Gemma 3 blocks, about what a real Gemma 3, whose groups hold several layers,
+carries in one), so both pay the same per key and per byte. The report gives the bytes
+offloaded per prompt token, and what storing every block of every group would have offloaded.
+Written to a temp directory.
 Engines run in child processes (``kvoffload.testing.vllm_engine``) with ``HF_HUB_OFFLINE=1``,
 ``VLLM_CPU_KVCACHE_SPACE`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``. The service is started by the
 script in a temp directory: a host pool of the model's key size with room for twice the longest
@@ -186,7 +187,7 @@ class BenchModel:
         return (self.groups - self.sliding_groups) * blocks + self.sliding_groups * window
 
     def every_block_keys(self, prompt_tokens: int) -> int:
-        """The keys of every block of every group of a prompt (no window kept in mind)."""
+        """The keys of every group's whole prompt (no window kept in mind)."""
         return self.groups * (prompt_tokens // self.key_tokens)
 
 
