@@ -53,10 +53,12 @@ def report_landed(keys: list[bytes], checksums: list[list[int]] | None = None) -
         report(keys, checksums)
 
 
-REPORT_BYTES = 1 << 20
+REPORT_BYTES = 4 << 20
 """Blocks of a promotion reported landed together (about this many bytes; the first alone):
 a report costs the worker, the manager and a waiting client a message and a wake-up each,
-which at 64 KiB blocks cost more than their reads."""
+which at 64 KiB blocks cost more than their reads. Cold loads of 16-block prefixes of 256 KiB
+spent 552 µs of CPU per block in the three processes with 4 MiB against 683 µs with 1 MiB
+(five reports a prefix instead of two; the same at 1 MiB blocks within 2%)."""
 
 
 class LandedBatch:
