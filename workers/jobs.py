@@ -58,7 +58,7 @@ REPORT_BYTES = 4 << 20
 a report costs the worker, the manager and a waiting client a message and a wake-up each,
 which at 64 KiB blocks cost more than their reads. Cold loads of 16-block prefixes of 256 KiB
 spent 552 µs of CPU per block in the three processes with 4 MiB against 683 µs with 1 MiB
-(five reports a prefix instead of two; the same at 1 MiB blocks within 2%)."""
+(two reports a prefix instead of five; at 1 MiB blocks the two were within 2%)."""
 
 
 class LandedBatch:

@@ -32,8 +32,9 @@ from kvoffload.testing.vllm_engine import (
 class ModelCase:
     """A model the engine tests run on. ``keys``: the offload keys one prompt stores (and a
     hit of it reads): every full block of each full-attention group, the last ``window``
-    blocks of each sliding-window group. ``block_bytes``: the largest group's bytes per block,
-    the service's pool block size."""
+    blocks of each sliding-window group. ``block_bytes``: the largest group's bytes per key,
+    the service's pool block size. ``key_tokens``: tokens per key (vLLM's ``block_size`` for
+    the connector when more than one block)."""
 
     name: str
     spec: ModelSpec
@@ -42,11 +43,13 @@ class ModelCase:
     keys: int
     block_bytes: int
     tp: int = 1  # tensor-parallel ranks of its engines
+    key_tokens: int = BLOCK_TOKENS
     _prompts: random.Random = field(default_factory=lambda: random.Random(20261130))
 
     @property
     def full_tokens(self) -> int:
-        return self.prompt_tokens // BLOCK_TOKENS * BLOCK_TOKENS
+        """The prompt's tokens in whole keys: what a hit of it serves."""
+        return self.prompt_tokens // self.key_tokens * self.key_tokens
 
     def new_prompt(self) -> list[int]:
         """A prompt no other test uses (random token ids, ending in a partial block)."""
@@ -72,7 +75,13 @@ CASES = {
     # the same model with keys of four blocks (128 tokens) of one group: a prompt stores its
     # 2 full chunks of the full group and, of each sliding group, the chunk of its window
     "gemma3-chunks": ModelCase(
-        "gemma3-chunks", TinyGemma3(seed=0), TinyGemma3(seed=1), 300, 2 + 3 * 1, 4 * _PAGE
+        "gemma3-chunks",
+        TinyGemma3(seed=0),
+        TinyGemma3(seed=1),
+        300,
+        2 + 3 * 1,
+        4 * _PAGE,
+        key_tokens=4 * BLOCK_TOKENS,
     ),
     "gemma3-sliding": ModelCase(
         "gemma3-sliding",

@@ -10,7 +10,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvoffload.testing.vllm_engine import BLOCK_TOKENS  # noqa: E402
 from tests.integrations.vllm.conftest import (  # noqa: E402
     offload,
     on_disk,
@@ -20,15 +19,9 @@ from tests.integrations.vllm.conftest import (  # noqa: E402
 
 pytestmark = pytest.mark.parametrize("case", ["gemma3-chunks"], indirect=True, scope="module")
 
-CHUNK_TOKENS = 4 * BLOCK_TOKENS
-
-
-def chunked_prefix(prompt: list[int]) -> int:
-    return len(prompt) // CHUNK_TOKENS * CHUNK_TOKENS
-
 
 def test_a_hit_of_chunked_keys_serves_whole_chunks_from_the_pool(engines, service, reference, case):
-    engine = engines.get("a", block_size=CHUNK_TOKENS)
+    engine = engines.get("a", block_size=case.key_tokens)
     prompt = case.new_prompt()
     disk_before = on_disk(service)
     offload(engine, service, case, prompt, cascaded=True)
@@ -38,13 +31,13 @@ def test_a_hit_of_chunked_keys_serves_whole_chunks_from_the_pool(engines, servic
     assert engine.reset_prefix_cache()
     out = engine.generate([prompt])[0]
 
-    assert out["cached"] == chunked_prefix(prompt)
+    assert out["cached"] == case.full_tokens
     assert primary_hits(service) - hits_before == case.keys
-    same_output(out, reference(prompt, chunked_prefix(prompt)))
+    same_output(out, reference(prompt, case.full_tokens))
 
 
 def test_chunked_keys_come_back_from_disk(engines, service, reference, case):
-    engine = engines.get("a", block_size=CHUNK_TOKENS)
+    engine = engines.get("a", block_size=case.key_tokens)
     prompt = case.new_prompt()
     offload(engine, service, case, prompt, cascaded=True)
     with service.client("reset") as client:
@@ -54,7 +47,7 @@ def test_chunked_keys_come_back_from_disk(engines, service, reference, case):
 
     out = engine.generate([prompt])[0]
 
-    assert out["cached"] == chunked_prefix(prompt)
+    assert out["cached"] == case.full_tokens
     promoted = service.status().tiering.per_tier["disk"].promoted_keys_ok - promoted_before
     assert promoted == case.keys
-    same_output(out, reference(prompt, chunked_prefix(prompt)))
+    same_output(out, reference(prompt, case.full_tokens))
