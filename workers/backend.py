@@ -110,8 +110,15 @@ class Backend(Protocol):
         again on the main thread when a restarted manager asks for a new hello."""
 
     def run_job(self, job: Job) -> BackendOutcome:
-        """Run one validated job (blocking, on a job thread). Per-key failures are reported in
-        the outcome, never raised; an exception fails the whole job and is logged."""
+        """Run one validated job (blocking, on a job thread, or on the main thread when
+        ``runs_inline``). Per-key failures are reported in the outcome, never raised; an
+        exception fails the whole job and is logged."""
+
+    def runs_inline(self, job: Job) -> bool:
+        """Whether ``job`` (validated, urgent) is short enough to run on the worker's main
+        thread the moment it arrives, ahead of the queue: one block from a local medium. It
+        saves the hand-off to a job thread (a wake-up of another thread, 100-150 µs of a cold
+        one-block load on a 2-vCPU machine) and holds the main loop for as long as it runs."""
 
     def touch(self, keys: list[bytes]) -> None:
         """Mark ``keys`` recently used (eviction order); unknown keys are ignored."""
@@ -135,7 +142,8 @@ class Backend(Protocol):
 
 class NoIndexBackend:
     """Defaults for a backend whose medium keeps no key index and reaches no engine KV cache:
-    no keys at start-up, touches ignored, no index changes, KV handles ignored."""
+    no keys at start-up, touches ignored, no index changes, KV handles ignored, every job on a
+    job thread."""
 
     def initial_index(self) -> Iterable[list[bytes]]:
         return ()
@@ -151,3 +159,6 @@ class NoIndexBackend:
 
     def detach_kv(self, handle_id: str) -> None:
         return None
+
+    def runs_inline(self, job: Job) -> bool:
+        return False

@@ -1,9 +1,10 @@
 """Running a tier worker's jobs: validation, a bounded pool of job threads, release, results.
 
 A valid ``Job`` is queued for the job threads (loads, promotions and probes before stores and
-cascades); an invalid one, or any job while the worker drains, is refused at once with a failed
-``JobDone``. A job thread runs ``backend.run_job`` and hands the outcome back to the worker's
-main thread, which calls its ``release``: only after that returned is the job's one ``JobDone``
+cascades), or, when it is urgent and its backend ``runs_inline`` it, run on the worker's main
+thread at once; an invalid one, or any job while the worker drains, is refused at once with a
+failed ``JobDone``. A job thread runs ``backend.run_job`` and hands the outcome back to the
+worker's main thread, which calls its ``release``: only after that returned is the job's one ``JobDone``
 queued (a result is never early, docs/design/tiering.md). A release that raises keeps the job
 tracked (logged as ``job_release_failed``) and is retried at the next turn; secondary
 ``cleanup`` then runs best effort. Job threads never touch the manager's socket: results, and
@@ -248,6 +249,9 @@ class JobRunner:
             return
         self._inflight.add(job.job_id)
         urgent = job.kind in URGENT_KINDS
+        if urgent and self._backend.runs_inline(job):
+            self._run(job)  # its result goes out in this turn of the main loop
+            return
         self._queue.put((0 if urgent else 1, next(self._seq), job))
         if urgent:
             # Let a job thread take it now instead of after this turn of the main loop (which
@@ -259,24 +263,28 @@ class JobRunner:
             _, _, job = self._queue.get()
             if job is None:
                 return
-            start = time.perf_counter()
-            landing = (
-                _JobLanding(job, job.landing, self._notifier)
-                if job.landing is not None and self._notifier is not None
-                else None
-            )
-            _job_context.report = functools.partial(self._note_progress, job.job_id, landing)
-            try:
-                outcome = self._backend.run_job(job)
-            except Exception as exc:
-                log.exception("job_crashed", job_id=job.job_id, kind=job.kind)
-                outcome = BackendOutcome(ok_keys=[], error=f"internal_error: {exc!r}")
-            finally:
-                _job_context.report = None
-            if landing is not None:
-                landing.over(outcome)
-            self._finished.append(PendingRelease(job, outcome, time.perf_counter() - start))
+            self._run(job)
             self._wake()
+
+    def _run(self, job: Job) -> None:
+        """Run ``job`` on this thread and queue its outcome for the main thread's release."""
+        start = time.perf_counter()
+        landing = (
+            _JobLanding(job, job.landing, self._notifier)
+            if job.landing is not None and self._notifier is not None
+            else None
+        )
+        _job_context.report = functools.partial(self._note_progress, job.job_id, landing)
+        try:
+            outcome = self._backend.run_job(job)
+        except Exception as exc:
+            log.exception("job_crashed", job_id=job.job_id, kind=job.kind)
+            outcome = BackendOutcome(ok_keys=[], error=f"internal_error: {exc!r}")
+        finally:
+            _job_context.report = None
+        if landing is not None:
+            landing.over(outcome)
+        self._finished.append(PendingRelease(job, outcome, time.perf_counter() - start))
 
     def _note_progress(
         self,

@@ -56,8 +56,9 @@ def index_key(i: int) -> bytes:
 class EchoBackend(NoIndexBackend):
     """Writes each key into its slot. Keys starting with ``slow`` make the job sleep 0.3 s,
     ``fail`` fail, ``boom`` raise; ``relfail`` makes the release raise twice, ``cleanfail`` the
-    cleanup raise. The release writes RELEASE_MARK into the last byte of each slot, so a
-    JobDone seen before the mark shows a result published before its release."""
+    cleanup raise; an urgent job whose keys start with ``inline`` runs on the main thread. The
+    release writes RELEASE_MARK into the last byte of each slot, so a JobDone seen before the
+    mark shows a result published before its release."""
 
     name = "test"
     medium = "memory"
@@ -86,6 +87,9 @@ class EchoBackend(NoIndexBackend):
         keys = [index_key(i) for i in range(self._index_keys)]
         for start in range(0, len(keys), 1000):
             yield keys[start : start + 1000]
+
+    def runs_inline(self, job: Job) -> bool:
+        return all(k.startswith(b"inline") for k in job.keys)
 
     def run_job(self, job: Job) -> BackendOutcome:
         assert self._pool is not None
@@ -438,6 +442,26 @@ def test_loads_and_promotions_run_before_queued_stores(manager, make_pool, spawn
     manager.wait_job_dones([1, 2, 3, 4, 5])
     order = [d.job_id for d in manager.messages(JobDone)]
     assert order == [1, 3, 5, 2, 4]
+
+
+def test_an_inline_job_runs_on_the_main_thread_ahead_of_busy_job_threads(
+    manager, make_pool, spawn, short_dir
+):
+    pool, worker = start_worker(
+        manager, make_pool, spawn, short_dir, config={"cpu": {"threads": 1}}
+    )
+    manager.send(IDENTITY, store(1, [b"slow" + b"s" * 12], [0], kind="promotion"))
+    manager.wait_for(Heartbeat, lambda m: m.inflight == 1 and m.stats.loop.queued == 0)
+    manager.send(IDENTITY, store(2, [b"a" * 16], [1], kind="promotion"))
+    manager.send(IDENTITY, store(3, [b"inline" + b"i" * 10], [2], kind="promotion"))
+    manager.send(IDENTITY, store(4, [b"inline" + b"j" * 10], [3], kind="cascade"))
+    manager.wait_job_dones([1, 2, 3, 4])
+    dones = {d.job_id: d for d in manager.messages(JobDone)}
+    assert [d.job_id for d in manager.messages(JobDone)] == [3, 1, 2, 4]
+    assert all(d.success for d in dones.values())
+    assert bytes(pool.slot_array(2)[:16]) == b"inline" + b"i" * 10
+    assert pool.slot_array(2)[-1] == RELEASE_MARK
+    manager.wait_for(Heartbeat, lambda m: m.inflight == 0 and m.stats.loop.jobs_done == 4)
 
 
 # ---- in-process units --------------------------------------------------------------------------

@@ -262,6 +262,13 @@ class DiskBackend:
             cleanup=lambda: self._note_changed(changed),
         )
 
+    def runs_inline(self, job: Job) -> bool:
+        """A one-block promotion (one read of a local file), unless injected faults delay the
+        store's operations: a slowed disk's reads stay on the job threads."""
+        spec = self._faults.spec
+        delayed = spec.delay_s > 0 and spec.delay_fraction > 0
+        return job.kind == JobKind.PROMOTION and len(job.keys) == 1 and not delayed
+
     def _delete(self, job: Job) -> BackendOutcome:
         """Remove the job's keys (the manager made room for a tenant, or dropped one): every
         key is then absent, so every key succeeds; ``removed`` counts those the store held."""

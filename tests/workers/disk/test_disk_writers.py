@@ -17,7 +17,7 @@ import pytest
 
 from kvoffload.config import Config, DiskConfig, PoolConfig
 from kvoffload.memory.pool import HostPool
-from kvoffload.wire.protocol import JobKind
+from kvoffload.wire.protocol import FaultSpec, Job, JobKind
 from tests.workers.disk.jobs import run
 from workers.disk.fanout import fan_out
 from workers.disk.worker import DiskBackend
@@ -129,6 +129,23 @@ def test_a_promotion_reads_its_keys_in_parallel_and_reports_in_job_order(
     for slot, key in enumerate(keys, start=8):
         if key != keys[4]:
             assert pool.slot(slot).tobytes() == payload_for(key, 1)
+
+
+def test_one_block_promotions_run_inline_unless_the_disk_is_slowed_on_purpose(
+    start_backend,
+) -> None:
+    faults = FaultInjector()
+    backend = start_backend(faults, capacity_records=16, write_threads=2)
+
+    def job(kind: JobKind, count: int) -> Job:
+        keys = [b"i-%d" % i for i in range(count)]
+        return Job(job_id=1, kind=kind, keys=keys, slots=list(range(count)))
+
+    assert backend.runs_inline(job(JobKind.PROMOTION, 1))
+    assert not backend.runs_inline(job(JobKind.PROMOTION, 2))
+    assert not backend.runs_inline(job(JobKind.CASCADE, 1))
+    faults.replace(FaultSpec(delay_s=0.5, delay_fraction=0.1))
+    assert not backend.runs_inline(job(JobKind.PROMOTION, 1))
 
 
 def test_parallel_writers_keep_every_record_correct_under_concurrent_jobs_and_evictions(
