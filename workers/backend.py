@@ -116,9 +116,11 @@ class Backend(Protocol):
 
     def runs_inline(self, job: Job) -> bool:
         """Whether ``job`` (validated, urgent) is short enough to run on the worker's main
-        thread the moment it arrives, ahead of the queue: one block from a local medium. It
-        saves the hand-off to a job thread (a wake-up of another thread, 100-150 µs of a cold
-        one-block load on a 2-vCPU machine) and holds the main loop for as long as it runs."""
+        thread the moment it arrives, ahead of the queue: one block from a local medium. The
+        framework runs it there only when it arrived alone and no other urgent job is in
+        flight (``workers.jobs``). It saves the hand-off to a job thread (a wake-up of another
+        thread, 100-150 µs of a cold one-block load on a 2-vCPU machine) and holds the main
+        loop for as long as it runs."""
 
     def touch(self, keys: list[bytes]) -> None:
         """Mark ``keys`` recently used (eviction order); unknown keys are ignored."""

@@ -359,11 +359,16 @@ class _Worker:
             log.warning("supervisor_gone", supervisor_pid=self._supervisor_pid)
             self._begin_shutdown("supervisor_gone")
 
+    def _frame_waiting(self) -> bool:
+        """A message from the manager waits to be received (cheaper to ask than the zmq.Again
+        a non-blocking receive raises)."""
+        return bool(cast(int, self._sock.get(zmq.EVENTS)) & zmq.POLLIN)
+
     def _recv_one(self) -> bytes | None:
         """One single-part frame, or None when none is waiting (multi-part frames are logged
         and dropped)."""
-        if not cast(int, self._sock.get(zmq.EVENTS)) & zmq.POLLIN:
-            return None  # cheaper than the zmq.Again a non-blocking receive raises
+        if not self._frame_waiting():
+            return None
         try:
             parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
         except zmq.Again:
@@ -400,7 +405,7 @@ class _Worker:
         backend = self._backend
         try:
             if isinstance(msg, Job):
-                self._jobs.submit(msg, self._draining)
+                self._jobs.submit(msg, self._draining, alone=not self._frame_waiting())
             elif isinstance(msg, TouchKeys):
                 backend.touch(msg.keys)
             elif isinstance(msg, AttachKV):

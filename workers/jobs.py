@@ -1,8 +1,9 @@
 """Running a tier worker's jobs: validation, a bounded pool of job threads, release, results.
 
 A valid ``Job`` is queued for the job threads (loads, promotions and probes before stores and
-cascades), or, when it is urgent and its backend ``runs_inline`` it, run on the worker's main
-thread at once; an invalid one, or any job while the worker drains, is refused at once with a
+cascades), or run on the worker's main thread at once when its backend ``runs_inline`` it and
+it is urgent, alone (no other message waits behind it) and no other urgent job is in flight, so
+concurrent loads keep the job threads' parallelism; an invalid one, or any job while the worker drains, is refused at once with a
 failed ``JobDone``. A job thread runs ``backend.run_job`` and hands the outcome back to the
 worker's main thread, which calls its ``release``: only after that returned is the job's one ``JobDone``
 queued (a result is never early, docs/design/tiering.md). A release that raises keeps the job
@@ -207,6 +208,7 @@ class JobRunner:
         self._finished: deque[PendingRelease] = deque()
         self._progress: deque[tuple[int, list[bytes]]] = deque()
         self._inflight: set[int] = set()
+        self._urgent_inflight: set[int] = set()
         self._releasing: dict[int, PendingRelease] = {}
 
     @property
@@ -236,8 +238,10 @@ class JobRunner:
             for thread in self._threads:
                 thread.join()
 
-    def submit(self, job: Job, draining: bool) -> None:
-        """Queue a job from the manager, or refuse it at once (draining, or invalid)."""
+    def submit(self, job: Job, draining: bool, alone: bool) -> None:
+        """Queue a job from the manager, run it on this thread now (see the module docstring;
+        ``alone``: no other message from the manager waits behind it), or refuse it at once
+        (draining, or invalid)."""
         if job.job_id in self._inflight:
             log.error("duplicate_job_id", job_id=job.job_id, kind=job.kind)
             return
@@ -249,9 +253,12 @@ class JobRunner:
             return
         self._inflight.add(job.job_id)
         urgent = job.kind in URGENT_KINDS
-        if urgent and self._backend.runs_inline(job):
-            self._run(job)  # its result goes out in this turn of the main loop
-            return
+        if urgent:
+            inline = alone and not self._urgent_inflight and self._backend.runs_inline(job)
+            self._urgent_inflight.add(job.job_id)
+            if inline:
+                self._run(job)  # its result goes out in this turn of the main loop
+                return
         self._queue.put((0 if urgent else 1, next(self._seq), job))
         if urgent:
             # Let a job thread take it now instead of after this turn of the main loop (which
@@ -359,6 +366,7 @@ class JobRunner:
         job = item.job
         done = job_done_of(job, item.outcome, item.transfer_s)
         self._inflight.discard(job.job_id)
+        self._urgent_inflight.discard(job.job_id)
         if done.success:
             self._loop_stats.jobs_done += 1
         else:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kvoffload.config import Config
+from kvoffload.logs import get_logger
 from kvoffload.memory.pool import HostPool
 from kvoffload.runtime.runspec import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, RunSpec, load_runspec
 from kvoffload.wire.protocol import (
@@ -40,6 +41,7 @@ from workers.framework import worker_main
 from workers.jobs import job_done_of, report_landed, validate_job
 
 MODULE = "tests.workers.test_framework"
+log = get_logger()
 IDENTITY = b"test"
 RELEASE_MARK = 0xA5
 SLOTS = 16
@@ -54,11 +56,12 @@ def index_key(i: int) -> bytes:
 
 
 class EchoBackend(NoIndexBackend):
-    """Writes each key into its slot. Keys starting with ``slow`` make the job sleep 0.3 s,
-    ``fail`` fail, ``boom`` raise; ``relfail`` makes the release raise twice, ``cleanfail`` the
-    cleanup raise; an urgent job whose keys start with ``inline`` runs on the main thread. The
-    release writes RELEASE_MARK into the last byte of each slot, so a JobDone seen before the
-    mark shows a result published before its release."""
+    """Writes each key into its slot. Keys containing ``slow`` make the job sleep 0.3 s,
+    ``stall`` 1 s; keys starting with ``fail`` fail, ``boom`` raise; ``relfail`` makes the
+    release raise twice, ``cleanfail`` the cleanup raise; a job whose keys start with
+    ``inline`` may run on the main thread (``runs_inline``). Each job logs the thread it ran
+    on (``echo_job_ran``). The release writes RELEASE_MARK into the last byte of each slot, so
+    a JobDone seen before the mark shows a result published before its release."""
 
     name = "test"
     medium = "memory"
@@ -95,8 +98,11 @@ class EchoBackend(NoIndexBackend):
         assert self._pool is not None
         if any(k.startswith(b"boom") for k in job.keys):
             raise RuntimeError("backend exploded")
-        if any(k.startswith(b"slow") for k in job.keys):
+        log.info("echo_job_ran", job_id=job.job_id, thread=threading.current_thread().name)
+        if any(b"slow" in k for k in job.keys):
             time.sleep(0.3)
+        if any(b"stall" in k for k in job.keys):
+            time.sleep(1.0)
         ok = []
         for i, key in enumerate(job.keys):
             try:
@@ -444,23 +450,53 @@ def test_loads_and_promotions_run_before_queued_stores(manager, make_pool, spawn
     assert order == [1, 3, 5, 2, 4]
 
 
-def test_an_inline_job_runs_on_the_main_thread_ahead_of_busy_job_threads(
+def ran_on(worker, job_id: int) -> str:
+    return next(e["thread"] for e in events_named(worker, "echo_job_ran") if e["job_id"] == job_id)
+
+
+def test_a_lone_urgent_job_runs_on_the_main_thread_while_no_other_urgent_job_is_in_flight(
     manager, make_pool, spawn, short_dir
 ):
     pool, worker = start_worker(
         manager, make_pool, spawn, short_dir, config={"cpu": {"threads": 1}}
     )
-    manager.send(IDENTITY, store(1, [b"slow" + b"s" * 12], [0], kind="promotion"))
+    manager.send(IDENTITY, store(1, [b"slow" + b"s" * 12], [0], kind="cascade"))
     manager.wait_for(Heartbeat, lambda m: m.inflight == 1 and m.stats.loop.queued == 0)
-    manager.send(IDENTITY, store(2, [b"a" * 16], [1], kind="promotion"))
     manager.send(IDENTITY, store(3, [b"inline" + b"i" * 10], [2], kind="promotion"))
+    manager.wait_job_dones([3])
+    manager.send(IDENTITY, store(2, [b"a" * 16], [1], kind="promotion"))
+    manager.send(IDENTITY, store(5, [b"inline" + b"k" * 10], [4], kind="promotion"))
     manager.send(IDENTITY, store(4, [b"inline" + b"j" * 10], [3], kind="cascade"))
-    manager.wait_job_dones([1, 2, 3, 4])
-    dones = {d.job_id: d for d in manager.messages(JobDone)}
-    assert [d.job_id for d in manager.messages(JobDone)] == [3, 1, 2, 4]
-    assert all(d.success for d in dones.values())
+    manager.wait_job_dones([1, 2, 3, 4, 5])
+    assert [d.job_id for d in manager.messages(JobDone)] == [3, 1, 2, 5, 4]
+    assert all(d.success for d in manager.messages(JobDone))
     assert bytes(pool.slot_array(2)[:16]) == b"inline" + b"i" * 10
     assert pool.slot_array(2)[-1] == RELEASE_MARK
+    assert ran_on(worker, 3) == "MainThread"
+    assert ran_on(worker, 5) != "MainThread", "job 2, urgent, was in flight"
+    assert ran_on(worker, 4) != "MainThread", "a cascade is not urgent"
+
+
+def test_urgent_jobs_that_arrive_together_keep_the_job_threads(
+    manager, make_pool, spawn, short_dir
+):
+    pool, worker = start_worker(
+        manager, make_pool, spawn, short_dir, config={"cpu": {"threads": 4}}
+    )
+    manager.send(IDENTITY, store(1, [b"inline-stall" + b"s" * 4], [0], kind="promotion"))
+    deadline = time.monotonic() + 10
+    while not any(e["job_id"] == 1 for e in events_named(worker, "echo_job_ran")):
+        assert time.monotonic() < deadline, "job 1 never ran"
+        time.sleep(0.005)
+    # job 1 holds the main thread for 1 s: the next three arrive together behind it
+    for job_id in (2, 3, 4):
+        manager.send(
+            IDENTITY, store(job_id, [b"inline-%d" % job_id + b"x" * 8], [job_id], "promotion")
+        )
+    manager.wait_job_dones([1, 2, 3, 4])
+    assert all(d.success for d in manager.messages(JobDone))
+    assert ran_on(worker, 1) == "MainThread"
+    assert [ran_on(worker, job_id) for job_id in (2, 3, 4)].count("MainThread") == 0
     manager.wait_for(Heartbeat, lambda m: m.inflight == 0 and m.stats.loop.jobs_done == 4)
 
 
