@@ -2,17 +2,18 @@
 
 A valid ``Job`` is queued for the job threads (loads, promotions and probes before stores and
 cascades), or run on the worker's main thread at once when its backend ``runs_inline`` it and
-it is urgent, alone (no other message waits behind it) and no other urgent job is in flight, so
-concurrent loads keep the job threads' parallelism; an invalid one, or any job while the worker drains, is refused at once with a
-failed ``JobDone``. A job thread runs ``backend.run_job`` and hands the outcome back to the
-worker's main thread, which calls its ``release``: only after that returned is the job's one ``JobDone``
-queued (a result is never early, docs/design/tiering.md). A release that raises keeps the job
-tracked (logged as ``job_release_failed``) and is retried at the next turn; secondary
-``cleanup`` then runs best effort. Job threads never touch the manager's socket: results, and
-the keys a promotion reports landed (``report_landed``), go through deques, and ``wake``
-rouses the main loop. A promotion with a ``LandingTarget`` also tells its client of each
-landed key straight from the job thread (``workers.landing``), and, once the backend's work is
-over, which of its keys failed (``Landed.final``).
+it is urgent, alone (no other message waits behind it) and no other urgent job is in flight,
+so concurrent loads keep the job threads' parallelism; an invalid one, or any job while the
+worker drains, is refused at once with a failed ``JobDone``. A job thread runs
+``backend.run_job`` and hands the outcome back to the worker's main thread, which calls its
+``release``: only after that returned is the job's one ``JobDone`` queued (a result is never
+early, docs/design/tiering.md). A release that raises keeps the job tracked (logged as
+``job_release_failed``) and is retried at the next turn; secondary ``cleanup`` then runs best
+effort. Job threads never touch the manager's socket: results, and the keys a promotion
+reports landed (``report_landed``), go through deques, and ``wake`` rouses the main loop. A
+promotion with a ``LandingTarget`` also tells its client of each landed key straight from the
+thread that runs it (``workers.landing``), and, once the backend's work is over, which of its
+keys failed (``Landed.final``).
 """
 
 from __future__ import annotations
