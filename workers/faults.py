@@ -43,13 +43,19 @@ class FaultInjector:
         return self._spec
 
     @property
+    def delays(self) -> bool:
+        """True when ``maybe_delay`` can sleep (some operations are slowed on purpose)."""
+        s = self._spec
+        return s.delay_s > 0.0 and s.delay_fraction > 0.0
+
+    @property
     def active(self) -> bool:
         """True when any fault can fire."""
         s = self._spec
         return bool(
             s.fail_fraction
             or s.enospc_fraction
-            or (s.delay_fraction and s.delay_s)
+            or self.delays
             or s.corrupt_fraction
             or self._release_failures_left
             or s.crash_after_ops >= 0

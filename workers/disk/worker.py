@@ -265,9 +265,7 @@ class DiskBackend:
     def runs_inline(self, job: Job) -> bool:
         """A one-block promotion (one read of a local file), unless injected faults delay the
         store's operations: a slowed disk's reads stay on the job threads."""
-        spec = self._faults.spec
-        delayed = spec.delay_s > 0 and spec.delay_fraction > 0
-        return job.kind == JobKind.PROMOTION and len(job.keys) == 1 and not delayed
+        return job.kind == JobKind.PROMOTION and len(job.keys) == 1 and not self._faults.delays
 
     def _delete(self, job: Job) -> BackendOutcome:
         """Remove the job's keys (the manager made room for a tenant, or dropped one): every
