@@ -16,8 +16,9 @@ Jobs (``slots[i]`` co-indexed with ``keys[i]``):
 - ``cascade``: ``store.put(key, slot)``; the slot is only read. The record carries the
   checksum of the slot's header when it names the key (taken when the bytes landed in the pool,
   so the check is end to end and the slot is not hashed again), else one taken here. A job's
-  keys are written in parallel, on its job thread and the backend's ``disk.write_threads``
-  writer threads; its result waits for all.
+  keys are written one after another on its job thread, in job order, so they lie in
+  consecutive records that a promotion reads back together; cascades run at once, one a job
+  thread.
 
 Per-key outcomes: a corrupt or absent copy fails the key, reports it removed and, for a
 promotion, lists it in the outcome's ``absent_keys``; a transient
@@ -79,8 +80,6 @@ _UNUSABLE_DIRECTORY = frozenset(
 READ_CHUNKS_PER_THREAD = 1
 """A promotion's chunks per reading thread: larger reads of adjacent records (a 16 x 256 KiB
 cold prefix read 1.01 GB/s with two chunks a thread, 1.05-1.11 with one)."""
-WRITE_CHUNKS_PER_THREAD = 2
-"""A cascade's chunks per writing thread."""
 GONE_REASONS = frozenset({"absent", "corrupt"})
 """Promotion failures that confirm the store no longer holds the key (reported absent)."""
 FULL_REASONS = frozenset({"store_full", "no_space"})
@@ -117,7 +116,6 @@ class DiskBackend:
         self._pool: HostPool | None = None
         self._headers: SlotHeaders | None = None
         self._store: DiskStore | None = None
-        self._writers: ThreadPoolExecutor | None = None
         self._readers: ThreadPoolExecutor | None = None
         self._faults = FaultInjector()
         self._lock = threading.Lock()
@@ -128,8 +126,8 @@ class DiskBackend:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def job_threads(self, cfg: Config) -> int:
-        """Read and write threads together (a job's reads and writes run on its job thread and
-        on the backend's reader and writer threads)."""
+        """Read and write threads together: a promotion reads on its job thread and the
+        backend's reader threads, a cascade writes on its job thread."""
         return cfg.disk.read_threads + cfg.disk.write_threads
 
     def cpu_affinity(self, cfg: Config) -> tuple[int, ...]:
@@ -172,7 +170,6 @@ class DiskBackend:
                 "this user can write"
             ) from exc
         self._store = store
-        self._writers = ThreadPoolExecutor(disk.write_threads, thread_name_prefix="disk-write")
         self._readers = ThreadPoolExecutor(disk.read_threads, thread_name_prefix="disk-read")
         log.info(
             "disk_backend_started",
@@ -184,8 +181,6 @@ class DiskBackend:
         )
 
     def close(self) -> None:
-        if self._writers is not None:
-            self._writers.shutdown()
         if self._readers is not None:
             self._readers.shutdown()
         if self._store is not None:
@@ -342,8 +337,8 @@ class DiskBackend:
                 changed.extend(keys)
 
     def _chunks(self, count: int, helpers: int, per_thread: int) -> list[tuple[int, int]]:
-        """``(start, stop)`` of the chunks of consecutive keys ``count`` keys are read or
-        written in, one thread a chunk: one key first, then each chunk twice the one before,
+        """``(start, stop)`` of the chunks of consecutive keys ``count`` keys are read in, one
+        thread a chunk: one key first, then each chunk twice the one before,
         up to ``READ_RUN_BYTES`` and small enough that each of the ``helpers`` threads and the
         job's own get about ``per_thread`` (the first keys land at once, the rest in few
         reads)."""
@@ -357,43 +352,17 @@ class DiskBackend:
         return chunks
 
     def _cascade_all(self, job: Job, changed: list[bytes], evicted: list[bytes]) -> list[str]:
-        """Write the job's keys in chunks of consecutive keys (``_chunks``; one thread writes a
-        chunk's keys one after another, so their records follow each other on disk and read back
-        together), the chunks in parallel on this thread and up to ``disk.write_threads``
-        writer threads (shared by every job), and wait for all of them. Returns each key's
+        """Write the job's keys one after another on this thread, in job order, so their
+        records follow each other on disk and a promotion of the prefix reads them back in few
+        reads (keys written by several threads at once interleave their records). Writes run
+        in parallel across cascade jobs, one job a job thread. Returns each key's
         ``_cascade_one`` outcome in job order; ``changed`` and ``evicted`` receive the keys in
-        job order, and the stored keys are touched in job order (recency as if written one
-        after another). An exception of one write is raised after every write of the job that
-        started has returned (their keys noted first)."""
+        job order, and the stored keys are touched in job order."""
         pool = self._require_pool()
-        per_changed: list[list[bytes]] = [[] for _ in job.keys]
-        per_evicted: list[list[bytes]] = [[] for _ in job.keys]
-
-        def write(index: int) -> str:
-            key, slot = job.keys[index], job.slots[index]
-            stamped = None if self._headers is None else self._headers.checksum_of(slot, key)
-            return self._cascade_one(
-                key, pool.slot(slot), stamped, per_changed[index], per_evicted[index]
-            )
-
-        def write_chunk(index: int) -> list[str]:
-            start, stop = chunks[index]
-            return [write(i) for i in range(start, stop)]
-
-        chunks = self._chunks(len(job.keys), self._cfg.disk.write_threads, WRITE_CHUNKS_PER_THREAD)
-        writers = self._require_writers()
         outcomes: list[str] = []
-        try:
-            with closing(
-                fan_out(len(chunks), write_chunk, writers, self._cfg.disk.write_threads)
-            ) as got:
-                for chunk_outcomes in got:
-                    outcomes += chunk_outcomes
-        finally:
-            for keys in per_changed:
-                changed.extend(keys)
-            for keys in per_evicted:
-                evicted.extend(keys)
+        for key, slot in zip(job.keys, job.slots, strict=True):
+            stamped = None if self._headers is None else self._headers.checksum_of(slot, key)
+            outcomes.append(self._cascade_one(key, pool.slot(slot), stamped, changed, evicted))
         self._require_store().touch(k for k, f in zip(job.keys, outcomes, strict=True) if not f)
         return outcomes
 
@@ -521,11 +490,6 @@ class DiskBackend:
         if self._readers is None:
             raise RuntimeError("DiskBackend.start was not called")
         return self._readers
-
-    def _require_writers(self) -> ThreadPoolExecutor:
-        if self._writers is None:
-            raise RuntimeError("DiskBackend.start was not called")
-        return self._writers
 
     def _require_pool(self) -> HostPool:
         if self._pool is None:

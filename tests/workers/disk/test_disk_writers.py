@@ -1,7 +1,8 @@
-"""The disk worker's parallel writers and readers: a cascade's keys are written at once on its
-job thread and the writer threads, a promotion's keys read at once on its job thread and the
-reader threads, results and recency stay in job order, and concurrent cascades, promotions and evictions keep every stored record
-correct (real files and a real shared-memory pool)."""
+"""The disk worker's writers and parallel readers: a cascade's keys are written one after another
+on its job thread into consecutive records while cascades run at once, a promotion's keys read
+at once on its job thread and the reader threads, results and recency stay in job order, and
+concurrent cascades, promotions and evictions keep every stored record correct (real files and
+a real shared-memory pool)."""
 
 from __future__ import annotations
 
@@ -92,23 +93,43 @@ def assert_self_consistent(key: bytes, data: bytes) -> None:
     assert data == payload_for(key, version), f"bytes of {key!r} are not a version ever written"
 
 
-def test_a_cascade_writes_its_keys_in_parallel_and_reports_in_job_order(
+def test_cascades_write_their_keys_in_order_into_consecutive_records_while_running_at_once(
     start_backend, pool: HostPool
 ) -> None:
-    faults = SlowOps("write_record", hold_s=0.1)
-    backend = start_backend(faults, capacity_records=16, write_threads=3)
-    keys = [b"p-%d" % i for i in range(6)]
-    for slot, key in enumerate(keys):
+    faults = SlowOps("write_record", hold_s=0.05)
+    backend = start_backend(faults, capacity_records=64, write_threads=2)
+    jobs = [[b"c%d-%d" % (job, i) for i in range(6)] for job in range(2)]
+    for slot, key in enumerate(itertools.chain(*jobs)):
         pool.slot(slot)[:] = payload_for(key, 1)
-    done = run(backend, JobKind.CASCADE, keys, list(range(6)))
-    assert done.ok_keys == keys and not done.error
-    assert faults.most == 4, f"{faults.most} writes at once, not the job thread and 3 writers"
-    assert backend.take_index_changes() == (keys, [])
-    assert backend._require_store().keys() == keys, "recency follows job order"
-    done = run(backend, JobKind.PROMOTION, keys, list(range(8, 14)))
-    assert done.ok_keys == keys
-    for slot, key in enumerate(keys, start=8):
-        assert pool.slot(slot).tobytes() == payload_for(key, 1)
+    with ThreadPoolExecutor(2) as threads:
+        outcomes = list(
+            threads.map(
+                lambda job: run(
+                    backend, JobKind.CASCADE, jobs[job], list(range(job * 6, job * 6 + 6))
+                ),
+                range(2),
+            )
+        )
+    assert [done.ok_keys for done in outcomes] == jobs and not any(d.error for d in outcomes)
+    assert faults.most == 2, f"{faults.most} writes at once, not one per cascade"
+    for keys in jobs:
+        assert [k for k in faults.order if k in keys] == keys, "a cascade writes in job order"
+    store = backend._require_store()
+    for keys in jobs:
+        records = [store._index.record_of(key) for key in keys]
+        first = records[0]
+        assert first is not None
+        assert records == list(range(first, first + 6)), (
+            f"records {records} do not follow each other"
+        )
+    assert store.keys()[-6:] in jobs, "recency follows job order"
+    added, removed = backend.take_index_changes()
+    assert sorted(added) == sorted(itertools.chain(*jobs)) and removed == []
+    for job, keys in enumerate(jobs):
+        dests = list(range(16 + job * 6, 22 + job * 6))
+        assert run(backend, JobKind.PROMOTION, keys, dests).ok_keys == keys
+        for slot, key in zip(dests, keys, strict=True):
+            assert pool.slot(slot).tobytes() == payload_for(key, 1)
 
 
 def test_a_promotion_reads_its_keys_in_parallel_and_reports_in_job_order(
