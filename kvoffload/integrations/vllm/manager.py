@@ -42,6 +42,7 @@ raises into vLLM's scheduler loop; requests are registered again with a restarte
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
@@ -114,6 +115,8 @@ class KVOffloadManager(OffloadingManager):
         self._touched: dict[bytes, None] = {}
         self._failed_stores: set[bytes] = set()
         self._store_checksums: dict[bytes, dict[int, int]] = {}
+        self._store_order: dict[bytes, int] = {}
+        self._store_sequence = itertools.count()
         self._slices = slices
         self._slice_bytes = slice_bytes if slices > 1 else 0
         self.stats = StatsAccumulator()
@@ -475,6 +478,8 @@ class KVOffloadManager(OffloadingManager):
             return None
         if slots.keys:
             state.open_stores += 1
+        for nkey in slots.keys:
+            self._store_order[nkey] = next(self._store_sequence)
         spec = PoolBlocks.in_pool(
             self._link.info, req_context.req_id, list(slots.keys), list(slots.slots)
         )
@@ -492,7 +497,13 @@ class KVOffloadManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         state = self._requests.get(req_context.req_id)
-        nkeys = [self._key(k) for k in keys]
+        # vLLM hands the keys over as a set: send them in the order they were prepared (a
+        # prefix's order), which the service's tiers keep, so a prefix lies on disk in
+        # consecutive records that a promotion reads back together.
+        order = self._store_order
+        nkeys = sorted((self._key(k) for k in keys), key=lambda nkey: order.get(nkey, -1))
+        for nkey in nkeys:
+            order.pop(nkey, None)
         failed = self._failed_stores.intersection(nkeys)
         self._failed_stores.difference_update(failed)
         digests = [self._store_checksums.pop(k, {}) for k in nkeys]
@@ -559,6 +570,7 @@ class KVOffloadManager(OffloadingManager):
         self._fenced = False
         self._failed_stores.clear()
         self._store_checksums.clear()
+        self._store_order.clear()
         self._reset_service()
 
     def expect_reset_flushed(self) -> None:
