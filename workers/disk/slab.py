@@ -101,8 +101,10 @@ FAULT_OPS = (
 )
 
 MAX_READ_ERRORS = 3
-READ_RUN_BYTES = 1 << 20
-"""Payload bytes of adjacent records that one ``preadv`` of ``get_many`` reads at most."""
+READ_RUN_BYTES = 1 << 19
+"""Payload bytes of adjacent records that one ``preadv`` of ``get_many`` reads at most (a
+promotion's chunk of 1 MiB goes as two reads of 512 KiB: a 64 x 256 KiB cold prefix whose
+records all follow each other read at 0.97 GB/s so, 0.78 in reads of 1 MiB)."""
 MAX_RUN_RECORDS = 256
 """Records of one such read at most (two buffers each, within the kernel's IOV_MAX)."""
 SCAN_THREADS = 8

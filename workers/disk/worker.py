@@ -60,7 +60,7 @@ from kvoffload.wire.status import DiskWorkerStats
 from workers.backend import INDEX_BATCH_KEYS, BackendOutcome
 from workers.disk.errors import LayoutError, StoreFull, TransientIOError
 from workers.disk.fanout import fan_out
-from workers.disk.slab import READ_RUN_BYTES, DiskStore
+from workers.disk.slab import DiskStore
 from workers.faults import FaultInjector
 from workers.jobs import REPORT_BYTES, LandedBatch
 from workers.slotheaders import SlotHeaders
@@ -80,6 +80,9 @@ _UNUSABLE_DIRECTORY = frozenset(
 READ_CHUNKS_PER_THREAD = 1
 """A promotion's chunks per reading thread: larger reads of adjacent records (a 16 x 256 KiB
 cold prefix read 1.01 GB/s with two chunks a thread, 1.05-1.11 with one)."""
+READ_CHUNK_BYTES = 1 << 20
+"""Payload bytes of a promotion's largest chunk (one thread reads it, in runs of at most
+``READ_RUN_BYTES``)."""
 GONE_REASONS = frozenset({"absent", "corrupt"})
 """Promotion failures that confirm the store no longer holds the key (reported absent)."""
 FULL_REASONS = frozenset({"store_full", "no_space"})
@@ -339,11 +342,11 @@ class DiskBackend:
     def _chunks(self, count: int, helpers: int, per_thread: int) -> list[tuple[int, int]]:
         """``(start, stop)`` of the chunks of consecutive keys ``count`` keys are read in, one
         thread a chunk: one key first, then each chunk twice the one before,
-        up to ``READ_RUN_BYTES`` and small enough that each of the ``helpers`` threads and the
+        up to ``READ_CHUNK_BYTES`` and small enough that each of the ``helpers`` threads and the
         job's own get about ``per_thread`` (the first keys land at once, the rest in few
         reads)."""
         block_bytes = self._require_pool().block_bytes
-        most = max(1, min(READ_RUN_BYTES // block_bytes, count // (per_thread * (helpers + 1))))
+        most = max(1, min(READ_CHUNK_BYTES // block_bytes, count // (per_thread * (helpers + 1))))
         chunks: list[tuple[int, int]] = []
         start, size = 0, 1
         while start < count:
