@@ -341,8 +341,8 @@ class DiskBackend:
 
     def _chunks(self, count: int, helpers: int, per_thread: int) -> list[tuple[int, int]]:
         """``(start, stop)`` of the chunks of consecutive keys ``count`` keys are read in, one
-        thread a chunk: one key first, then each chunk twice the one before,
-        up to ``READ_CHUNK_BYTES`` and small enough that each of the ``helpers`` threads and the
+        thread a chunk: one key first, then each chunk twice the one before, up to
+        ``READ_CHUNK_BYTES`` and small enough that each of the ``helpers`` threads and the
         job's own get about ``per_thread`` (the first keys land at once, the rest in few
         reads)."""
         block_bytes = self._require_pool().block_bytes
