@@ -14,7 +14,8 @@ from workers.peer.seal import TAG_BYTES, SealBroken, open_bytes, open_into, seal
 
 @pytest.mark.parametrize("size", [1, 16, 17, 4096, 262144])
 def test_a_sealed_block_opens_into_a_buffer_of_its_own_size(size: int) -> None:
-    key, nonce = os.urandom(32), peer_seal_nonce(7, 1)
+    # A fixed key: with a random one, a 1-byte block's ciphertext equals it once in 256 runs.
+    key, nonce = bytes(range(32)), peer_seal_nonce(7, 1)
     block = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     sealed = seal(key, nonce, memoryview(block))
     assert len(sealed) == size + TAG_BYTES and bytes(sealed[:size]) != block.tobytes()
