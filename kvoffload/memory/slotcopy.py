@@ -49,9 +49,12 @@ from kvoffload.memory.blockformat import payload_checksum
 
 log = get_logger()
 
-PARALLEL_MIN_BYTES = 1 << 20
-"""Transfers smaller than this are not split (a thread hand-off costs about 100 µs on a busy
-2-core VM, the time to copy 0.5-1 MiB)."""
+PARALLEL_MIN_BYTES = 8 << 20
+"""Transfers smaller than this are not split. Copies from memory into memory share its
+bandwidth: two threads copied and hashed 1.35-1.4 times as fast as one on the machines
+measured, not twice, while waking a helper and waiting for its part cost about 200 µs
+on a 2-core VM. A call of 4 MiB took as long on two threads as on one, 2 MiB longer; one of
+16 MiB a quarter less (``docs/benchmarks.md``, "Copies split from 8 MiB")."""
 MAX_PART_BYTES = 8 << 20
 """The largest part of a call that other calls keep the threads busy around (see
 ``SlotCopier._part_count``)."""

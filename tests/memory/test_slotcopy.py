@@ -214,11 +214,12 @@ def test_a_size_mismatch_is_a_value_error():
 
 
 def test_small_transfers_stay_on_the_calling_thread_and_large_ones_split_by_bytes():
-    assert _shares([PARALLEL_MIN_BYTES // 4] * 3, threads=4) == [range(3)]
-    assert _shares([MIB] * 8, threads=4) == [range(2), range(2, 4), range(4, 6), range(6, 8)]
-    assert _shares([4 * MIB, MIB, MIB, MIB, MIB], threads=2) == [range(1), range(1, 5)]
-    assert _shares([MIB] * 3, threads=8) == [range(1), range(1, 2), range(2, 3)]
-    assert _shares([MIB] * 8, threads=1) == [range(8)]
+    unit = PARALLEL_MIN_BYTES // 4
+    assert _shares([unit] * 3, threads=4) == [range(3)]
+    assert _shares([unit] * 8, threads=4) == [range(2), range(2, 4), range(4, 6), range(6, 8)]
+    assert _shares([4 * unit, unit, unit, unit, unit], threads=2) == [range(1), range(1, 5)]
+    assert _shares([2 * unit] * 3, threads=8) == [range(1), range(1, 2), range(2, 3)]
+    assert _shares([unit] * 8, threads=1) == [range(8)]
 
 
 def test_a_copier_needs_at_least_the_calling_thread():
