@@ -140,7 +140,7 @@ class TieringLedger:
         )
         self.deadlines = PendingDeadlines(hit_pending_deadline_s, states, self.stats, clock)
         self._lookup = PrefixLookup(
-            self.primary, self.tiers, self.stats, self.deadlines, self._start_promotion, owners
+            self.primary, self.tiers, self.stats, self.deadlines, self._start_promotions, owners
         )
         self.tenancy = Tenancy(
             owners,
@@ -212,6 +212,29 @@ class TieringLedger:
         """Submit the request's queued promotions now instead of at the step's end (one job
         per tier), each carrying ``landing``; returns them (also in ``take_submissions``)."""
         return self.promotions.flush(req_id, landing)
+
+    def _start_promotions(
+        self, state: RequestState, wanted: Sequence[tuple[int, Key]], protected: Collection[Key]
+    ) -> int:
+        """Promote each ``(tier index, key)`` of ``wanted`` (keys absent from the pool, no two
+        alike) for the request, in order; returns how many started: all, or those before the
+        first that found no slot (``_start_promotion``). Slots for all of them at once when
+        the room needs no dirty key and no tenant rules apply: the same slots and evictions
+        as one at a time."""
+        if len(wanted) > 1 and not self.tenancy.active:
+            allocated = self.eviction.allocate_clean([key for _, key in wanted], protected)
+            if allocated is not None:
+                self._record_evictions(allocated.evicted)
+                now = self._clock()
+                req_id = state.ctx.req_id
+                for (tier_idx, key), slot in zip(wanted, allocated.slots, strict=True):
+                    self.promotions.queue(tier_idx, req_id, key, slot)
+                    self.deadlines.arm(state, key, now)
+                return len(wanted)
+        for started, (tier_idx, key) in enumerate(wanted):
+            if not self._start_promotion(tier_idx, state, key, protected):
+                return started
+        return len(wanted)
 
     def _start_promotion(
         self, tier_idx: int, state: RequestState, key: Key, protected: Collection[Key]

@@ -122,6 +122,17 @@ class SecondaryTier:
             (LookupResult.HIT, MissReason.NONE) if found else (LookupResult.MISS, MissReason.ABSENT)
         )
 
+    def holds(self, key: Key, req_id: str) -> bool | None:
+        """What ``lookup`` answers for ``key`` where it can answer without side effects: True
+        (HIT) or False (MISS, absent) on an indexed tier; None where only ``lookup`` can
+        answer (a probed tier, or a key whose load failed for the request)."""
+        if not self.spec.indexed:
+            return None
+        failed = self._failed.get(req_id)
+        if failed is not None and key in failed:
+            return None
+        return key in self.index
+
     def knows(self, key: Key) -> bool:
         """True if the tier is known to hold the key (no probe is started)."""
         if self.spec.indexed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 
 import msgspec
@@ -28,16 +29,17 @@ class TieringStats:
     def tier(self, index: int) -> TierCounters:
         return self._tiers[index]
 
-    def tier_lookup(self, index: int, result: LookupResult) -> None:
+    def tier_lookup(self, index: int, result: LookupResult, count: int = 1) -> None:
+        """``count`` lookups of the tier answered ``result``."""
         tier = self._tiers[index]
         if result is LookupResult.HIT:
-            tier.lookups_hit += 1
+            tier.lookups_hit += count
         elif result is LookupResult.HIT_PENDING:
-            tier.lookups_hit_pending += 1
+            tier.lookups_hit_pending += count
         elif result is LookupResult.RETRY:
-            tier.lookups_retry += 1
+            tier.lookups_retry += count
         else:
-            tier.lookups_miss += 1
+            tier.lookups_miss += count
 
     def cascade_dropped(self, index: int, reason: CascadeDrop, keys: int) -> None:
         tier = self._tiers[index]
@@ -84,8 +86,8 @@ class TieringStats:
     def record_lookups(self, hits: int, others: Iterable[LookupResult]) -> None:
         """Results of one batched lookup as the engine sees them (primary view)."""
         self._tiers[0].lookups_hit += hits
-        for result in others:
-            self.tier_lookup(0, result)
+        for result, count in collections.Counter(others).items():
+            self.tier_lookup(0, result, count)
 
     @property
     def promotion_amplification(self) -> float | None:

@@ -88,6 +88,14 @@ class Eviction:
                 return allocated
         return self.primary.allocate(keys, guard(protected) if guard else protected)
 
+    def allocate_clean(self, keys: Sequence[Key], protected: Collection[Key]) -> Allocation | None:
+        """``allocate`` where the room needs no key dirty for a best-effort tier; None (nothing
+        changed) where it would, or where there is no room at all."""
+        dirty = self.cascades.best_effort_dirty()
+        return self.primary.allocate(
+            keys, _Protected(protected, dirty) if any(dirty) else protected
+        )
+
     def evict(self, n: int, protected: Collection[Key]) -> list[Key] | None:
         """``PrimaryIndex.evict`` under the same rules (a tenant over its cap making room)."""
         dirty = self.cascades.best_effort_dirty()

@@ -464,6 +464,39 @@ def test_promotion_never_evicts_keys_of_the_same_lookup():
     assert reply.reasons[-1] is MissReason.PRIMARY_FULL
 
 
+def test_promotions_start_up_to_the_first_key_that_finds_no_slot(h):
+    r = h.new()
+    h.m.prepare_store(r, [k(i) for i in range(10, 13)])  # 3 of the 5 slots in flight
+    put_in_tier(h, "disk", [k(i) for i in range(1, 6)])
+    reply = h.m.lookup(r, [k(i) for i in range(1, 6)])
+    assert reply.results == [HIT_PENDING, HIT_PENDING, MISS]
+    assert reply.reasons == [MissReason.NONE, MissReason.NONE, MissReason.PRIMARY_FULL]
+    assert reply.hit_prefix == 2
+    assert h.m.stats.promotion_allocation_failures == 1
+    assert h.m.stats.tier(1).lookups_hit == 3  # k4 and k5 were never looked at
+    h.m.end_step()
+    assert [j.keys for j in h.jobs()] == [[k(1), k(2)]]
+
+
+def test_a_key_asked_twice_in_a_lookup_is_promoted_once(h):
+    put_in_tier(h, "disk", [k(1), k(2)])
+    r = h.new()
+    reply = h.m.lookup(r, [k(1), k(2), k(1)])
+    assert reply.results == [HIT_PENDING] * 3
+    h.m.end_step()
+    assert [j.keys for j in h.jobs()] == [[k(1), k(2)]]
+
+
+def test_promotions_before_and_after_a_pending_write_start_in_order(h):
+    a, b = h.new("a"), h.new("b")
+    h.m.prepare_store(b, [k(3)])  # being written for another request
+    put_in_tier(h, "disk", [k(1), k(2), k(4)])
+    reply = h.m.lookup(a, [k(1), k(2), k(3), k(4)])
+    assert reply.results == [HIT_PENDING] * 4
+    h.m.end_step()
+    assert [j.keys for j in h.jobs()] == [[k(1), k(2), k(4)]]
+
+
 def test_miss_reasons_evicted_and_filtered():
     h = Harness(num_slots=1)
     r = h.new()

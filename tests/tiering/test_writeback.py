@@ -4,6 +4,7 @@ a store that finds no clean room is refused at once, best-effort tiers lose bloc
 from kvoffload.tiering import (
     JobKind,
     Locality,
+    LookupResult,
     Medium,
     TieringLedger,
     TierSpec,
@@ -144,6 +145,22 @@ def test_best_effort_blocks_go_last_and_counted_held_ones_never(captured_logs):
     h.m.complete_store(r, out.keys_to_store)
     assert h.m.prepare_store(r, [k(6)]) is None, "k3, k4, k5 wait for the disk: held"
     assert dropped(captured_logs, "disk", "evicted") == []
+
+
+def test_promotions_use_clean_room_first_as_one_at_a_time():
+    h = WriteBackHarness(num_slots=3, specs=(DISK, OBJECT))
+    r = h.new()
+    h.store(r, [k(1)])
+    h.answer(h.jobs())  # k1: clean everywhere
+    h.m.set_tier_online("object", False)
+    h.store(r, [k(2)])
+    h.store(r, [k(3)])
+    h.answer(h.jobs())  # k2, k3: on disk, dirty for the object only
+    h.m.touch([k(1)])  # LRU alone would evict k2 and k3
+    h.m.apply_index_update("disk", [k(10), k(11)], [])
+    reply = h.m.lookup(r, [k(10), k(11)])
+    assert reply.results == [LookupResult.HIT_PENDING] * 2
+    assert [key in h.m.primary for key in (k(1), k(2), k(3))] == [False, False, True]
 
 
 def test_cascades_go_out_in_jobs_of_bounded_size_within_the_bound_and_in_order():
