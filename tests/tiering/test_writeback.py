@@ -125,12 +125,19 @@ def test_a_reset_gives_up_what_an_offline_hold_tier_never_got(captured_logs):
     assert h.m.snapshot().tiers["disk"].dirty_keys == 0
 
 
-def test_best_effort_blocks_go_last_and_counted_held_ones_never(captured_logs):
+def clean_block_then_object_offline() -> tuple[WriteBackHarness, str]:
+    """Three slots over a HOLD disk tier and a best-effort object tier: k1 stored and clean
+    everywhere, then the object tier offline (what is stored next stays dirty for it)."""
     h = WriteBackHarness(num_slots=3, specs=(DISK, OBJECT))
     r = h.new()
     h.store(r, [k(1)])
-    h.answer(h.jobs())  # k1: clean everywhere
+    h.answer(h.jobs())
     h.m.set_tier_online("object", False)
+    return h, r
+
+
+def test_best_effort_blocks_go_last_and_counted_held_ones_never(captured_logs):
+    h, r = clean_block_then_object_offline()
     h.store(r, [k(2)])
     h.answer(h.jobs())  # k2: on disk, dirty for the object only
     h.m.set_tier_online("disk", False)
@@ -148,11 +155,7 @@ def test_best_effort_blocks_go_last_and_counted_held_ones_never(captured_logs):
 
 
 def test_promotions_use_clean_room_first_as_one_at_a_time():
-    h = WriteBackHarness(num_slots=3, specs=(DISK, OBJECT))
-    r = h.new()
-    h.store(r, [k(1)])
-    h.answer(h.jobs())  # k1: clean everywhere
-    h.m.set_tier_online("object", False)
+    h, r = clean_block_then_object_offline()
     h.store(r, [k(2)])
     h.store(r, [k(3)])
     h.answer(h.jobs())  # k2, k3: on disk, dirty for the object only
