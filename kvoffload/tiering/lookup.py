@@ -107,7 +107,9 @@ class PrefixLookup:
         protected = set(keys) if leading_hits < len(keys) else ()
         primary_lookup = self.primary.lookup
         none = MissReason.NONE
-        allowed = self._allowed_tiers(state) if not owners_apply else []
+        allowed = (
+            self._allowed_tiers(state) if leading_hits < len(keys) and not owners_apply else []
+        )
         wanted: list[_Wanted] = []
         wanted_keys: set[Key] = set()
         for key in keys[leading_hits:]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import msgspec
 
@@ -83,9 +83,11 @@ class TieringStats:
         else:
             tier.probe_jobs_failed += not success
 
-    def record_lookups(self, hits: int, others: Iterable[LookupResult]) -> None:
+    def record_lookups(self, hits: int, others: Sequence[LookupResult]) -> None:
         """Results of one batched lookup as the engine sees them (primary view)."""
         self._tiers[0].lookups_hit += hits
+        if not others:
+            return
         for result, count in collections.Counter(others).items():
             self.tier_lookup(0, result, count)
 
