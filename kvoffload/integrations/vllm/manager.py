@@ -418,13 +418,12 @@ class KVOffloadManager(OffloadingManager):
         self._maybe_forget(state)
 
     def hits_in_pool(self, req_id: str, keys: Iterable[OffloadKey]) -> bool:
-        """Whether every key is pinned for the request in the host pool, found there by its
-        lookup (not promoted from a secondary tier), so its load can be done at once."""
+        """Whether every key is pinned for the request in the host pool (found there by its
+        lookup, or told landed there by a promotion), so its load can be done at once."""
         state = self._requests.get(req_id)
         if state is None:
             return False
-        nkeys = [self._key(k) for k in keys]
-        return all(k in state.pinned and k not in state.promoted for k in nkeys)
+        return all(self._key(k) in state.pinned for k in keys)
 
     def note_failed_loads(self, req_id: str, nkeys: Iterable[bytes]) -> None:
         """Loads of ``nkeys`` failed in a worker: MISS for this request from now on."""

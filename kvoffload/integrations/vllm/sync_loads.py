@@ -10,8 +10,8 @@ synchronous when:
 
 - the model has one KV cache group (vLLM takes a failed synchronous load of a model with several
   only as an engine error);
-- every hit key is in kvoffload's host pool, pinned by this step's lookup (a key that had to be
-  promoted from a disk or object tier stays asynchronous);
+- every hit key is pinned for the request in kvoffload's host pool (found there by a lookup, or
+  promoted there from a disk or object tier and told landed);
 - at least one token is left to compute, and the hit fits in what is left of the step's budget
   of ``sync_load_budget_bytes`` (per worker).
 

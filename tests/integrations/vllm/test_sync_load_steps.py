@@ -53,7 +53,7 @@ def test_a_hit_is_synchronous_only_when_every_condition_holds():
     assert asked[-1] == ("r1", ["r1-k0", "r1-k1", "r1-k2"])
     # 3 of the 5 chunks of budget are taken: r2's 4 do not fit this step
     assert not sync.choose(sched, request("r2"), 0, 4 * CHUNK, True)
-    # a key the pool does not hold (or a promoted one): asynchronous
+    # a key the pool does not hold: asynchronous
     assert not sync.choose(sched, request("r3"), 0, CHUNK, True)
     sched._req_status["r2"].partial_tail_boundary = 100
     meta = sync.end_step(SimpleNamespace(load_jobs={}, store_jobs={}, jobs_to_flush=None))
