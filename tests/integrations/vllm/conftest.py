@@ -303,6 +303,21 @@ def primary_hits(service: ServiceHarness) -> int:
     return service.status().tiering.per_tier["primary"].lookups_hit
 
 
+def promoted(service: ServiceHarness, tier: str) -> int:
+    return service.status().tiering.per_tier[tier].promoted_keys_ok
+
+
+def promoted_once(service: ServiceHarness, tier: str, count: int) -> int:
+    """The keys promoted from ``tier`` once at least ``count``. The count lags a hit: a worker
+    tells the engine of each promoted block as it lands, and the engine may load it before the
+    manager has taken that job's result."""
+    return wait_until(
+        lambda: (n := promoted(service, tier)) >= count and n,
+        10.0,
+        f"{count} keys promoted from {tier}",
+    )
+
+
 def on_disk(service: ServiceHarness) -> int:
     return service.status().tiering.tiers["disk"].indexed_keys
 

@@ -21,6 +21,8 @@ from kvoffload.testing.service import ServiceHarness  # noqa: E402
 from tests.integrations.vllm.conftest import (  # noqa: E402
     offload,
     primary_hits,
+    promoted,
+    promoted_once,
     same_output,
 )
 
@@ -29,10 +31,6 @@ pytestmark = [
     # a two-rank engine starts in about a minute on two cores, and more on a loaded machine
     pytest.mark.timeout(900),
 ]
-
-
-def disk_promotions(service: ServiceHarness) -> int:
-    return service.status().tiering.per_tier["disk"].promoted_keys_ok
 
 
 def test_both_ranks_hits_after_reset_are_served_and_identical(engines, service, reference, case):
@@ -65,13 +63,15 @@ def test_the_prefix_comes_back_from_disk(engines, service, reference, case):
     offload(engine, service, case, prompt, cascaded=True)
     with service.client("reset") as client:
         client.reset_cache()
-    promoted_before = disk_promotions(service)
+    promoted_before = promoted(service, "disk")
     assert engine.reset_prefix_cache()
 
     out = engine.generate([prompt])[0]
 
     assert out["cached"] == case.full_tokens
-    assert disk_promotions(service) - promoted_before == case.keys
+    assert promoted_once(service, "disk", promoted_before + case.keys) == (
+        promoted_before + case.keys
+    )
     same_output(out, reference(prompt, case.full_tokens))
 
 
@@ -122,7 +122,7 @@ def test_blocks_survive_a_manager_killed_between_store_and_load(engines, service
     os.kill(old_pid, signal.SIGKILL)
     wait_until(lambda: _verified_manager(service, old_pid), 60.0, "a verified new manager", 0.1)
     hits_before = primary_hits(service)  # the new manager's counters start from zero
-    promoted_before = disk_promotions(service)
+    promoted_before = promoted(service, "disk")
     assert engine.reset_prefix_cache()
     deadline = time.monotonic() + 30
     out = engine.generate([prompt])[0]
@@ -133,8 +133,8 @@ def test_blocks_survive_a_manager_killed_between_store_and_load(engines, service
 
     assert out["cached"] == case.full_tokens
     assert primary_hits(service) - hits_before >= case.keys  # from the pool the new manager kept
-    assert disk_promotions(service) == promoted_before
     same_output(out, reference(prompt, case.full_tokens))
+    assert promoted(service, "disk") == promoted_before
 
 
 def _verified_manager(service: ServiceHarness, dead_pid: int) -> bool:
