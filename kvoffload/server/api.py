@@ -316,12 +316,19 @@ class ClientApi:
         checksums: list[list[int]] = []
         if msg.pin:
             # results, and so slots, stop after the first MISS: msg.keys may be longer
-            hit_keys = [
-                k for k, r in zip(msg.keys, reply.results, strict=False) if r is LookupResult.HIT
-            ]
-            pinned = iter(self.tiering.prepare_load(scoped, hit_keys) if hit_keys else [])
+            evaluated = len(reply.results)
+            if reply.ready_prefix == evaluated:  # every key evaluated is HIT
+                hit_keys = msg.keys[:evaluated]
+                slots = self.tiering.prepare_load(scoped, hit_keys) if hit_keys else []
+            else:
+                hit_keys = [
+                    k
+                    for k, r in zip(msg.keys, reply.results, strict=False)
+                    if r is LookupResult.HIT
+                ]
+                pinned = iter(self.tiering.prepare_load(scoped, hit_keys) if hit_keys else [])
+                slots = [next(pinned) if r is LookupResult.HIT else -1 for r in reply.results]
             session.add_pins(hit_keys)
-            slots = [next(pinned) if r is LookupResult.HIT else -1 for r in reply.results]
             warm = self.state.warm
             checksums = (
                 warm.checksums_of(msg.keys, slots) if warm is not None else [[] for _ in slots]

@@ -16,6 +16,7 @@ key that becomes ready and of every ready key that leaves, ``reset`` included
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol
@@ -227,10 +228,12 @@ class PrimaryIndex:
         """+1 reader on each key (all must be ready, else NotReady and nothing changes)."""
         keys = list(keys)
         refs, holds = self._refs, self._holds
-        for key in keys:
-            ref = refs.get(key)
-            if ref is None or ref == WRITING:
-                raise NotReady(f"key {key.hex()} is not ready in the primary tier")
+        found = list(map(refs.get, keys))
+        if None in found or WRITING in found:
+            bad = next(
+                k for k, ref in zip(keys, found, strict=True) if ref is None or ref == WRITING
+            )
+            raise NotReady(f"key {bad.hex()} is not ready in the primary tier")
         for key in keys:
             ref = refs[key]
             if ref == 0 and key not in holds:
@@ -243,9 +246,9 @@ class PrimaryIndex:
         """-1 reader on each key; a key that is not pinned is a protocol violation."""
         keys = list(keys)
         refs, holds = self._refs, self._holds
-        for key in keys:
-            if refs.get(key, 0) <= 0:
-                raise ProtocolViolation(f"key {key.hex()} is not pinned")
+        if min(map(refs.get, keys, itertools.repeat(0)), default=1) <= 0:
+            bad = next(k for k in keys if refs.get(k, 0) <= 0)
+            raise ProtocolViolation(f"key {bad.hex()} is not pinned")
         for key in keys:
             ref = refs[key] - 1
             refs[key] = ref

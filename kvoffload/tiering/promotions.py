@@ -118,6 +118,8 @@ class Promotions:
     def read(self, state: RequestState, keys: Iterable[Key]) -> None:
         """The request pinned these keys for a load: their unread pins go, and a promoted key
         counts as consumed."""
+        if not state.unread and not self._landed:
+            return
         for key in keys:
             if key in state.unread:
                 state.unread.discard(key)
