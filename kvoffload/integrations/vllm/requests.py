@@ -123,6 +123,11 @@ def lookup_queued(
         batch: list[bytes], known: dict[bytes, LookupResult], told: list[LookupResult]
     ) -> list[LookupResult]:
         """``batch``'s answers: the ``known`` keys' and, in order, the service's (``told``)."""
+        if not known:
+            results = list(told[: len(batch)])
+            for key in batch[: len(results)]:
+                unanswered.pop(key, None)
+            return results
         answers = iter(told)
         results = []
         for key in batch:
@@ -173,12 +178,23 @@ def record_lookup(
 ) -> list[LookupResult]:
     """Record the service's answers for ``keys`` (a prefix of them: up to the first MISS);
     every HIT is pinned for this engine. Returns the answers."""
-    if len(outcome.slots) != len(outcome.results):
+    if len(outcome.slots) != len(outcome.raw_results):
         log.error(
             "kvoffload_lookup_without_pins req_id=%s: the service ignored pin", state.ctx.req_id
         )
         state.missed.update(keys)
         return [LookupResult.MISS] * len(keys)
+    if (
+        outcome.ready_prefix == len(outcome.raw_results) == len(keys) == len(outcome.checksums)
+        and not outcome.landing_slots
+        and not state.uncertain
+        and not state.promoted
+    ):  # every key a HIT found in the pool (a whole prefix found there): pin them at once
+        state.pinned.update(
+            zip(keys, zip(outcome.slots, outcome.checksums, strict=True), strict=True)
+        )
+        stats.add(Counter.HIT_BLOCKS, len(keys), "host")
+        return [LookupResult.HIT] * len(keys)
     results = [_VLLM_RESULT[code] for code in outcome.raw_results]
     for key, slot in zip(keys, outcome.landing_slots, strict=False):
         if slot >= 0:
