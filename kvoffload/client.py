@@ -638,10 +638,14 @@ class KVOffloadClient:
     def touch(self, keys: list[bytes]) -> None:
         self._call(p.Touch, p.Ok, keys=keys)
 
-    def finish_request(self, req_id: str) -> None:
-        """Finish the request; this client forgets it even when the call fails."""
+    def finish_request(self, req_id: str, wait: bool = True) -> None:
+        """Finish the request; this client forgets it even when the call fails. ``wait=False``
+        sends the call without waiting for its reply (an error lands in ``deferred_errors``)."""
         try:
-            self._call(p.FinishRequest, p.Ok, req_id=req_id)
+            if wait:
+                self._call(p.FinishRequest, p.Ok, req_id=req_id)
+            else:
+                self._send_unawaited(p.FinishRequest, {"req_id": req_id})
         finally:
             self._requests.pop(req_id, None)
 

@@ -59,7 +59,7 @@ MAX_KEYS_PER_CALL = 65536
 
 def _errors_only(msg: p.ClientRequest) -> bool:
     """The client asked for no Ok reply to ``msg`` (``CompleteStore.errors_only``)."""
-    return isinstance(msg, (p.CompleteStore, p.CompleteLoad)) and msg.errors_only
+    return isinstance(msg, (p.CompleteStore, p.CompleteLoad, p.FinishRequest)) and msg.errors_only
 
 
 class ClientApi:

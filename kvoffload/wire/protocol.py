@@ -236,8 +236,12 @@ class Touch(_Msg, tag="touch"):
 
 
 class FinishRequest(_Msg, tag="finish_request"):
+    """The request is over: no call may start anything for it any more, and its landing waits
+    and the pins of its unread promotions go (``errors_only`` as in ``CompleteStore``)."""
+
     rid: int
     req_id: str
+    errors_only: bool = False
 
 
 class EndStep(_Msg, tag="end_step"):

@@ -115,6 +115,15 @@ def test_completions_sent_without_waiting_take_effect_in_order_and_report_errors
         assert [e.code for e in client.deferred_errors] == ["not_pinned"]
         assert isinstance(client.deferred_errors[0], KVOffloadError)
 
+        client.finish_request("r", wait=False)
+        with pytest.raises(KVOffloadError) as finished:  # the finish took effect first
+            client.lookup("r", keys)
+        assert finished.value.code == "unknown_request"
+        assert len(client.deferred_errors) == 1  # the finish itself was answered with nothing
+        client.finish_request("r", wait=False)  # finished already: refused later
+        client.status()
+        assert [e.code for e in client.deferred_errors] == ["not_pinned", "unknown_request"]
+
 
 def test_a_completion_sent_errors_only_is_answered_only_when_it_fails(start_service):
     service = start_service(block_bytes=BLOCK)

@@ -135,7 +135,8 @@ class ServiceLink:
 
     def call(self, fn: Callable[[KVOffloadClient], T]) -> T:
         """Run one client call. ServiceDown if the link is (or just went) down;
-        KVOffloadError for a typed error the service answered."""
+        KVOffloadError for a typed error the service answered. Errors the service answered
+        to calls sent without waiting (``wait=False``), read meanwhile, are logged."""
         if self._client is None:
             self._take_handover()
             if self._client is None:
@@ -157,6 +158,15 @@ class ServiceLink:
             log.exception("kvoffload_call_failed endpoint=%s", self.endpoint)
             self._lost(f"{type(exc).__name__}: {exc}")
             raise ServiceDown(str(exc)) from None
+        finally:
+            while client.deferred_errors:
+                deferred = client.deferred_errors.popleft()
+                log.warning(
+                    "kvoffload_unawaited_call_failed endpoint=%s code=%s error=%s",
+                    self.endpoint,
+                    deferred.code,
+                    deferred.message,
+                )
 
     def _lost(self, why: str) -> None:
         client, self._client = self._client, None

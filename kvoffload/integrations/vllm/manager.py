@@ -8,8 +8,10 @@ engine in the same round trip, so ``prepare_load`` never fails: it only hands ov
 
 Pins. A pinned key is released by ``complete_load`` after its load, or, if vLLM never loads
 it, when its request finishes; the release is sent without waiting for its reply (the
-service handles this engine's calls in order). ``reset_cache`` and a lost service session
-drop every pin at the service, so the tables are cleared with them.
+service handles this engine's calls in order), as are a store's completion and a request's
+finish: vLLM's scheduler never waits on them. An error the service answers to one is logged
+(``kvoffload_unawaited_call_failed``) once a later call reads it. ``reset_cache`` and a lost
+service session drop every pin at the service, so the tables are cleared with them.
 
 Landings. With ``landing`` (loads are verified), the lookups ask the service to tell this
 engine of the keys they promote as they land: the tier's worker sends each to the scheduler's
@@ -212,7 +214,7 @@ class KVOffloadManager(OffloadingManager):
         self._release_unloaded_pins(state)
         if state.generation == self._link.generation and self._link.up:
             try:
-                self._link.call(lambda c: c.finish_request(state.ctx.req_id))
+                self._link.call(lambda c: c.finish_request(state.ctx.req_id, wait=False))
             except (ServiceDown, KVOffloadError) as exc:
                 log.debug("kvoffload_finish_failed req_id=%s error=%s", state.ctx.req_id, exc)
             self._count_outage()
@@ -524,6 +526,7 @@ class KVOffloadManager(OffloadingManager):
                     successful_keys=ok if failed else None,
                     checksums=checksums,
                     slice_bytes=self._slice_bytes,
+                    wait=False,
                 )
             )
         except (ServiceDown, KVOffloadError) as exc:

@@ -3,6 +3,7 @@ and the bounded, self-healing link to a real service."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -139,6 +140,23 @@ def test_link_is_bounded_while_hung_and_heals_by_itself(start_service):
         assert link.call(lambda c: c.status()).pid == manager
         # the hung session was told to leave
         wait_until(lambda: svc.status().clients == sessions, what="the hung session to leave")
+    finally:
+        link.close()
+
+
+def test_an_error_to_a_call_sent_without_waiting_is_logged_by_the_next_call(start_service, caplog):
+    svc = start_service()
+    link = ServiceLink(
+        lambda: svc.endpoint, name="t", call_timeout_s=5, connect_timeout_s=5, max_backoff_s=0.2
+    )
+    try:
+        assert link.connect_now()
+        link.call(lambda c: c.finish_request("never-started", wait=False))
+        with caplog.at_level(logging.WARNING, logger="vllm.kvoffload"):
+            assert link.call(lambda c: c.status()).pid > 0
+        failed = [r.getMessage() for r in caplog.records if "unawaited_call_failed" in r.msg]
+        assert len(failed) == 1 and "unknown_request" in failed[0], failed
+        assert link.ready()  # the session stays
     finally:
         link.close()
 
