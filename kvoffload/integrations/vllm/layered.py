@@ -122,7 +122,7 @@ def layered_load(
     """A load of ``rows`` with one stage per tensor in ``order`` (tensors it writes that
     ``order`` lacks come last). ``group_refs[g]``: (tensor, page bytes, offset in the block
     stride) of each tensor of group ``g``. Cheap: the plan is made by ``LayeredLoad.plan``."""
-    used = {tensor for row in rows for tensor, _, _ in group_refs[row.group]}
+    used = {tensor for group in {row.group for row in rows} for tensor, _, _ in group_refs[group]}
     stages = [t for t in dict.fromkeys(order) if t in used] + sorted(used - set(order))
     group_bytes = [sum(page for _, page, _ in refs) for refs in group_refs]
     return LayeredLoad(

@@ -171,17 +171,13 @@ def transfer_rows(
                 f"group {group}: {size} blocks from index {start} end inside a chunk of "
                 f"{blocks_per_chunk} blocks (a key names whole chunks)"
             )
-        first_chunk = start // blocks_per_chunk
-        for i in range(size):
-            index = start + i
-            rows.append(
-                CopyRow(
-                    block_ids[first_block + i],
-                    first_key + index // blocks_per_chunk - first_chunk,
-                    index % blocks_per_chunk,
-                    group,
-                )
+        key_base = first_key - start // blocks_per_chunk
+        rows.extend(
+            CopyRow(block_id, key_base + index // blocks_per_chunk, index % blocks_per_chunk, group)
+            for block_id, index in zip(
+                block_ids[first_block : first_block + size], range(start, start + size), strict=True
             )
+        )
         first_block += size
         first_key = rows[-1].key_index + 1
     if first_key != num_keys:
