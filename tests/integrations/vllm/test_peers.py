@@ -28,6 +28,7 @@ from tests.integrations.vllm.conftest import (  # noqa: E402
     Engines,
     ModelCase,
     PlainEngines,
+    promoted,
     promoted_once,
     running_nodes,
     same_output,
@@ -49,9 +50,6 @@ class Node:
     def peer_indexed(self) -> int:
         medium = self.service.status().workers["peer"].stats.medium
         return getattr(medium, "keys_indexed", 0)
-
-    def promoted(self, tier: str) -> int:
-        return self.service.status().tiering.per_tier[tier].promoted_keys_ok
 
 
 def _node(
@@ -98,11 +96,11 @@ def test_node_b_is_served_a_prefix_node_a_computed_through_its_peer_tier(
     wait_until(
         lambda: b.peer_indexed() >= indexed + case.keys, 30.0, "B's index of A's blocks", 0.1
     )
-    before = b.promoted("peer")
+    before = promoted(b.service, "peer")
 
     out = b.engine.generate([prompt])[0]
 
     assert out["cached"] == case.full_tokens
     same_output(out, reference(prompt, case.full_tokens))
     assert promoted_once(b.service, "peer", before + case.keys) - before == case.keys
-    assert b.promoted("disk") == 0
+    assert promoted(b.service, "disk") == 0
