@@ -6,10 +6,13 @@ HIT_PENDING, if kvoffload said so last time); ``on_schedule_end`` sends one pinn
 ``lookup`` per request with that step's queued keys. Every HIT in the reply is pinned for this
 engine in the same round trip, so ``prepare_load`` never fails: it only hands over the slots.
 
-Pins. A pinned key is released by ``complete_load`` after its load, or, if vLLM never loads
-it, when its request finishes; the release is sent without waiting for its reply (the
-service handles this engine's calls in order), as are a store's completion and a request's
-finish: vLLM's scheduler never waits on them. An error the service answers to one is logged
+Pins. A pinned key is released after its load, or, if vLLM never loads it, when its request
+finishes; the release is sent without waiting for its reply (the service handles this
+engine's calls in order), as are a store's completion and a request's finish: vLLM's scheduler
+never waits on them. ``complete_load`` only queues its release: vLLM calls it while it turns
+the step's output into tokens, so the release is sent with the next step's calls
+(``on_schedule_end``), or before a request's finish or the shutdown, whichever comes first;
+the engine keeps stepping while one is queued (``has_pending_work``). An error the service answers to one is logged
 (``kvoffload_unawaited_call_failed``) once a later call reads it. ``reset_cache`` and a lost
 service session drop every pin at the service, so the tables are cleared with them.
 
@@ -134,6 +137,8 @@ class KVOffloadManager(OffloadingManager):
         self._tickets: dict[int, tuple[str, float]] = {}
         """Tickets of lookups whose promotions tell their landings: (request, asked at)."""
         self._landings_taken = False
+        self._releases: list[tuple[str, list[bytes], int]] = []
+        """Loaded keys to unpin at the next ``send_releases``: (request, keys, generation)."""
 
     def set_sliding_windows(self, windows: dict[int, int | None]) -> None:
         """vLLM's KV cache group index -> the chunks of it a resumed request reads (None: full
@@ -211,6 +216,7 @@ class KVOffloadManager(OffloadingManager):
         state.finished = True
         state.queued.clear()
         state.landing.clear()  # the service drops the request's landing waits at its finish
+        self.send_releases()
         self._release_unloaded_pins(state)
         if state.generation == self._link.generation and self._link.up:
             try:
@@ -281,6 +287,7 @@ class KVOffloadManager(OffloadingManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._sync_generation()
         self._landings_taken = False
+        self.send_releases()
         for state in list(self._requests.values()):
             if state.queued and not state.finished:
                 self._lookup_batch(state)
@@ -416,8 +423,15 @@ class KVOffloadManager(OffloadingManager):
         release = [k for k in (self._key(key) for key in keys) if state.loading[k] > 0]
         state.loading.subtract(release)
         state.loading = +state.loading
-        self._unpin(req_context.req_id, release, state.load_generation)
+        if release:
+            self._releases.append((req_context.req_id, release, state.load_generation))
         self._maybe_forget(state)
+
+    def send_releases(self) -> None:
+        """Send the releases ``complete_load`` queued (each without waiting for its reply)."""
+        releases, self._releases = self._releases, []
+        for req_id, keys, generation in releases:
+            self._unpin(req_id, keys, generation)
 
     def hits_in_pool(self, req_id: str, keys: Iterable[OffloadKey]) -> bool:
         """Whether every key is pinned for the request in the host pool (found there by its
@@ -547,6 +561,7 @@ class KVOffloadManager(OffloadingManager):
     def reset_cache(self) -> None:
         """Empty kvoffload's host pool (its disk and object tiers keep their blocks), behind
         the reset fence (module docstring). Every pin of this engine goes with it."""
+        self._releases.clear()
         self._tickets.clear()
         for state in list(self._requests.values()):
             state.pinned.clear()
@@ -581,9 +596,10 @@ class KVOffloadManager(OffloadingManager):
         self._fence_caller = True
 
     def has_pending_work(self) -> bool:
-        """Between a ``reset_cache`` and its ``on_reset_flushed``: the engine keeps stepping
-        while the reset waits for its flushed jobs' reports."""
-        return self._fenced
+        """Between a ``reset_cache`` and its ``on_reset_flushed``, or while releases are
+        queued: the engine keeps stepping while the reset waits for its flushed jobs' reports,
+        and its next step sends the releases."""
+        return self._fenced or bool(self._releases)
 
     def _reset_service(self) -> None:
         try:
@@ -602,6 +618,7 @@ class KVOffloadManager(OffloadingManager):
         return self.stats.take()
 
     def shutdown(self) -> None:
+        self.send_releases()
         self._link.close()
 
 
