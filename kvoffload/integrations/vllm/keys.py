@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -81,6 +82,11 @@ def model_digest(model: str) -> str:
 
 def namespaced(fingerprint: bytes, offload_key: bytes) -> bytes:
     return fingerprint + offload_key
+
+
+def namespaced_all(fingerprint: bytes, offload_keys: Iterable[bytes]) -> list[bytes]:
+    """``namespaced`` of each key, in order."""
+    return [fingerprint + key for key in offload_keys]
 
 
 def offload_key_of(namespaced_key: bytes) -> bytes:

@@ -74,7 +74,7 @@ from kvoffload.integrations.vllm import integration_logger
 from kvoffload.integrations.vllm.blocks import NO_SLOT, PoolBlocks
 from kvoffload.integrations.vllm.compat import VLLM_FENCES_RESETS
 from kvoffload.integrations.vllm.events import ServiceEvents
-from kvoffload.integrations.vllm.keys import namespaced, offload_key_of
+from kvoffload.integrations.vllm.keys import namespaced, namespaced_all, offload_key_of
 from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
 from kvoffload.integrations.vllm.metrics import ConfigInfo, Counter, StatsAccumulator
 from kvoffload.integrations.vllm.requests import EngineRequest, TenantNames, lookup_queued
@@ -150,8 +150,8 @@ class KVOffloadManager(OffloadingManager):
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _key(self, key: OffloadKey) -> bytes:
-        return namespaced(self._fingerprint, key)
+    def _keys(self, keys: Iterable[OffloadKey]) -> list[bytes]:
+        return namespaced_all(self._fingerprint, keys)
 
     def _state(self, ctx: ReqContext) -> EngineRequest:
         state = self._requests.get(ctx.req_id)
@@ -234,10 +234,10 @@ class KVOffloadManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._sync_generation()
-        state = self._state(req_context)
+        state = self._requests.get(req_context.req_id) or self._state(req_context)
         if state.landing and not self._landings_taken:
             self.take_landings()
-        nkey = self._key(key)
+        nkey = namespaced(self._fingerprint, key)
         if nkey in state.pinned:
             return LookupResult.HIT
         if nkey in state.missed or nkey in state.failed or self._fenced:
@@ -266,8 +266,7 @@ class KVOffloadManager(OffloadingManager):
         asked = tuple(keys)
         if state.asked_now == (asked, state.answers_signature()):
             return  # nothing learnt since the same keys were asked (a step waiting for landings)
-        for key in asked:
-            nkey = self._key(key)
+        for nkey in self._keys(asked):
             if nkey in state.uncertain and nkey not in state.landing:
                 # Asked before and still pending: vLLM's lookups queue it for the step's end.
                 continue
@@ -280,7 +279,7 @@ class KVOffloadManager(OffloadingManager):
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         state = self._requests.get(req_context.req_id)
-        if state is not None and self._key(key) in state.promoted:
+        if state is not None and namespaced(self._fingerprint, key) in state.promoted:
             return self._secondary_source
         return CacheHitSource.HOST
 
@@ -389,7 +388,7 @@ class KVOffloadManager(OffloadingManager):
         """The pinned slots of ``keys``; a key that is not pinned (the session was lost since
         its lookup) gets ``NO_SLOT``, so its load fails and vLLM recomputes it."""
         state = self._state(req_context)
-        nkeys = [self._key(k) for k in keys]
+        nkeys = self._keys(keys)
         pinned = [state.pinned.pop(k, (NO_SLOT, [])) for k in nkeys]
         slots = [slot for slot, _ in pinned]
         state.loading.update(k for k, s in zip(nkeys, slots, strict=True) if s != NO_SLOT)
@@ -420,7 +419,8 @@ class KVOffloadManager(OffloadingManager):
         state = self._requests.get(req_context.req_id)
         if state is None:
             return
-        release = [k for k in (self._key(key) for key in keys) if state.loading[k] > 0]
+        loading = state.loading
+        release = [k for k in self._keys(keys) if loading[k] > 0]
         state.loading.subtract(release)
         state.loading = +state.loading
         if release:
@@ -439,7 +439,8 @@ class KVOffloadManager(OffloadingManager):
         state = self._requests.get(req_id)
         if state is None:
             return False
-        return all(self._key(k) in state.pinned for k in keys)
+        pinned = state.pinned
+        return all(k in pinned for k in self._keys(keys))
 
     def note_failed_loads(self, req_id: str, nkeys: Iterable[bytes]) -> None:
         """Loads of ``nkeys`` failed in a worker: MISS for this request from now on."""
@@ -462,8 +463,7 @@ class KVOffloadManager(OffloadingManager):
             self._store_checksums.setdefault(key, {}).update(digests)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        for key in keys:
-            self._touched[self._key(key)] = None
+        self._touched.update(dict.fromkeys(self._keys(keys)))
 
     # ---- stores ---------------------------------------------------------------------------
 
@@ -471,7 +471,7 @@ class KVOffloadManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         state = self._state(req_context)
-        nkeys = [self._key(k) for k in keys]
+        nkeys = self._keys(keys)
         if self._fenced:
             # Slots reserved now would be emptied by the service's reset under the workers.
             self.stats.add(Counter.STORES_DROPPED, len(nkeys), "reset")
@@ -516,7 +516,7 @@ class KVOffloadManager(OffloadingManager):
         # prefix's order), which the service's tiers keep, so a prefix lies on disk in
         # consecutive records that a promotion reads back together.
         order = self._store_order
-        nkeys = sorted((self._key(k) for k in keys), key=lambda nkey: order.get(nkey, -1))
+        nkeys = sorted(self._keys(keys), key=lambda nkey: order.get(nkey, -1))
         for nkey in nkeys:
             order.pop(nkey, None)
         failed = self._failed_stores.intersection(nkeys)

@@ -342,7 +342,9 @@ class KVOffloadWorker(OffloadingWorker):
 
     def name_layers(self, layers: Mapping[str, torch.Tensor]) -> None:
         """vLLM's KV tensors by layer name (``register_kv_caches``): which of the offloaded
-        tensors each layer reads, for layered loads (CPU tensors and background CPUs only)."""
+        tensors each layer reads, for layered loads (CPU tensors and background CPUs only).
+        The copier of layered loads starts here, so the first load does not wait for its
+        threads."""
         if self._device.type != "cpu" or not self._layered_load_cpus:
             return
         mapping = layer_tensors(
@@ -350,6 +352,9 @@ class KVOffloadWorker(OffloadingWorker):
             [_span(tensor) for tensor in self._tensors],
         )
         self._layers = LayerOrder(mapping) if mapping else None
+        if self._layers is not None and self._staged is None:
+            cpus = self._layered_load_cpus
+            self._staged = StagedCopier(max(1, min(MAX_COPY_THREADS, len(cpus))), cpus)
         log.info(
             "kvoffload_layers_named layers=%d tensors=%d layered_load_cpus=%s",
             len(mapping),
@@ -382,17 +387,13 @@ class KVOffloadWorker(OffloadingWorker):
                     pending.layered.copy.wait_stage(stage)
 
     def _layered_ready(self, job_id: int) -> bool:
-        if (
-            job_id not in self._stage_next
-            or self._stream is not None
-            or self._layers is None
-            or self._layers.order is None
-        ):
-            return False
-        if self._staged is None:
-            cpus = self._layered_load_cpus
-            self._staged = StagedCopier(max(1, min(MAX_COPY_THREADS, len(cpus))), cpus)
-        return True
+        return (
+            job_id in self._stage_next
+            and self._stream is None
+            and self._staged is not None
+            and self._layers is not None
+            and self._layers.order is not None
+        )
 
     def _submit_layered(
         self, job_id: int, spec: PoolBlocks, pool: torch.Tensor, rows: list[CopyRow], start: float

@@ -282,7 +282,7 @@ def main(model: str, endpoint: str) -> dict[str, Any]:
     sched.add_request(request)
     status = conn.scheduler._req_status["r1"]
     status.update_offload_keys()
-    keys = [manager._key(k) for k in status.group_states[0].offload_keys[:HIT_CHUNKS]]
+    keys = manager._keys(status.group_states[0].offload_keys[:HIT_CHUNKS])
     client = KVOffloadClient(endpoint, timeout_s=5.0, name="probe")
     info = client.info
     pool = HostPool.attach(info.pool_name, info.num_slots, info.block_bytes)
