@@ -226,6 +226,15 @@ def test_the_node_stream_tells_a_router_what_the_service_holds_and_replays_what_
             assert missed
             for seq, payload in missed:
                 apply(seq, payload)
+
+            def caught_up() -> bool:
+                """The stream's thread sends a turn's batch after the manager's turn: replay
+                what it sent since, until the index is the service's."""
+                for seq, payload in _replay(zctx, replay, next_seq):
+                    apply(seq, payload)
+                return index == snapshot_of(service)
+
+            wait_until(caught_up, what="the replayed batches to tell what the service holds")
     finally:
         zctx.destroy(linger=0)
     truth = snapshot_of(service)
