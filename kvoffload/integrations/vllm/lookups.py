@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import cast
 
 from vllm.v1.kv_offload.base import LookupResult
 
@@ -54,12 +55,14 @@ def ask_by_group(
     token in the request (None if unknown: the key keeps its place in ``keys``).
     ``full_miss_position``: the lowest position at which a full-attention group already
     missed for this request."""
-    by_group: dict[int, list[bytes]] = {}
-    positions: dict[bytes, float] = {}
-    for i, key in enumerate(keys):
-        by_group.setdefault(group_of(key), []).append(key)
-        found = position_of(key)
-        positions[key] = i if found is None else found
+    by_group = _by_group(keys, group_of)
+    found = [position_of(key) for key in keys]
+    key_ends = (
+        [i if at is None else at for i, at in enumerate(found)]
+        if None in found
+        else cast("list[int]", found)  # no None among them
+    )
+    positions: dict[bytes, float] = dict(zip(keys, key_ends, strict=True))
     position = positions.__getitem__
 
     full = [sorted(ks, key=position) for g, ks in by_group.items() if windows.get(g) is None]
@@ -77,9 +80,9 @@ def ask_by_group(
     not_asked: set[bytes] = set()
     limit = full_miss_position
     for ordered, answered in zip(full, results, strict=False):
-        for key, result in zip(ordered, answered, strict=False):
-            if result is LookupResult.MISS:
-                limit = min(limit, position(key))
+        miss = _first_miss(answered[: len(ordered)])
+        if miss is not None:  # the group's keys are in token order: its first MISS is lowest
+            limit = min(limit, position(ordered[miss]))
         not_asked.update(ordered[len(answered) :])
     _record(searching, results[len(full) :], answers, sliding)
     if not sliding:
@@ -107,6 +110,25 @@ def ask_by_group(
     for search in sliding.values():
         not_asked.update(k for k in search.descending if position(k) >= limit and k not in answers)
     return not_asked
+
+
+def _by_group(keys: Sequence[bytes], group_of: Callable[[bytes], int]) -> dict[int, list[bytes]]:
+    """``keys`` by group, each group's in their order in ``keys``."""
+    groups = [group_of(key) for key in keys]
+    if groups and groups.count(groups[0]) == len(groups):
+        return {groups[0]: list(keys)}  # one group: a model with one, or one group's lookups
+    by_group: dict[int, list[bytes]] = {}
+    for group, key in zip(groups, keys, strict=True):
+        by_group.setdefault(group, []).append(key)
+    return by_group
+
+
+def _first_miss(answered: Sequence[LookupResult]) -> int | None:
+    """The index of the first MISS in ``answered``; None if none is."""
+    try:
+        return answered.index(LookupResult.MISS)
+    except ValueError:
+        return None
 
 
 class _WindowSearch:
