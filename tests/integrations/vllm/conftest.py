@@ -299,6 +299,19 @@ def reference(engines: Engines) -> Callable[[list[int], int], dict]:
     return run
 
 
+def connected_manager(endpoint: str, fingerprint: bytes, name: str) -> Any:
+    """A scheduler-side ``KVOffloadManager`` connected to the service at ``endpoint`` (calls
+    bounded by 5 s), for tests that drive the manager without an engine."""
+    from kvoffload.integrations.vllm.link import ServiceLink
+    from kvoffload.integrations.vllm.manager import KVOffloadManager
+
+    link = ServiceLink(
+        lambda: endpoint, name=name, call_timeout_s=5, connect_timeout_s=5, max_backoff_s=0.1
+    )
+    assert link.connect_now()
+    return KVOffloadManager(link, fingerprint)
+
+
 def primary_hits(service: ServiceHarness) -> int:
     return service.status().tiering.per_tier["primary"].lookups_hit
 

@@ -18,8 +18,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 
 from kvoffload.integrations.vllm.keys import namespaced  # noqa: E402
-from kvoffload.integrations.vllm.link import ServiceLink  # noqa: E402
 from kvoffload.integrations.vllm.manager import KVOffloadManager  # noqa: E402
+from tests.integrations.vllm.conftest import connected_manager  # noqa: E402
 
 FINGERPRINT = b"R" * 16
 KEYS = [OffloadKey(bytes([i]) * 32 + bytes(4)) for i in range(1, 4)]
@@ -49,15 +49,7 @@ def loaded(start_service):
         writer.new_request("w")
         slots = writer.prepare_store("w", nkeys)
         writer.complete_store("w", slots.keys)
-    link = ServiceLink(
-        lambda: service.endpoint,
-        name="releases",
-        call_timeout_s=5,
-        connect_timeout_s=5,
-        max_backoff_s=0.1,
-    )
-    assert link.connect_now()
-    manager = KVOffloadManager(link, FINGERPRINT)
+    manager: KVOffloadManager = connected_manager(service.endpoint, FINGERPRINT, "releases")
     ctx = ReqContext("r")
     manager.on_new_request(ctx)
     manager.ask_now(ctx, KEYS)

@@ -18,20 +18,16 @@ pytest.importorskip("vllm")
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext  # noqa: E402
 
 from kvoffload.integrations.vllm.blocks import PoolBlocks  # noqa: E402
-from kvoffload.integrations.vllm.link import ServiceLink  # noqa: E402
 from kvoffload.integrations.vllm.manager import KVOffloadManager  # noqa: E402
 from kvoffload.memory.pool import HostPool  # noqa: E402
+from tests.integrations.vllm.conftest import connected_manager  # noqa: E402
 
 FINGERPRINT = b"F" * 16
 OTHER_KEY = b"another engine key"
 
 
 def engine_manager(endpoint: str) -> KVOffloadManager:
-    link = ServiceLink(
-        lambda: endpoint, name="fence", call_timeout_s=5, connect_timeout_s=5, max_backoff_s=0.1
-    )
-    assert link.connect_now()
-    manager = KVOffloadManager(link, FINGERPRINT)
+    manager: KVOffloadManager = connected_manager(endpoint, FINGERPRINT, "fence")
     manager.expect_reset_flushed()  # what the connector (0.32) or vLLM (0.33) promises
     return manager
 

@@ -13,11 +13,11 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext  # noqa: E402
 
 from kvoffload.client import KVOffloadClient  # noqa: E402
 from kvoffload.integrations.vllm.blocks import PoolBlocks  # noqa: E402
-from kvoffload.integrations.vllm.link import ServiceLink  # noqa: E402
 from kvoffload.integrations.vllm.manager import KVOffloadManager  # noqa: E402
 from kvoffload.memory.pool import HostPool  # noqa: E402
 from kvoffload.testing.helpers import wait_until  # noqa: E402
 from kvoffload.wire.vocab import PRIMARY  # noqa: E402
+from tests.integrations.vllm.conftest import connected_manager  # noqa: E402
 
 FINGERPRINT = b"O" * 16
 
@@ -39,15 +39,7 @@ def test_a_store_completed_with_its_keys_in_any_order_reaches_the_tiers_in_prefi
     start_service,
 ):
     service = start_service(workers=("cpu", "disk"))
-    link = ServiceLink(
-        lambda: service.endpoint,
-        name="order",
-        call_timeout_s=5,
-        connect_timeout_s=5,
-        max_backoff_s=0.1,
-    )
-    assert link.connect_now()
-    manager = KVOffloadManager(link, FINGERPRINT)
+    manager: KVOffloadManager = connected_manager(service.endpoint, FINGERPRINT, "order")
     watcher = service.client("watcher")
     try:
         cursor, _ = added_keys(watcher, 0)
