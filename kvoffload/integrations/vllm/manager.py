@@ -12,9 +12,10 @@ engine's calls in order), as are a store's completion and a request's finish: vL
 never waits on them. ``complete_load`` only queues its release: vLLM calls it while it turns
 the step's output into tokens, so the release is sent with the next step's calls
 (``on_schedule_end``), or before a request's finish or the shutdown, whichever comes first;
-the engine keeps stepping while one is queued (``has_pending_work``). An error the service answers to one is logged
-(``kvoffload_unawaited_call_failed``) once a later call reads it. ``reset_cache`` and a lost
-service session drop every pin at the service, so the tables are cleared with them.
+the engine keeps stepping while one is queued (``has_pending_work``). An error the service
+answers to one is logged (``kvoffload_unawaited_call_failed``) once a later call reads it.
+``reset_cache`` and a lost service session drop every pin at the service, so the tables are
+cleared with them (and the queued releases with them).
 
 Landings. With ``landing`` (loads are verified), the lookups ask the service to tell this
 engine of the keys they promote as they land: the tier's worker sends each to the scheduler's
