@@ -235,7 +235,7 @@ class KVOffloadManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._sync_generation()
-        state = self._requests.get(req_context.req_id) or self._state(req_context)
+        state = self._state(req_context)
         if state.landing and not self._landings_taken:
             self.take_landings()
         nkey = namespaced(self._fingerprint, key)
