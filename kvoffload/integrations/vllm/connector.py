@@ -98,9 +98,6 @@ class KVOffloadWorkerMetadata(OffloadingWorkerMetadata):
         )
 
 
-IDLE_LANDING_WAIT_MS = 5
-"""The longest an idle step waits for the landings a request waits for (a request that arrives
-meanwhile waits as long at most)."""
 DEFAULT_SYNC_LOAD_BUDGET_BYTES = 256 << 20
 """``sync_load_budget_bytes`` the connector sets when the user did not (vLLM 0.33, models with
 one KV cache group): hits of up to this many KV bytes per worker and step are loaded before the
@@ -164,6 +161,10 @@ class KVOffloadConnector(OffloadingConnector):
         self._reset_fence = compat.ResetFence()
         self._sync = SyncLoads(0, 0, lambda req_id, keys: False)
         self._block_size = 0
+        self._allocated: set[str] = set()
+        """Requests vLLM allocated blocks for and that have not finished: running, preempted,
+        or loading asynchronously (``_wait_if_only`` waits only while none but its request is)."""
+        self._waited_in_step = False
         if role == KVConnectorRole.SCHEDULER:
             manager = self.scheduler.manager
             if isinstance(manager, KVOffloadManager):
@@ -310,15 +311,35 @@ class KVOffloadConnector(OffloadingConnector):
                 status = self.scheduler._req_status[request.request_id]
                 compat.step_region(self.scheduler)
                 manager.ask_now(status.req_context, keys)
+                self._wait_if_only(request.request_id, manager)
         hits, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if self._sync.choose(self.scheduler, request, num_computed_tokens, hits, load_async):
             log.debug("kvoffload_sync_load req_id=%s tokens=%s", request.request_id, hits)
             return hits, False
         return hits, load_async
 
+    def _wait_if_only(self, req_id: str, manager: KVOffloadManager) -> None:
+        """The request waits for blocks its lookups promoted while the engine has no other
+        request to run: wait for their landings now (at most the manager's ``idle_wait_ms``),
+        before vLLM looks the keys up, so a request whose blocks all land meanwhile is
+        scheduled, and loads, in this step instead of after an idle one. Once a step."""
+        if (
+            not self._waited_in_step
+            and self._allocated <= {req_id}
+            and manager.awaits_landings(req_id)
+        ):
+            self._waited_in_step = True
+            manager.wait_for_landings()
+            log.debug(
+                "kvoffload_landing_wait req_id=%s still_awaited=%s",
+                req_id,
+                manager.awaits_landings(req_id),
+            )
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        self._allocated.add(request.request_id)
         if not num_external_tokens or not self._sync.enabled:
             super().update_state_after_alloc(request, blocks, num_external_tokens)
             return
@@ -342,20 +363,35 @@ class KVOffloadConnector(OffloadingConnector):
             assert isinstance(meta, OffloadingConnectorMetadata)
             meta = self._sync.end_step(meta)
         self._wait_if_idle(scheduler_output)
+        self._waited_in_step = False
         return meta
 
     def _wait_if_idle(self, scheduler_output: SchedulerOutput) -> None:
-        """A step that computes nothing while requests wait for promoted blocks: wait until a
-        request's last awaited block landed (at most ``IDLE_LANDING_WAIT_MS``) rather than step
-        again at once, so the idle engine leaves the cores to the reads it waits for."""
+        """A step that computes nothing while requests wait for promoted blocks, and that did
+        not wait for them already (``_wait_if_only``): wait until a request's last awaited
+        block landed (at most the manager's ``idle_wait_ms``) rather than step again at once,
+        so the idle engine leaves the cores to the reads it waits for."""
         manager = self.scheduler.manager
         if (
             scheduler_output.total_num_scheduled_tokens == 0
+            and not self._waited_in_step
             and isinstance(manager, KVOffloadManager)
             and manager.awaiting_landings()
         ):
             with compat.short_region(self.scheduler):
-                manager.wait_for_landings(IDLE_LANDING_WAIT_MS)
+                manager.wait_for_landings()
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._allocated.discard(request.request_id)
+        return super().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._allocated.discard(request.request_id)
+        return super().request_finished_all_groups(request, block_ids)
 
     def _keys_from(self, request: Request, num_computed_tokens: int) -> list[OffloadKey]:
         """The request's offload keys of every KV cache group from ``num_computed_tokens`` on,

@@ -21,9 +21,9 @@ Landings. With ``landing`` (loads are verified), the lookups ask the service to 
 engine of the keys they promote as they land: the tier's worker sends each to the scheduler's
 landing pipe (``KVOffloadClient.take_landed``), and the key is pinned then, so no lookup is
 sent for it again. The manager takes the notices before the step's first lookup of a waiting
-request (``take_landings``), and the connector waits for them while a step schedules nothing
-(``wait_for_landings``), instead of stepping idle. A key not told within ``LANDING_WAIT_S`` is
-released and asked again by lookup.
+request (``take_landings``), and the connector waits for them (``wait_for_landings``, at most
+``idle_wait_ms`` a step) while the engine has nothing else to run, instead of stepping idle. A
+key not told within ``LANDING_WAIT_S`` is released and asked again by lookup.
 
 Failed loads. A worker that could not load a key reports it (``note_failed_loads``); that key
 is a MISS for that request from then on, so vLLM recomputes it once and never loops.
@@ -88,6 +88,9 @@ RESET_TIMEOUT_S = 5.0
 LANDING_WAIT_S = 5.0
 """How long keys wait for their landing notice before they are asked again by lookup (a
 worker that died tells nothing)."""
+IDLE_LANDING_WAIT_MS = 5
+"""The default of ``idle_wait_ms``: the longest an idle engine waits in one step for landings
+(a request that arrives meanwhile waits as long at most)."""
 
 
 class KVOffloadManager(OffloadingManager):
@@ -104,6 +107,7 @@ class KVOffloadManager(OffloadingManager):
         namespace: str = "",
         events: ServiceEvents | None = None,
         landing: bool = False,
+        idle_wait_ms: int = IDLE_LANDING_WAIT_MS,
     ) -> None:
         """``secondary_source``: how vLLM's hit-source metrics label blocks that kvoffload
         promoted from one of its secondary tiers (blocks already in its host pool are HOST).
@@ -113,7 +117,8 @@ class KVOffloadManager(OffloadingManager):
         a block one rank writes whole): a block stamped with fewer is never served.
         ``namespace``: the tenant of this engine's requests that carry no ``cache_salt``.
         ``events``: the service's tier events (``take_events``), when vLLM's are on.
-        ``landing``: ask for landing notices (the link's clients take them; loads verify)."""
+        ``landing``: ask for landing notices (the link's clients take them; loads verify).
+        ``idle_wait_ms``: the bound of ``wait_for_landings``."""
         self._link = link
         self._fingerprint = fingerprint
         self._secondary_source = secondary_source
@@ -135,6 +140,7 @@ class KVOffloadManager(OffloadingManager):
         self.tenants = TenantNames(namespace)
         self._events = events
         self._landing = landing
+        self._idle_wait_ms = idle_wait_ms
         self._tickets: dict[int, tuple[str, float]] = {}
         """Tickets of lookups whose promotions tell their landings: (request, asked at)."""
         self._landings_taken = False
@@ -316,6 +322,11 @@ class KVOffloadManager(OffloadingManager):
         """Some request waits for keys whose landing the service will tell."""
         return bool(self._tickets)
 
+    def awaits_landings(self, req_id: str) -> bool:
+        """The request waits for keys whose landing the service will tell."""
+        state = self._requests.get(req_id)
+        return state is not None and bool(state.landing)
+
     def take_landings(self, timeout_ms: int = 0) -> None:
         """Take the landing notices received (waiting up to ``timeout_ms`` for the first): a
         key told landed is pinned for its request (a HIT from a secondary tier), one told
@@ -365,10 +376,11 @@ class KVOffloadManager(OffloadingManager):
                 state.missed.add(key)
                 self.stats.add(Counter.MISS_BLOCKS)
 
-    def wait_for_landings(self, timeout_ms: int) -> None:
-        """A step that schedules nothing: take landing notices for up to ``timeout_ms``,
-        instead of stepping idle, and return as soon as a request that waited for landings
-        waits for none any more (the step can then schedule it), or none is awaited."""
+    def wait_for_landings(self) -> None:
+        """The engine has nothing else to run: take landing notices for up to
+        ``idle_wait_ms``, instead of stepping idle, and return as soon as a request that waited
+        for landings waits for none any more (it can then be scheduled), or none is awaited."""
+        timeout_ms = self._idle_wait_ms
         deadline = time.monotonic() + timeout_ms / 1000
         waiting = [state for state in self._requests.values() if state.landing]
         if not waiting:  # only a job's last notice is awaited: one wait for it

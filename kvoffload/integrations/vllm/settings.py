@@ -12,6 +12,7 @@
 | ``faults`` | none | kvoffload fault spec for the worker side (``fail_fraction`` of loads) |
 | ``fault_ranks`` | every rank | the tensor-parallel ranks whose workers apply ``faults`` |
 | ``layered_load_cpus`` | the process's CPUs its worker thread is not bound to | CPUs that copy synchronous loads layer by layer beside the forward (vLLM on CPU); ``[]``: no layered loads |
+| ``idle_landing_wait_ms`` | 5 | longest an otherwise idle engine waits, in one step, for the blocks a request's lookup promoted to land (a request that arrives meanwhile waits as long at most) |
 | ``sync_load_budget_bytes`` | 256 MiB, 0 with several KV cache groups | KV bytes per step and worker of pool hits loaded in the step that schedules them (set by the connector, read by vLLM 0.33 or ``sync_loads``) |
 """
 
@@ -38,6 +39,7 @@ class ConnectorSettings:
     faults: FaultSpec | None = None
     fault_ranks: tuple[int, ...] | None = None
     layered_load_cpus: frozenset[int] | None = None
+    idle_landing_wait_ms: int = 5
 
     def faults_for(self, rank: int) -> FaultSpec | None:
         """The faults the worker of ``rank`` injects."""
@@ -65,6 +67,14 @@ class ConnectorSettings:
             if not isinstance(extra["verify_loads"], bool):
                 raise ValueError("kv_connector_extra_config['verify_loads'] must be true or false")
             out["verify_loads"] = extra["verify_loads"]
+        wait = extra.get("idle_landing_wait_ms")
+        if wait is not None:
+            if isinstance(wait, bool) or not isinstance(wait, int) or wait < 0:
+                raise ValueError(
+                    "kv_connector_extra_config['idle_landing_wait_ms'] must be a non-negative "
+                    f"integer, got {wait!r}"
+                )
+            out["idle_landing_wait_ms"] = wait
         budget = extra.get("sync_load_budget_bytes")
         if budget is not None and (
             isinstance(budget, bool) or not isinstance(budget, int) or budget < 0

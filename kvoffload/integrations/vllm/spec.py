@@ -128,6 +128,7 @@ class KVOffloadSpec(OffloadingSpec):
             if self.config.enable_kv_cache_events
             else None,
             landing=settings.verify_loads,
+            idle_wait_ms=settings.idle_landing_wait_ms,
         )
         if link.connect_now() and link.info is not None:
             self._manager.set_secondary_source(_secondary_source(link.info.tiers))

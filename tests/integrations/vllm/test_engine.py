@@ -44,6 +44,7 @@ from tests.integrations.vllm.conftest import (  # noqa: E402
 
 HEADER_PAGE = 4096
 SYNC_LINE = "kvoffload_sync_load req_id="
+LANDING_WAIT_LINE = "kvoffload_landing_wait req_id="
 LAYERED_LINE = "kvoffload_layered_load req_id="
 
 pytestmark = pytest.mark.parametrize("case", ["llama", "gemma3"], indirect=True, scope="module")
@@ -167,6 +168,33 @@ def test_prefix_comes_back_from_disk_after_the_pool_is_emptied(engines, service,
     same_output(out, reference(prompt, case.full_tokens))
     # once every block landed in the pool, the hit loads in the step that schedules it
     assert sync_loads_logged(engine) - syncs_before == sync_loads_of_a_pool_hit(case)
+
+
+def test_an_idle_engine_waits_for_a_disk_hits_landings_in_the_step_of_its_lookup(
+    engines, service, reference, case
+):
+    """With nothing else to run, the engine waits for the blocks a request's first lookup
+    promoted inside that lookup (bounded by ``idle_landing_wait_ms``, here far above a landing's
+    time), so the hit is scheduled as soon as they land instead of after idle steps: a model
+    with one KV cache group loads it in the step of its first lookup, with one wait."""
+    engine = engines.get("patient", idle_landing_wait_ms=60_000)
+    prompt = case.new_prompt()
+    offload(engine, service, case, prompt, cascaded=True)
+    with service.client("reset") as client:
+        client.reset_cache()
+    waits_before = engine.log_path.read_text().count(LANDING_WAIT_LINE)
+    assert engine.reset_prefix_cache()
+
+    out = engine.generate([prompt])[0]
+
+    assert out["cached"] == case.full_tokens
+    same_output(out, reference(prompt, case.full_tokens))
+    waits = [
+        line for line in engine.log_path.read_text().splitlines() if LANDING_WAIT_LINE in line
+    ][waits_before:]
+    assert waits and waits[-1].endswith("still_awaited=False")
+    if case.name == "llama":
+        assert len(waits) == 1
 
 
 def test_failed_loads_are_recomputed_once(engines, service, reference, case):

@@ -97,6 +97,12 @@ def test_settings_are_checked_and_named():
     assert cpus == {1, 3}
     with pytest.raises(ValueError, match="layered_load_cpus"):
         ConnectorSettings.from_extra_config({"layered_load_cpus": "1-3"})
+    assert ConnectorSettings.from_extra_config({}).idle_landing_wait_ms == 5
+    assert (
+        ConnectorSettings.from_extra_config({"idle_landing_wait_ms": 0}).idle_landing_wait_ms == 0
+    )
+    with pytest.raises(ValueError, match="idle_landing_wait_ms"):
+        ConnectorSettings.from_extra_config({"idle_landing_wait_ms": 2.5})
 
 
 def test_endpoint_discovery_order(tmp_path: Path, monkeypatch, start_service):
