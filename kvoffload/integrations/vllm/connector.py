@@ -163,7 +163,7 @@ class KVOffloadConnector(OffloadingConnector):
         self._block_size = 0
         self._allocated: set[str] = set()
         """Requests vLLM allocated blocks for and that have not finished: running, preempted,
-        or loading asynchronously (``_wait_if_only`` waits only while none but its request is)."""
+        or loading asynchronously (``_wait_if_alone`` waits only while none but its request is)."""
         self._waited_in_step = False
         if role == KVConnectorRole.SCHEDULER:
             manager = self.scheduler.manager
@@ -311,14 +311,14 @@ class KVOffloadConnector(OffloadingConnector):
                 status = self.scheduler._req_status[request.request_id]
                 compat.step_region(self.scheduler)
                 manager.ask_now(status.req_context, keys)
-                self._wait_if_only(request.request_id, manager)
+                self._wait_if_alone(request.request_id, manager)
         hits, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if self._sync.choose(self.scheduler, request, num_computed_tokens, hits, load_async):
             log.debug("kvoffload_sync_load req_id=%s tokens=%s", request.request_id, hits)
             return hits, False
         return hits, load_async
 
-    def _wait_if_only(self, req_id: str, manager: KVOffloadManager) -> None:
+    def _wait_if_alone(self, req_id: str, manager: KVOffloadManager) -> None:
         """The request waits for blocks its lookups promoted while the engine has no other
         request to run: wait for their landings now (at most the manager's ``idle_wait_ms``),
         before vLLM looks the keys up, so a request whose blocks all land meanwhile is
@@ -368,7 +368,7 @@ class KVOffloadConnector(OffloadingConnector):
 
     def _wait_if_idle(self, scheduler_output: SchedulerOutput) -> None:
         """A step that computes nothing while requests wait for promoted blocks, and that did
-        not wait for them already (``_wait_if_only``): wait until a request's last awaited
+        not wait for them already (``_wait_if_alone``): wait until a request's last awaited
         block landed (at most the manager's ``idle_wait_ms``) rather than step again at once,
         so the idle engine leaves the cores to the reads it waits for."""
         manager = self.scheduler.manager

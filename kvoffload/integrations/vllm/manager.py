@@ -79,6 +79,7 @@ from kvoffload.integrations.vllm.keys import namespaced, namespaced_all, offload
 from kvoffload.integrations.vllm.link import ServiceDown, ServiceLink
 from kvoffload.integrations.vllm.metrics import ConfigInfo, Counter, StatsAccumulator
 from kvoffload.integrations.vllm.requests import EngineRequest, TenantNames, lookup_queued
+from kvoffload.integrations.vllm.settings import IDLE_LANDING_WAIT_MS
 from kvoffload.wire.protocol import Landed, Slots
 
 log = integration_logger(__name__)
@@ -88,9 +89,6 @@ RESET_TIMEOUT_S = 5.0
 LANDING_WAIT_S = 5.0
 """How long keys wait for their landing notice before they are asked again by lookup (a
 worker that died tells nothing)."""
-IDLE_LANDING_WAIT_MS = 5
-"""The default of ``idle_wait_ms``: the longest an idle engine waits in one step for landings
-(a request that arrives meanwhile waits as long at most)."""
 
 
 class KVOffloadManager(OffloadingManager):

@@ -26,6 +26,11 @@ import msgspec
 
 from kvoffload.wire.protocol import FaultSpec
 
+IDLE_LANDING_WAIT_MS = 5
+"""The default ``idle_landing_wait_ms``: the longest an idle engine waits in one step for the
+blocks a request's lookup promoted to land (a request that arrives meanwhile waits as long at
+most)."""
+
 
 @dataclass(frozen=True)
 class ConnectorSettings:
@@ -39,7 +44,7 @@ class ConnectorSettings:
     faults: FaultSpec | None = None
     fault_ranks: tuple[int, ...] | None = None
     layered_load_cpus: frozenset[int] | None = None
-    idle_landing_wait_ms: int = 5
+    idle_landing_wait_ms: int = IDLE_LANDING_WAIT_MS
 
     def faults_for(self, rank: int) -> FaultSpec | None:
         """The faults the worker of ``rank`` injects."""
