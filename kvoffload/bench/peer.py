@@ -56,7 +56,8 @@ from typing import Any
 
 import numpy as np
 
-from kvoffload.bench.cells import Cell, ratio_table
+from kvoffload.bench.cells import Cell, ratio_table, size_label
+from kvoffload.bench.hops import cold_chain
 from kvoffload.bench.limits import measure_limits, serial
 from kvoffload.bench.service import engine_load, engine_load_prefixes, engine_store_prefixes
 from kvoffload.client import KVOffloadClient
@@ -173,6 +174,12 @@ LIMITS: dict[str, tuple[str, Limit]] = {
     ),
 }
 """Per kvoffload figure: what its limit is and how it follows from ``measure_limits``."""
+FLOORS: dict[str, tuple[str, str]] = {
+    "cold_load_one_us": ("the same hops and read, no service logic", "cold_chain_us"),
+}
+"""Per kvoffload figure: a floor measured in each round beside the limits (its name among the
+cell's ``others``, its figure in the round's machine figures): ``cold_chain_us`` is
+``kvoffload.bench.hops.cold_chain``'s p50."""
 
 
 @contextlib.contextmanager
@@ -450,6 +457,11 @@ def peer_cell(
     def performance(value: float, other: float) -> float:
         return value / other if throughput else other / value
 
+    others = {}
+    if ours in FLOORS:
+        name, figure = FLOORS[ours]
+        others[name] = statistics.median(m[str(size)][figure] for m in samples["machine"])
+
     return Cell(
         suite="peer",
         metric=op,
@@ -464,6 +476,7 @@ def peer_cell(
         limit=LIMITS[ours][0],
         limit_value=statistics.median(m for _, _, m in triples),
         ratio_to_limit=statistics.median(performance(k, m) for k, _, m in triples),
+        others=others,
         chart=throughput,
     )
 
@@ -537,7 +550,9 @@ def main(argv: list[str] | None = None) -> int:
             for side in (ours, theirs) if round_no % 2 == 0 else (theirs, ours):
                 side()
             machine = {
-                str(size): measure_limits(size, n * size, directory) for size, n in counts.items()
+                str(size): measure_limits(size, n * size, directory)
+                | {"cold_chain_us": cold_chain(directory, size)["chain_p50_us"]}
+                for size, n in counts.items()
             }
             samples["machine"].append(machine)
             samples["limits"].append(
@@ -567,7 +582,18 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"median of {args.rounds} round(s)")
     print("\n".join(ratio_table(cells)))
+    for cell in cells:
+        if cell.metric == LATENCY_OPS[0][0]:
+            print(latency_line(cell))
     return 0
+
+
+def latency_line(cell: Cell) -> str:
+    """A latency cell's medians in microseconds, with its limit and floors."""
+    figures = [f"kvoffload {cell.value:.0f}", f"{cell.reference} {cell.reference_value:.0f}"]
+    figures.append(f"limit ({cell.limit}) {cell.limit_value:.0f}")
+    figures += [f"{name} {value:.0f}" for name, value in cell.others.items()]
+    return f"{cell.metric} at {size_label(cell)}, us: " + "; ".join(figures)
 
 
 if __name__ == "__main__":
