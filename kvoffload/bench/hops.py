@@ -62,8 +62,8 @@ def cold_chain(directory: Path, block: int, loads: int = 300, records: int = 256
     page cache. Returns ``chain_p50_us`` and ``chain_p10_us``, ``loads``, ``block_bytes``, and
     ``direct`` (whether the reads were ``O_DIRECT``). RuntimeError if a notice tells another
     record, a copy does not match its digest, the reader closes its pipe (it died) or a
-    process does not answer within ``ANSWER_TIMEOUT_MS``; the processes, the shared-memory slot and every file are gone when
-    it returns or raises."""
+    process does not answer within ``ANSWER_TIMEOUT_MS``; the processes, the shared-memory
+    slot and every file are gone when it returns or raises."""
     work = Path(tempfile.mkdtemp(prefix="kvo-chain-", dir=directory))
     slot_name = f"/kvo-chain-{uuid.uuid4().hex[:16]}"
     children: list[subprocess.Popen[bytes]] = []
