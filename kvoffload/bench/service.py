@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -73,12 +74,14 @@ class EchoServer:
     transport floor. ``round_trip`` times one send and its echo."""
 
     def __init__(self) -> None:
-        endpoint = f"ipc://{tempfile.mkdtemp()}/echo.sock"
+        self._directory = tempfile.mkdtemp(prefix="kvo-echo-")
+        endpoint = f"ipc://{self._directory}/echo.sock"
         self._server = subprocess.Popen(
             [sys.executable, "-c", ECHO_SERVER, endpoint], stdout=subprocess.PIPE, text=True
         )
         assert self._server.stdout is not None
         self._server.stdout.readline()
+        self._server.stdout.close()
         self._dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self._dealer.connect(endpoint)
 
@@ -89,9 +92,11 @@ class EchoServer:
         return time.perf_counter() - t0
 
     def close(self) -> None:
+        """Stop the echo process and remove its socket's directory."""
         self._dealer.send(b"stop")
         self._server.wait(10)
         self._dealer.close(0)
+        shutil.rmtree(self._directory, ignore_errors=True)
 
 
 def bare_zmq_rtt(frame: bytes, rounds: int) -> dict:

@@ -1,10 +1,12 @@
-"""``kvoffload.bench.hops``: the bare chain of a cold one-block load's hops runs real processes
-over real sockets, a FIFO and a shared-memory slot, checks every copy, fails clearly when its
-reader dies, and leaves no process, segment or file behind."""
+"""The floors the benchmarks measure their cells against: ``kvoffload.bench.hops``'s bare chain
+of a cold one-block load's hops runs real processes over real sockets, a FIFO and a
+shared-memory slot, checks every copy, fails clearly when its reader dies, and leaves no
+process, segment or file behind; nor does the bare round trip of ``kvoffload.bench.limits``."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ import psutil
 import pytest
 
 from kvoffload.bench import hops
+from kvoffload.bench.limits import zmq_rtt_us
 
 SHM = Path("/dev/shm")
 
@@ -48,3 +51,12 @@ def test_a_reader_that_dies_is_a_clear_error_with_nothing_left(
     assert list(tmp_path.iterdir()) == []
     assert chain_segments() == set()
     assert {p.pid for p in psutil.Process().children()} == children_before
+
+
+def test_a_bare_round_trip_leaves_no_socket_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The limits' round trip (an echo process over ipc) removes its socket's directory."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert zmq_rtt_us(rounds=20) > 0
+    assert list(tmp_path.iterdir()) == []
