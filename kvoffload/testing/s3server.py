@@ -7,7 +7,8 @@ Contract:
   ``start()`` brings the same endpoint back on the same data directory (outage tests);
 - ``start()`` returns only once S3 answers a signed request, or raises ``S3ServerError``;
 - ``stop()`` signals only the process this object started (SIGTERM, then SIGKILL after the grace
-  period) and reaps it; nothing is ever killed by name.
+  period), reaps it and removes the gRPC sockets weed leaves in the temp dir; nothing is ever
+  killed by name.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 GRPC_PORT_OFFSET = 10000
+WEED_COMPONENTS = ("s3", "master", "volume", "filer", "admin")
 _UNIX_SOCKET_PATH_MAX = 100
 
 
@@ -50,7 +52,7 @@ class WeedPorts:
 
     def flags(self) -> list[str]:
         out = []
-        for name in ("s3", "master", "volume", "filer", "admin"):
+        for name in WEED_COMPONENTS:
             port = getattr(self, name)
             out += [f"-{name}.port={port}", f"-{name}.port.grpc={port + GRPC_PORT_OFFSET}"]
         return out
@@ -247,6 +249,22 @@ class S3Server:
         if self._log is not None:
             self._log.close()
             self._log = None
+        if proc is not None:
+            self._remove_grpc_sockets()
+
+    def grpc_sockets(self) -> list[Path]:
+        """The unix sockets weed mini makes for its gRPC ports, in Go's temp dir (``TMPDIR``,
+        else /tmp); a stopped server leaves some of them behind, a killed one all."""
+        directory = Path(os.environ.get("TMPDIR") or "/tmp")
+        return [
+            directory / f"seaweedfs-{name}-grpc-{getattr(self.ports, name) + GRPC_PORT_OFFSET}.sock"
+            for name in WEED_COMPONENTS
+        ]
+
+    def _remove_grpc_sockets(self) -> None:
+        for path in self.grpc_sockets():
+            if path.is_socket():
+                path.unlink(missing_ok=True)
 
     def pause(self) -> None:
         """SIGSTOP the started process: it keeps its sockets but answers nothing (hung server)."""

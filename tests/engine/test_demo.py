@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,12 @@ SMALL = [
     "--seed",
     "7",
 ]
+
+
+@pytest.fixture(autouse=True)
+def temp_dir_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo writes its service log into the temp dir: the test's own, not the machine's."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 @pytest.fixture
@@ -87,7 +94,10 @@ def test_demo_passes_and_serves_every_phase_from_its_tier(
     out = tmp_path / "demo.json"
     args = build_parser().parse_args(["demo", *SMALL, "--restart", "--json-out", str(out)])
     assert run_demo(demo_config(tmp_path), args) == 0
-    assert "PASS" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "PASS" in printed
+    log_file = tmp_path / f"kvoffload-demo-{os.getpid()}.log"
+    assert f"service logs in {log_file}" in printed and log_file.stat().st_size > 0
     report = json.loads(out.read_text())
     assert report["ok"] and report["seed"] == 7
     phases: dict[str, list[dict]] = {}
