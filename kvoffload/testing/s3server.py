@@ -167,6 +167,7 @@ class S3Server:
     def _command(self) -> list[str]:
         cmd = [
             self._binary,
+            f"-logdir={self.base_dir}",  # its glog files, else in the temp dir
             "mini",
             f"-dir={self.data_dir}",
             "-ip=127.0.0.1",

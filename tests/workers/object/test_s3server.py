@@ -1,5 +1,6 @@
 """The local S3 server the tests, the soak and the benchmarks start (``kvoffload.testing.
-s3server``): stopped or killed, it leaves none of weed's gRPC sockets in the temp dir."""
+s3server``): stopped or killed, it leaves none of weed's gRPC sockets in the temp dir, and
+weed's own log files stay in the server's directory."""
 
 from __future__ import annotations
 
@@ -25,3 +26,4 @@ def test_a_stopped_or_killed_server_leaves_no_grpc_socket(tmp_path: Path, end: s
         getattr(server, end)()
     assert not server.running
     assert [path for path in server.grpc_sockets() if path.exists()] == []
+    assert list((tmp_path / "s3").glob("weed.*.log.*")), "weed's log files are not in its directory"
