@@ -27,7 +27,9 @@ fit kvoffload's), and the rounds of the two sides alternate. Operations:
   O_DIRECT), round trips included on both sides.
 Each round also measures the machine's own limit for each cell's work (``kvoffload.bench.
 limits``, ``LIMITS``), on the same block size, bytes and disk directory, so every cell carries
-``limit_value`` and ``ratio_to_limit`` beside ``reference_value`` and ``ratio_to_reference``.
+``limit_value`` and ``ratio_to_limit`` beside ``reference_value`` and ``ratio_to_reference``;
+and the floor of the cold one-block load's own path (``kvoffload.bench.hops``, ``FLOORS``),
+among that cell's ``others`` and printed with its medians after the table.
 Before the first round the bench touches and frees ``WARM_MEMORY_BYTES`` of memory (a virtual
 machine backs a guest page on its first touch, at about 1 GB/s; page-cache writes into such
 pages would measure the hypervisor, not the disk path), and the two sides take turns going
