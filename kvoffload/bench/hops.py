@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import mmap
 import os
 import random
@@ -44,7 +43,13 @@ import posix_ipc
 import xxhash
 import zmq
 
-from kvoffload.bench.limits import O_DIRECT, PAGE, disk_read_limits, zmq_rtt_us
+from kvoffload.bench.limits import (
+    O_DIRECT,
+    PAGE,
+    disk_read_limits,
+    print_figures,
+    zmq_rtt_us,
+)
 
 NOTICE = struct.Struct("<QQ")
 """A reader's notice: the record read and the xxh3 of its bytes."""
@@ -231,18 +236,14 @@ def main(argv: list[str] | None = None) -> int:
         if role == "relay":
             _relay(*rest)
         else:
-            path, slot_name, fifo, block = rest[1:]
-            _reader(rest[0], path, slot_name, fifo, int(block))
+            endpoint, path, slot_name, fifo, block = rest
+            _reader(endpoint, path, slot_name, fifo, int(block))
         return 0
     directory = Path(args.dir or tempfile.gettempdir())
     figures = cold_chain(directory, args.size, args.loads)
     figures.update(disk_read_limits(directory, args.size, 64 * args.size))
     figures["zmq_rtt_us"] = zmq_rtt_us()
-    if args.json:
-        print(json.dumps(figures))
-    else:
-        for name, value in figures.items():
-            print(f"{name:<24} {value:.1f}" if isinstance(value, float) else f"{name:<24} {value}")
+    print_figures(figures, args.json)
     return 0
 
 

@@ -330,12 +330,17 @@ def main(argv: list[str] | None = None) -> int:
         figures: dict[str, Any] = memory_limits(args.block, total)
     else:
         figures = measure_limits(args.block, total, Path(args.dir) if args.dir else None)
-    if args.json:
-        print(json.dumps(figures))
-    else:
-        for name, value in figures.items():
-            print(f"{name:<32} {value:.3f}" if isinstance(value, float) else f"{name:<32} {value}")
+    print_figures(figures, args.json)
     return 0
+
+
+def print_figures(figures: dict[str, Any], as_json: bool) -> None:
+    """``figures`` on stdout: one JSON line, or one aligned line per figure."""
+    if as_json:
+        print(json.dumps(figures))
+        return
+    for name, value in figures.items():
+        print(f"{name:<32} {value:.3f}" if isinstance(value, float) else f"{name:<32} {value}")
 
 
 if __name__ == "__main__":

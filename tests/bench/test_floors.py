@@ -19,20 +19,25 @@ from kvoffload.bench.limits import zmq_rtt_us
 SHM = Path("/dev/shm")
 
 
-def chain_segments() -> set[str]:
-    return {name for name in os.listdir(SHM) if name.startswith("kvo-chain-")}
+def children() -> set[int]:
+    return {p.pid for p in psutil.Process().children()}
+
+
+def assert_nothing_left(directory: Path, children_before: set[int]) -> None:
+    """No file in ``directory``, no chain segment in /dev/shm, no child process started since."""
+    assert list(directory.iterdir()) == []
+    assert [name for name in os.listdir(SHM) if name.startswith("kvo-chain-")] == []
+    assert children() == children_before
 
 
 def test_cold_chain_times_verified_loads_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    children_before = {p.pid for p in psutil.Process().children()}
+    children_before = children()
     figures = hops.cold_chain(tmp_path, 64 << 10, loads=30, records=16)
     assert figures["loads"] == 30
     assert figures["block_bytes"] == 64 << 10
     assert isinstance(figures["direct"], bool)
     assert 0 < figures["chain_p10_us"] <= figures["chain_p50_us"]
-    assert list(tmp_path.iterdir()) == []
-    assert chain_segments() == set()
-    assert {p.pid for p in psutil.Process().children()} == children_before
+    assert_nothing_left(tmp_path, children_before)
 
 
 def test_a_reader_that_dies_is_a_clear_error_with_nothing_left(
@@ -44,13 +49,11 @@ def test_a_reader_that_dies_is_a_clear_error_with_nothing_left(
     def first_record_only(path: Path, block: int, records: int) -> None:
         path.write_bytes(np.ones(block, dtype=np.uint8).tobytes())
 
-    children_before = {p.pid for p in psutil.Process().children()}
+    children_before = children()
     monkeypatch.setattr(hops, "_write_records", first_record_only)
     with pytest.raises(RuntimeError, match="sent no notice"):
         hops.cold_chain(tmp_path, 64 << 10, loads=30, records=16)
-    assert list(tmp_path.iterdir()) == []
-    assert chain_segments() == set()
-    assert {p.pid for p in psutil.Process().children()} == children_before
+    assert_nothing_left(tmp_path, children_before)
 
 
 def test_a_bare_round_trip_leaves_no_socket_directory(
