@@ -55,20 +55,26 @@ NOTICE = struct.Struct("<QQ")
 """A reader's notice: the record read and the xxh3 of its bytes."""
 RECORD = struct.Struct("<Q")
 STOP = b"stop"
+FILE_BYTES = 64 << 20
+"""Bytes of records written for a chain by default (``O_DIRECT`` reads bypass the page cache,
+so a record read again is still read from the disk)."""
 WARM_UP_LOADS = 20
 """Loads run before the timed ones (the processes' first calls)."""
 ANSWER_TIMEOUT_MS = 10_000
 """How long the caller waits for the relay's answer and the reader's notice of one load."""
 
 
-def cold_chain(directory: Path, block: int, loads: int = 300, records: int = 256) -> dict[str, Any]:
+def cold_chain(
+    directory: Path, block: int, loads: int = 300, records: int | None = None
+) -> dict[str, Any]:
     """Time ``loads`` one-block loads of ``block`` bytes through the chain, each of a record
-    drawn at random from ``records`` written to a file in ``directory`` and evicted from the
-    page cache. Returns ``chain_p50_us`` and ``chain_p10_us``, ``loads``, ``block_bytes``, and
+    drawn at random from ``records`` (default: ``FILE_BYTES`` worth, 16 at least) written to a
+    file in ``directory`` and evicted from the page cache. Returns ``chain_p50_us`` and ``chain_p10_us``, ``loads``, ``block_bytes``, and
     ``direct`` (whether the reads were ``O_DIRECT``). RuntimeError if a notice tells another
     record, a copy does not match its digest, the reader closes its pipe (it died) or a
     process does not answer within ``ANSWER_TIMEOUT_MS``; the processes, the shared-memory
     slot and every file are gone when it returns or raises."""
+    records = records or max(16, FILE_BYTES // block)
     work = Path(tempfile.mkdtemp(prefix="kvo-chain-", dir=directory))
     slot_name = f"/kvo-chain-{uuid.uuid4().hex[:16]}"
     children: list[subprocess.Popen[bytes]] = []
